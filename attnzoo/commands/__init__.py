@@ -1,0 +1,1 @@
+"""One module per ``attnzoo`` sub-command (discovered by attnzoo.cli)."""

@@ -1,0 +1,154 @@
+"""attnzoo.MultiheadAttention: torch.nn.MultiheadAttention's constructor, forward and parameter
+names (in_proj_weight, in_proj_bias, out_proj; q/k/v_proj_weight when kdim/vdim differ), with the
+kernel chosen by ``kind``. It loads nn.MultiheadAttention state_dicts unchanged and works inside
+nn.TransformerEncoderLayer / nn.TransformerDecoderLayer.
+
+Masks follow torch's MHA convention (the opposite of SDPA's): a bool ``attn_mask`` or
+``key_padding_mask`` marks with True the positions that must NOT take part; float masks are added.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional as AF
+from ..ops import validate as V
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None,
+                 kind: str = "softmax", backend: Optional[str] = None, **kind_kwargs) -> None:
+        super().__init__()
+        if add_bias_kv or add_zero_attn:
+            raise NotImplementedError("add_bias_kv and add_zero_attn are not supported by attnzoo.MultiheadAttention")
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.kind = V.check_choice("kind", kind, AF.VARIANT_FUNCTIONS)
+        self.kind_kwargs = dict(kind_kwargs)
+        self.backend = backend
+        dd = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self.same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **dd))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **dd))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **dd))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **dd))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **dd))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
+        self._reset_parameters()
+
+    # torch's TransformerEncoderLayer runs its own fused kernel on nn.MultiheadAttention's weights in
+    # eval mode unless this flag is False; reporting False keeps every forward going through attnzoo.
+    @property
+    def _qkv_same_embed_dim(self) -> bool:
+        return False
+
+    def _reset_parameters(self):
+        if self.same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    def _project(self, query, key, value):
+        E = self.embed_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.split(E)
+        if self.same_embed_dim:
+            wq, wk, wv = self.in_proj_weight.split(E)
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False):
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        L, B, _ = query.shape
+        S = key.shape[0]
+        H, hd = self.num_heads, self.head_dim
+        q, k, v = self._project(query, key, value)
+        q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
+        mask = _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
+        fn = AF.VARIANT_FUNCTIONS[self.kind]
+        kw = dict(attn_mask=mask, is_causal=is_causal, backend=self.backend, **self.kind_kwargs)
+        out = fn(q, k, v, dropout_p=self.dropout if self.training else 0.0, **kw)
+        out = out.permute(2, 0, 1, 3).reshape(L, B, self.embed_dim)
+        out = self.out_proj(out)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(1)
+        if not need_weights:
+            return out, None
+        # every variant is linear in v: running it on v = I_S gives its weight matrix exactly
+        eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, H, S, S)
+        weights = fn(q, k, eye, dropout_p=0.0, **kw)
+        if average_attn_weights:
+            weights = weights.mean(1)
+        if not batched:
+            weights = weights.squeeze(0)
+        return out, weights
+
+
+def _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
+    """torch-MHA masks (True = masked out; float added) -> one SDPA-style mask (B, H|1, L, S) or None."""
+    def to_sdpa(m):
+        return ~m if m.dtype == torch.bool else m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (L, S):
+                raise ValueError(f"attn_mask must have shape (L, S) = ({L}, {S}) or (B*H, L, S), got {tuple(attn_mask.shape)}")
+            mask = to_sdpa(attn_mask).view(1, 1, L, S)
+        elif attn_mask.dim() == 3:
+            if tuple(attn_mask.shape) != (B * H, L, S):
+                raise ValueError(f"attn_mask must have shape (B*H, L, S) = ({B * H}, {L}, {S}), got {tuple(attn_mask.shape)}")
+            mask = to_sdpa(attn_mask).view(B, H, L, S)
+        else:
+            raise ValueError(f"attn_mask must be 2-D or 3-D, got {attn_mask.dim()}-D")
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"key_padding_mask must have shape (B, S) = ({B}, {S}), got {tuple(key_padding_mask.shape)}")
+        kpm = to_sdpa(key_padding_mask).view(B, 1, 1, S)
+        if mask is None:
+            mask = kpm
+        elif mask.dtype == torch.bool and kpm.dtype == torch.bool:
+            mask = mask & kpm
+        else:
+            as_float = [m if m.dtype != torch.bool else
+                        torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
+                        for m in (mask, kpm)]
+            mask = as_float[0] + as_float[1]
+    return mask

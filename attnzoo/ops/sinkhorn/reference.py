@@ -1,0 +1,77 @@
+"""Sinkhorn attention (paper 002 sec 2.4 and appendix A.2; Sander et al.'s Sinkformers), eager,
+log-domain, unrolled (autograd differentiates through every iteration).
+
+Logits: L_ij = -scale * ||q_i - k_j||^2 / (2 eps)   (cost="l2", the kernel exp(-c_eps))
+        L_ij =  scale * q_i . k_j / eps            (cost="dot", paper 002 remark 5.2)
+plus the float mask. With potentials f (queries) and g (keys), one iteration is
+    f_i = -logsumexp_j (L_ij + g_j)                 (row normalisation)
+    g_j = log(Nq/Nk) - logsumexp_i (L_ij + f_i)     (column normalisation to the uniform marginal)
+and the weights are the final row normalisation P_ij = softmax_j(L_ij + g_j), so every row sums to
+one and, as n_iters grows, every column sums to Nq/Nk. n_iters = 0 is softmax(L).
+
+Causal: paper 002 eq (2.6) defines masked attention as the variant applied to each prefix,
+out_i = Sinkhorn(x_1..x_i)_i. For softmax this equals masking the score matrix; for Sinkhorn it
+does not (column sums couple rows), and masking the lower triangle would let query i depend on
+later queries through the column normalisation. We therefore run Sinkhorn on every prefix, which
+keeps the causal prefix property exact at O(N^3) cost for this reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common import dot_logits, sq_dist, upcast, weights_dropout
+from ..masking import causal_keep, masked_softmax, safe_logsumexp, split_mask
+
+
+def sinkhorn_logits(q, k, *, scale, eps, cost):
+    if cost == "l2":
+        return -scale * sq_dist(q, k) / (2.0 * eps)
+    return dot_logits(q, k, scale) / eps
+
+
+def sinkhorn_potential(logits, keep, n_iters):
+    """Key potential g after n_iters (row, column) rounds; logits already hold -inf where masked."""
+    nq, nk = logits.shape[-2], logits.shape[-1]
+    if keep is not None:
+        logits = logits.masked_fill(~keep, -math.inf)
+    col_target = math.log(nq / nk)
+    g = torch.zeros(logits.shape[:-2] + (1, nk), dtype=logits.dtype, device=logits.device)
+    for _ in range(n_iters):
+        f = -safe_logsumexp(logits + g, dim=-1)          # (..., Nq, 1)
+        g = col_target - safe_logsumexp(logits + f, dim=-2)  # (..., 1, Nk)
+    return g
+
+
+def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l2"):
+    """The non-causal transport plan P (B, H, Nq, Nk), rows summing to one (for tests/analysis)."""
+    keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
+    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
+    if bias is not None:
+        L = L + bias.to(L.dtype)
+    g = sinkhorn_potential(L, keep, n_iters)
+    return masked_softmax(L + g, keep)
+
+
+def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, n_iters=3, eps=1.0,
+                       cost="l2", dropout_p=0.0):
+    (q, k, v), out_dtype = upcast(q, k, v)
+    if not is_causal:
+        p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost)
+        return (weights_dropout(p, dropout_p) @ v).to(out_dtype)
+    nq, nk = q.shape[-2], k.shape[-2]
+    keep, bias = split_mask(attn_mask, False, nq, nk, q.device)
+    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
+    if bias is not None:
+        L = L + bias.to(L.dtype)
+    full_keep = torch.ones(L.shape[-2:], dtype=torch.bool, device=q.device) if keep is None else keep
+    visible = causal_keep(nq, nk, q.device)
+    rows = []
+    for i in range(nq):
+        # the prefix problem for query i: queries 0..i, keys visible to i (j <= i + nk - nq)
+        prefix_keep = full_keep & visible[i][None, :] & (torch.arange(nq, device=q.device) <= i)[:, None]
+        g = sinkhorn_potential(L, prefix_keep, n_iters)
+        p_i = masked_softmax((L + g)[..., i:i + 1, :], prefix_keep[..., i:i + 1, :])
+        rows.append(weights_dropout(p_i, dropout_p) @ v)
+    return torch.cat(rows, dim=-2).to(out_dtype)

@@ -1,0 +1,98 @@
+"""Input checks shared by every functional: errors name the argument and what was expected."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _shape(t) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H, N, D) (4 dims), got {t.dim()} dims {_shape(t)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    B, H, Nq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch size mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 0 must agree)")
+    if k.shape[1] != H or v.shape[1] != H:
+        raise ValueError(f"head count mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 1 must agree)")
+    if k.shape[3] != D:
+        raise ValueError(f"k must have head dim D={D} like q, got k {_shape(k)}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v must have Nk={k.shape[2]} rows like k, got v {_shape(v)}")
+    if Nq == 0 or k.shape[2] == 0:
+        raise ValueError(f"empty sequence: q has Nq={Nq}, k has Nk={k.shape[2]}; both must be >= 1")
+    if D == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1, got q {_shape(q)}, v {_shape(v)}")
+
+
+def _broadcastable(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    for s, t in zip(reversed(shape), reversed(target)):
+        if s != 1 and s != t:
+            return False
+    return True
+
+
+def check_broadcast(name: str, t, target, like: torch.Tensor, allow_bool: bool = True) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype == torch.bool and not allow_bool:
+        raise TypeError(f"{name} must be a float tensor, got bool")
+    if t.dtype != torch.bool and not t.is_floating_point():
+        raise TypeError(f"{name} must be bool (True = take part) or float (added to logits), got {t.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like.device} like q, got {t.device}")
+    if not _broadcastable(tuple(t.shape), tuple(target)):
+        raise ValueError(f"{name} of shape {_shape(t)} is not broadcastable to (B, H, Nq, Nk) = {tuple(target)}")
+
+
+def check_mask(attn_mask, q, k) -> None:
+    B, H, Nq, _ = q.shape
+    check_broadcast("attn_mask", attn_mask, (B, H, Nq, k.shape[2]), q)
+
+
+def resolve_scale(scale, q, default=None) -> float:
+    if scale is None:
+        return default if default is not None else 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("scale must be a Python float, got a Tensor")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_positive(name: str, value, allow_zero: bool = False) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be finite and {bound}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def check_dropout(p) -> float:
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
