@@ -171,3 +171,8 @@ def explain(variant: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
     kwargs["scale"] = V.resolve_scale(kwargs.get("scale"), q, default_scale)
     kwargs.setdefault("dropout_p", 0.0)
     return dispatch.choose(variant, backend, q, k, v, **kwargs)
+
+
+# fused kernels register themselves as backends of the variants above
+from .ops import backends_softmax_family as _fused_family  # noqa: E402,F401
+from .ops import backends_streaming as _fused_streaming  # noqa: E402,F401
