@@ -174,5 +174,4 @@ def explain(variant: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
 
 
 # fused kernels register themselves as backends of the variants above
-from .ops import backends_softmax_family as _fused_family  # noqa: E402,F401
-from .ops import backends_streaming as _fused_streaming  # noqa: E402,F401
+from .ops import backends_linear_ot, backends_sinkhorn, backends_softmax_family, backends_triton_family  # noqa: E402,F401,I001

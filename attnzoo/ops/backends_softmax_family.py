@@ -1,2 +1,2 @@
-"""Fused backends for softmax, l2, fenchel (first order), sigmoid and relu register here
-(imported by attnzoo.functional after the references)."""
+"""torch (SDPA/FlexAttention) and CPU memory-efficient backends for softmax, l2, fenchel, sigmoid and
+relu register here (imported by attnzoo.functional after the references)."""

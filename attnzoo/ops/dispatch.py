@@ -24,6 +24,10 @@ class Backend:
     supports: Callable[..., Optional[str]] = lambda *a, **k: None
     priority: int = 0
     description: str = ""
+    # device types on which `auto` may pick this backend; naming it explicitly bypasses this (its
+    # `supports` still decides). Triton kernels list only "cuda": under TRITON_INTERPRET=1 they
+    # also run on CPU tensors, far too slowly to be anyone's default.
+    auto_devices: tuple = ("cpu", "cuda")
 
 
 @dataclass
@@ -45,9 +49,9 @@ _TABLE: dict[str, dict[str, Backend]] = {}
 
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
-                     description: str = "") -> None:
+                     description: str = "", auto_devices: tuple = ("cpu", "cuda")) -> None:
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
-                                                   priority, description)
+                                                   priority, description, tuple(auto_devices))
 
 
 def backends(variant: str) -> list[str]:
@@ -80,6 +84,9 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
     reasons = {}
     for name in backends(variant):
         cand = table[name]
+        if q.device.type not in cand.auto_devices:
+            reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
+            continue
         why = cand.supports(q, k, v, **kwargs)
         if why is None:
             return Choice(variant, cand, requested, reasons)

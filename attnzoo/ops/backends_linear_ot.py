@@ -1,0 +1,1 @@
+"""Fused linear-attention and OT-attention backends register here (imported by attnzoo.functional)."""

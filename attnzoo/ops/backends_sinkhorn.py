@@ -1,0 +1,1 @@
+"""Fused Sinkhorn backends register here (imported by attnzoo.functional after the references)."""
