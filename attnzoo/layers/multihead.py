@@ -85,6 +85,12 @@ class MultiheadAttention(nn.Module):
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
+    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
+        """The kernel call on (B, H, N, hd) tensors; attnzoo.swap overrides it to run a layer's variant."""
+        fn = AF.VARIANT_FUNCTIONS[self.kind]
+        return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, backend=self.backend,
+                  **self.kind_kwargs)
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False):
         batched = query.dim() == 3
@@ -100,9 +106,7 @@ class MultiheadAttention(nn.Module):
         q, k, v = self._project(query, key, value)
         q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
         mask = _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
-        fn = AF.VARIANT_FUNCTIONS[self.kind]
-        kw = dict(attn_mask=mask, is_causal=is_causal, backend=self.backend, **self.kind_kwargs)
-        out = fn(q, k, v, dropout_p=self.dropout if self.training else 0.0, **kw)
+        out = self._attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
         out = out.permute(2, 0, 1, 3).reshape(L, B, self.embed_dim)
         out = self.out_proj(out)
         if self.batch_first:
@@ -113,7 +117,7 @@ class MultiheadAttention(nn.Module):
             return out, None
         # every variant is linear in v: running it on v = I_S gives its weight matrix exactly
         eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, H, S, S)
-        weights = fn(q, k, eye, dropout_p=0.0, **kw)
+        weights = self._attend(q, k, eye, mask, is_causal, 0.0)
         if average_attn_weights:
             weights = weights.mean(1)
         if not batched:
