@@ -1,0 +1,175 @@
+"""Blockwise Sinkhorn attention in plain PyTorch (the "cpu" backend; it runs on any device).
+
+Every pass of ``streaming.py`` is a sweep over (query block, key block) tiles whose logits are
+recomputed from q and k; each tile is reduced into O(N) accumulators (running logsumexp, weighted
+sums, gradient rows), so peak memory is a few tiles plus O(n_iters N) potentials, never N x N.
+Tiles hold B*H*block_q*block_k elements: the default block size keeps that near 2^20 (4 MB fp32).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common import upcast
+from ..masking import split_mask
+from .streaming import GRAD_MODES, Problem, causal_by_prefix, streaming_sinkhorn
+
+TILE_ELEMENTS = 1 << 20
+
+
+def _empty_to_zero(lse: torch.Tensor) -> torch.Tensor:
+    """A row (column) with no key (query) taking part has lse = -inf: the reference maps it to 0."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+class TorchEngine:
+    """The streaming passes as PyTorch tile loops (see streaming.py for what each pass computes)."""
+
+    def __init__(self, block_q: int | None = None, block_k: int | None = None):
+        self.block_q, self.block_k = block_q, block_k
+
+    @staticmethod
+    def acc_dtype(p: Problem):
+        return torch.float64 if p.q.dtype == torch.float64 else torch.float32
+
+    def _block_sizes(self, p: Problem):
+        bh = p.q.shape[0] * p.q.shape[1]
+        side = 1 << max(4, int(math.log2(max(1.0, math.sqrt(TILE_ELEMENTS / bh)))))
+        return self.block_q or side, self.block_k or side
+
+    def _tiles(self, p: Problem):
+        """Yield (query slice, key slice, logits tile (B, H, bq, bk) with -inf where masked)."""
+        bq, bk = self._block_sizes(p)
+        nq, nk = p.q.shape[-2], p.k.shape[-2]
+        a = p.logit_scale
+        for i0 in range(0, nq, bq):
+            qs = slice(i0, min(i0 + bq, nq))
+            qb = p.q[..., qs, :]
+            qq = (qb * qb).sum(-1, keepdim=True) if p.cost == "l2" else None
+            for j0 in range(0, nk, bk):
+                ks = slice(j0, min(j0 + bk, nk))
+                kb = p.k[..., ks, :]
+                s = qb @ kb.transpose(-1, -2)
+                if p.cost == "l2":
+                    kk = (kb * kb).sum(-1).unsqueeze(-2)
+                    L = (qq + kk - 2.0 * s).clamp_min_(0.0).mul_(-a)
+                else:
+                    L = s.mul_(a)
+                if p.bias is not None:
+                    L = L + p.bias[..., qs, ks].to(L.dtype)
+                if p.keep is not None:
+                    L = L.masked_fill(~p.keep[..., qs, ks], -math.inf)
+                yield qs, ks, L
+
+    def _vec(self, p, n):
+        return torch.zeros(p.q.shape[0], p.q.shape[1], n, dtype=self.acc_dtype(p), device=p.q.device)
+
+    def lse_rows(self, p, g):
+        acc = torch.full_like(self._vec(p, p.q.shape[-2]), -math.inf)
+        for qs, ks, L in self._tiles(p):
+            acc[..., qs] = torch.logaddexp(acc[..., qs], torch.logsumexp(L + g[..., None, ks], dim=-1))
+        return _empty_to_zero(acc)
+
+    def lse_cols(self, p, f):
+        acc = torch.full_like(self._vec(p, p.k.shape[-2]), -math.inf)
+        for qs, ks, L in self._tiles(p):
+            acc[..., ks] = torch.logaddexp(acc[..., ks], torch.logsumexp(L + f[..., qs, None], dim=-2))
+        return _empty_to_zero(acc)
+
+    def attend(self, p, g):
+        """Online softmax over key tiles of L + g (the final row normalisation), then @ v."""
+        nq = p.q.shape[-2]
+        m = torch.full_like(self._vec(p, nq), -math.inf)
+        denom = self._vec(p, nq)
+        out = torch.zeros(p.q.shape[:-1] + (p.v.shape[-1],), dtype=m.dtype, device=m.device)
+        for qs, ks, L in self._tiles(p):
+            s = L + g[..., None, ks]
+            m_new = torch.maximum(m[..., qs], s.amax(-1))
+            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m[..., qs] - m_safe)
+            e = torch.exp(s - m_safe[..., None])
+            denom[..., qs] = denom[..., qs] * alpha + e.sum(-1)
+            out[..., qs, :] = out[..., qs, :] * alpha[..., None] + e @ p.v[..., ks, :].to(e.dtype)
+            m[..., qs] = m_new
+        nonempty = denom > 0
+        safe = torch.where(nonempty, denom, torch.ones_like(denom))
+        out = out / safe[..., None]
+        m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        lse = torch.where(nonempty, m_safe + torch.log(safe), torch.zeros_like(m))
+        return out.to(p.q.dtype), lse
+
+    def _plan_and_dS(self, p, qs, ks, L, g, lse, dout, delta):
+        P = torch.exp(L + g[..., None, ks] - lse[..., qs, None])
+        dP = dout[..., qs, :].to(P.dtype) @ p.v[..., ks, :].to(P.dtype).transpose(-1, -2)
+        return P, P * (dP - delta[..., qs, None])
+
+    def grad_v_and_bias(self, p, g, lse, dout, delta):
+        dv = torch.zeros(p.v.shape, dtype=lse.dtype, device=lse.device)
+        dg = self._vec(p, p.k.shape[-2])
+        for qs, ks, L in self._tiles(p):
+            P, dS = self._plan_and_dS(p, qs, ks, L, g, lse, dout, delta)
+            dv[..., ks, :] += P.transpose(-1, -2) @ dout[..., qs, :].to(P.dtype)
+            dg[..., ks] += dS.sum(-2)
+        return dv, dg
+
+    def wsum_rows(self, p, a, b, w):
+        out = self._vec(p, p.q.shape[-2])
+        for qs, ks, L in self._tiles(p):
+            e = torch.exp(L + a[..., qs, None] + b[..., None, ks])
+            out[..., qs] += (e @ w[..., ks, None]).squeeze(-1)
+        return out
+
+    def wsum_cols(self, p, a, b, w):
+        out = self._vec(p, p.k.shape[-2])
+        for qs, ks, L in self._tiles(p):
+            e = torch.exp(L + a[..., qs, None] + b[..., None, ks])
+            out[..., ks] += (w[..., None, qs] @ e).squeeze(-2)
+        return out
+
+    def grad_qk(self, p, g, lse, dout, delta, terms):
+        acc = self.acc_dtype(p)
+        dq = torch.zeros(p.q.shape, dtype=acc, device=p.q.device)
+        dk = torch.zeros(p.k.shape, dtype=acc, device=p.k.device)
+        a = p.logit_scale
+        for qs, ks, L in self._tiles(p):
+            _, dL = self._plan_and_dS(p, qs, ks, L, g, lse, dout, delta)
+            if terms is not None:
+                FT, GC, GR, DG, DF = terms
+                for t in range(FT.shape[0]):
+                    Lf = L + FT[t][..., qs, None]
+                    dL = dL - torch.exp(Lf + GC[t][..., None, ks]) * DG[t][..., None, ks]
+                    dL = dL - torch.exp(Lf + GR[t][..., None, ks]) * DF[t][..., qs, None]
+            qb, kb = p.q[..., qs, :].to(acc), p.k[..., ks, :].to(acc)
+            if p.cost == "l2":  # L = -a ||q - k||^2: dL/dq_i = 2a (k_j - q_i)
+                dq[..., qs, :] += 2 * a * (dL @ kb - qb * dL.sum(-1, keepdim=True))
+                dk[..., ks, :] += 2 * a * (dL.transpose(-1, -2) @ qb - kb * dL.sum(-2)[..., None])
+            else:
+                dq[..., qs, :] += a * (dL @ kb)
+                dk[..., ks, :] += a * (dL.transpose(-1, -2) @ qb)
+        return dq, dk
+
+
+def check_options(dropout_p: float, grad_mode: str) -> None:
+    if dropout_p > 0:
+        raise ValueError("dropout_p must be 0 for streaming Sinkhorn: dropping entries of the transport "
+                         "plan needs the N x N weights (use backend='reference')")
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"grad_mode must be one of {list(GRAD_MODES)}, got {grad_mode!r}")
+
+
+def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
+                       cost="l2", dropout_p=0.0, grad_mode="unrolled", block_q=None, block_k=None):
+    """Same semantics as ``reference.sinkhorn_attention`` with O(N) memory per head.
+
+    grad_mode="unrolled" (default) differentiates exactly the n_iters iterations computed, as the
+    reference does; "implicit" differentiates the fixed point instead (see streaming.py).
+    """
+    check_options(dropout_p, grad_mode)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    (q, k, v), out_dtype = upcast(q, k, v)
+    keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
+    kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode)
+    engine = TorchEngine(block_q, block_k)
+    run = causal_by_prefix if is_causal else streaming_sinkhorn
+    return run(engine, q, k, v, keep, bias, **kw).to(out_dtype)

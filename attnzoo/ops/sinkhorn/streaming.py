@@ -1,0 +1,177 @@
+"""Streaming Sinkhorn attention: the algorithm, independent of where the tiles are computed.
+
+The N x N logits are never stored. Everything the forward and backward need is expressed as a few
+*passes* over (query block, key block) tiles, each reducing the tile to an O(N) vector; an
+*engine* (``cpu.TorchEngine``, ``triton.TritonEngine``) implements the passes. With
+
+    L_ij  = logits (cost "l2" or "dot", float mask added, -inf where a key does not take part)
+    c     = log(Nq / Nk)                        (column target; any constant gives the same P)
+
+the forward is (paper 002 sec 2.4, log domain, g^0 = 0)
+
+    f^t_i = -lse_j (L_ij + g^{t-1}_j)           engine.lse_rows
+    g^t_j = c - lse_i (L_ij + f^t_i)            engine.lse_cols
+    out_i = sum_j softmax_j(L_ij + g^T_j) v_j   engine.attend (also returns lse_i of that softmax)
+
+Backward, "unrolled" (exact gradient of the n_iters computed): with P = the final weights,
+dS_ij = P_ij (dout_i . v_j - dout_i . out_i) and dg^T_j = sum_i dS_ij, for t = T..1
+
+    df^t_i     = -sum_j dg^t_j     C^t_ij,  C^t_ij = exp(L_ij + f^t_i + g^t_j - c)   (wsum_rows)
+    dg^{t-1}_j = -sum_i df^t_i     R^t_ij,  R^t_ij = exp(L_ij + f^t_i + g^{t-1}_j)   (wsum_cols)
+
+and finally dL_ij = dS_ij - sum_t (C^t_ij dg^t_j + R^t_ij df^t_i), pushed to q and k tile by tile
+(engine.grad_qk). Only the potentials f^t, g^t (O(n_iters N)) are kept between forward and backward.
+
+Backward, "implicit" (gradient of the fixed point g*(L), implicit function theorem): at the fixed
+point every C^t and R^t equals the final P up to the constant e^{-c}, so the adjoint recursion above
+becomes a Neumann series dg <- e^{-c} P^T P dg run to convergence, and dL needs only the two sums
+W_g = sum_m dg_m, W_f = sum_m df_m: dL = dS - P (e^{-c} W_g + W_f). It matches the unrolled gradient
+only as n_iters grows (the forward must be near the fixed point).
+
+Causal attention is Sinkhorn on every prefix (paper 002 eq 2.6): ``causal_by_prefix`` runs the
+non-causal streaming function once per query row on the visible prefix. That is exact and O(N)
+memory, but costs O(n_iters N^3): no cheaper formulation exists for a fixed number of iterations,
+because every prefix has its own potentials.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GRAD_MODES = ("unrolled", "implicit")
+# relative size of the Neumann term at which the implicit adjoint stops: about the accumulator's roundoff
+IMPLICIT_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+IMPLICIT_MAX_ITERS = 200   # cap for badly conditioned plans (small eps): documented, not silent
+
+
+@dataclass
+class Problem:
+    """One (non-causal) Sinkhorn attention call, arguments already validated.
+
+    keep / bias are None or views broadcast to (B, H, Nq, Nk): engines slice tiles out of them, so a
+    key-padding mask of shape (B, 1, 1, Nk) never becomes an N x N tensor.
+    """
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    keep: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    scale: float
+    eps: float
+    cost: str
+
+    @property
+    def col_target(self) -> float:
+        return math.log(self.q.shape[-2] / self.k.shape[-2])
+
+    @property
+    def logit_scale(self) -> float:
+        """L = logit_scale * q.k (dot) or -logit_scale * ||q - k||^2 (l2)."""
+        return self.scale / (2.0 * self.eps) if self.cost == "l2" else self.scale / self.eps
+
+
+def sinkhorn_potentials(engine, p: Problem, n_iters: int):
+    """The row potentials f^1..f^T and column potentials g^0..g^T (fp32, or fp64 for fp64 inputs)."""
+    B, H, nk = p.k.shape[0], p.k.shape[1], p.k.shape[2]
+    g = torch.zeros(B, H, nk, dtype=engine.acc_dtype(p), device=p.q.device)
+    fs, gs = [], [g]
+    for _ in range(n_iters):
+        f = -engine.lse_rows(p, g)
+        g = p.col_target - engine.lse_cols(p, f)
+        fs.append(f)
+        gs.append(g)
+    return fs, gs
+
+
+def _adjoint_unrolled(engine, p, fs, gs, dg):
+    """Walk the iterations backwards; returns the stacked (FT, GC, GR, DG, DF) of engine.grad_qk."""
+    c = p.col_target
+    T = len(fs)
+    DG, DF = [None] * T, [None] * T
+    for t in range(T - 1, -1, -1):
+        DG[t] = dg
+        DF[t] = -engine.wsum_rows(p, fs[t], gs[t + 1] - c, dg)
+        if t > 0:  # g^0 = 0 is a constant: its adjoint is not needed
+            dg = -engine.wsum_cols(p, fs[t], gs[t], DF[t])
+    if T == 0:
+        return None
+    st = torch.stack
+    return st(fs), st([g - c for g in gs[1:]]), st(gs[:-1]), st(DG), st(DF)
+
+
+def _adjoint_implicit(engine, p, g, lse, dg):
+    """Neumann series of the implicit-function adjoint at the (approximate) fixed point g."""
+    c = p.col_target
+    f = -lse  # row potential of the final plan: P_ij = exp(L_ij + f_i + g_j)
+    w_g = torch.zeros_like(dg)
+    w_f = torch.zeros_like(f)
+    start, tol = dg.norm(), IMPLICIT_TOL[dg.dtype]
+    for _ in range(IMPLICIT_MAX_ITERS):
+        df = -engine.wsum_rows(p, f, g - c, dg)
+        w_g = w_g + dg
+        w_f = w_f + df
+        dg = -engine.wsum_cols(p, f, g, df)
+        if dg.norm() <= tol * start:
+            break
+    return f[None], (g - c)[None], g[None], w_g[None], w_f[None]
+
+
+class _StreamingSinkhorn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, scale, eps, cost, n_iters, grad_mode, engine):
+        p = Problem(q, k, v, keep, bias, scale, eps, cost)
+        fs, gs = sinkhorn_potentials(engine, p, n_iters)
+        out, lse = engine.attend(p, gs[-1])
+        ctx.meta = (keep, bias, scale, eps, cost, grad_mode, engine, len(fs))
+        ctx.save_for_backward(q, k, v, out, lse, *fs, *gs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        keep, bias, scale, eps, cost, grad_mode, engine, T = ctx.meta
+        q, k, v, out, lse, *pots = ctx.saved_tensors
+        fs, gs = pots[:T], pots[T:]
+        p = Problem(q, k, v, keep, bias, scale, eps, cost)
+        dout = dout.contiguous()
+        acc = engine.acc_dtype(p)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)          # dout_i . out_i
+        dv, dg = engine.grad_v_and_bias(p, gs[-1], lse, dout, delta)
+        if grad_mode == "implicit" and T > 0:
+            terms = _adjoint_implicit(engine, p, gs[-1], lse, dg)
+        else:
+            terms = _adjoint_unrolled(engine, p, fs, gs, dg)
+        dq, dk = engine.grad_qk(p, gs[-1], lse, dout, delta, terms)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode):
+    """Non-causal streaming Sinkhorn attention; keep/bias as from ``masking.split_mask``."""
+    B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if keep is not None:
+        keep = keep.expand(B, H, nq, nk)
+    if bias is not None:
+        bias = bias.expand(B, H, nq, nk)
+    return _StreamingSinkhorn.apply(q.contiguous(), k.contiguous(), v.contiguous(), keep, bias,
+                                    scale, eps, cost, n_iters, grad_mode, engine)
+
+
+def causal_by_prefix(engine, q, k, v, keep, bias, **kw):
+    """Causal Sinkhorn (paper 002 eq 2.6): row i is row i of Sinkhorn on queries 0..i and the keys
+    visible to query i (j <= i + Nk - Nq, bottom-right alignment), intersected with the mask."""
+    B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    keep = None if keep is None else keep.expand(B, H, nq, nk)
+    bias = None if bias is None else bias.expand(B, H, nq, nk)
+    rows = []
+    for i in range(nq):
+        m = i + nk - nq + 1  # keys visible to query i
+        if m <= 0:  # no key visible: a zero row, as every variant returns for an empty row
+            rows.append(v.new_zeros(B, H, 1, v.shape[-1]))
+            continue
+        sub = lambda t: None if t is None else t[..., : i + 1, :m]
+        out = streaming_sinkhorn(engine, q[..., : i + 1, :], k[..., :m, :], v[..., :m, :],
+                                 sub(keep), sub(bias), **kw)
+        rows.append(out[..., -1:, :])
+    return torch.cat(rows, dim=-2)
