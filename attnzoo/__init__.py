@@ -7,10 +7,11 @@ from .layers import (AttentionLayer, FenchelAttention, L2Attention, LinearAttent
                      SoftmaxAttention)
 from .ops.dispatch import use_backend
 from .registry import available, create, describe, layer, parse_spec, register
+from .adapters import plan_swap, register_hf_attention, swap, unswap
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "explain", "use_backend", "available", "create", "describe", "layer", "parse_spec",
            "register", "AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention",
            "SigmoidAttention", "ReLUAttention", "LinearAttention", "MaskedAttention", "MultiheadAttention",
-           "FenchelAttention", "OTAttention"]
+           "FenchelAttention", "OTAttention", "swap", "unswap", "plan_swap", "register_hf_attention"]

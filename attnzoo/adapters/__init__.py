@@ -1,0 +1,16 @@
+"""attnzoo.adapters: swap attention inside existing models (timm, torch.nn, Hugging Face) by name.
+
+``swap(model, spec, include=, exclude=, strict=)``, its dry run ``plan_swap`` (or ``swap(dry_run=True)``),
+``unswap(model)``, and ``register_hf_attention()`` for transformers' ``attn_implementation=``.
+"""
+from .report import SwapEntry, SwapReport
+from .swap import plan_swap, swap, unswap
+
+
+def register_hf_attention(spec=None, name=None):
+    """Register attnzoo variants as transformers attention implementations (see adapters.hf)."""
+    from .hf import register_hf_attention as _register
+    return _register(spec, name)
+
+
+__all__ = ["swap", "unswap", "plan_swap", "register_hf_attention", "SwapReport", "SwapEntry"]

@@ -1,0 +1,264 @@
+"""Hugging Face transformers (5.x): attnzoo variants as attention implementations.
+
+Two ways in, both through transformers' ``AttentionInterface`` (every HF attention module calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(self, q, k, v, mask, ...)``):
+
+* ``register_hf_attention()`` registers ``"attnzoo_<variant>"`` for every variant, each with its mask
+  function in ``AttentionMaskInterface`` (transformers builds the mask per implementation; without one
+  the padding/causal mask would be missing). Then ``model.set_attn_implementation("attnzoo_sigmoid")``
+  or ``from_config(cfg, attn_implementation="attnzoo_sigmoid")`` works. Variants with extra parameters
+  cannot be a bare function: they need ``attnzoo.swap``.
+* ``attnzoo.swap(model, spec)`` attaches a bare attnzoo layer as a child ``attnzoo_kernel`` of each
+  selected HF attention module (holding the variant's extra parameters: sigmoid's bias shift,
+  Fenchel's preference, ...) and sets the model's implementation to ``"attnzoo"``, which runs a module's
+  ``attnzoo_kernel`` when it has one and SDPA otherwise (layers excluded by include=/exclude=). The HF
+  module keeps its own q/k/v/out projections, so every original state_dict key is unchanged.
+
+The mask reaching the kernels is transformers' SDPA mask, built with the causal shortcut off: a bool
+(B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is masked.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..layers.base import AttentionLayer
+from .common import Change, describe_new_parameters, param_names
+from .kernel import kernel_layer, run_kernel
+from .spec import Target, resolve
+
+KERNEL_CHILD = "attnzoo_kernel"
+DISPATCH_NAME = "attnzoo"
+# config id -> the implementation it had before attnzoo.swap set "attnzoo" (configs are unhashable, and an
+# attribute on the config would be written into config.json by save_pretrained)
+_PREVIOUS: dict[int, str] = {}
+_HOOK = "_attnzoo_tokens_hook"
+
+
+def available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the attention function transformers calls -----------------------------------------------------
+def _mask_for_kernel(attention_mask: Optional[torch.Tensor], position_bias: Optional[torch.Tensor]):
+    """HF's float masks use finfo.min for 'masked'; attnzoo wants -inf (or False) so that masked keys
+    are removed, not just down-weighted (ReLU/sigmoid/OT count the keys taking part)."""
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
+    if position_bias is not None:
+        if mask is None:
+            mask = position_bias
+        elif mask.dtype == torch.bool:
+            mask = position_bias.masked_fill(~mask, -math.inf)
+        else:
+            mask = position_bias + mask
+    return mask
+
+
+def _run(kernel: AttentionLayer, target_scale: bool, module, query, key, value, attention_mask, dropout, scaling,
+         is_causal, kwargs):
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
+    if mask is not None:
+        is_causal = False  # the mask already holds causality, with HF's offsets
+    else:
+        is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    tokens = getattr(kernel, "_tokens", None)
+    out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=is_causal,
+                     dropout_p=dropout if module.training else 0.0,
+                     scale=scaling if (target_scale and scaling is not None) else None, x=tokens)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _dispatch(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """The ``"attnzoo"`` implementation: the module's own attnzoo kernel, else SDPA."""
+    kernel = getattr(module, KERNEL_CHILD, None)
+    if kernel is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    return _run(kernel, getattr(kernel, "_attnzoo_follow_scale", True), module, query, key, value,
+                attention_mask, dropout, scaling, is_causal, kwargs)
+
+
+def _function_for(target: Target):
+    """An attention function for a parameter-free variant; bare kernels are cached per head shape."""
+    cache: dict = {}
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        H, D = query.shape[1], query.shape[-1]
+        slot = (H, D, query.device, query.dtype)
+        if slot not in cache:
+            cache[slot] = kernel_layer(target, H * D, H, D, device=query.device, dtype=query.dtype)
+        kernel = cache[slot]
+        kernel.train(module.training)
+        return _run(kernel, target.uses_logit_scale(), module, query, key, value, attention_mask, dropout,
+                    scaling, is_causal, kwargs)
+    attention.__name__ = f"attnzoo_{target.name}_attention"
+    attention.__doc__ = f"attnzoo {target.spec!r} attention for transformers' AttentionInterface."
+    return attention
+
+
+def _mask_function(*args, **kwargs):
+    """transformers' SDPA mask (bool, True = take part), never dropping a causal mask for is_causal."""
+    from transformers.masking_utils import sdpa_mask
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _adds_parameters(target: Target) -> bool:
+    probe = kernel_layer(target, 8, 2, 4)
+    return any(True for _ in probe.parameters()) or getattr(probe, "tie_qk", False) or \
+        getattr(probe, "context_net", None) is not None
+
+
+def register_hf_attention(spec: Optional[str] = None, name: Optional[str] = None) -> list[str]:
+    """Register attnzoo attention implementations with transformers; returns the names registered.
+
+    No arguments: ``"attnzoo_<variant>"`` for every variant with its default arguments, plus the
+    ``"attnzoo"`` dispatcher used by ``attnzoo.swap``. With ``spec`` (e.g. ``"sinkhorn(n_iters=5)"``):
+    that spec under ``name`` (default ``"attnzoo_<variant>"``). Specs that add parameters raise
+    ValueError (use ``attnzoo.swap``).
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from .. import registry
+    if spec is None:
+        specs = {f"attnzoo_{v}": v for v in registry.available() if v != "multihead"}
+    else:
+        target = resolve(spec, {})
+        if name is None:
+            name = f"attnzoo_{target.name}"
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        specs = {name: spec}
+    names = []
+    for impl_name, s in specs.items():
+        target = resolve(s, {})
+        if _adds_parameters(target):
+            if spec is None:
+                continue
+            raise ValueError(f"{s!r} adds parameters (or ties weights), so it cannot be a bare attention "
+                             "function; use attnzoo.swap(model, spec) instead")
+        AttentionInterface.register(impl_name, _function_for(target))
+        AttentionMaskInterface.register(impl_name, _mask_function)
+        names.append(impl_name)
+    AttentionInterface.register(DISPATCH_NAME, _dispatch)
+    AttentionMaskInterface.register(DISPATCH_NAME, _mask_function)
+    return names + [DISPATCH_NAME]
+
+
+# -- attnzoo.swap's adapter ------------------------------------------------------------------------
+def _calls_attention_interface(cls: type) -> bool:
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def recognises(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return False
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return not isinstance(module, PreTrainedModel) and _calls_attention_interface(type(module))
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    return None
+
+
+def _heads(module: nn.Module) -> tuple[int, int, int]:
+    config = module.config
+    H = (getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+         or config.num_attention_heads)
+    D = (getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)
+         or getattr(config, "head_dim", None) or config.hidden_size // H)
+    return int(H), int(D), int(config.hidden_size)
+
+
+def _stash_tokens(module, args, kwargs):
+    kernel = getattr(module, KERNEL_CHILD, None)
+    if kernel is not None:
+        object.__setattr__(kernel, "_tokens", args[0] if args else kwargs.get("hidden_states"))
+
+
+def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Change:
+    register_hf_attention()
+    H, D, dim = _heads(module)
+    ref = next(module.parameters(), None)
+    kernel = kernel_layer(target, dim, H, D, device=None if ref is None else ref.device,
+                          dtype=None if ref is None else ref.dtype)
+    object.__setattr__(kernel, "_attnzoo_follow_scale", target.uses_logit_scale())
+    object.__setattr__(kernel, "_tokens", None)
+    old_kernel = getattr(module, KERNEL_CHILD, None)
+    added = [f"{KERNEL_CHILD}.{a}" for a in describe_new_parameters(kernel, set())]
+    change = Change(name=name, source=type(module).__name__,
+                    target=f"{type(module).__name__} + {type(kernel).__name__} kernel",
+                    carried=[n for n, _ in module.named_parameters() if not n.startswith(KERNEL_CHILD + ".")],
+                    added=added, dropped=param_names(old_kernel, KERNEL_CHILD + "."))
+
+    def apply() -> None:
+        config = module.config
+        if config._attn_implementation != DISPATCH_NAME:
+            _PREVIOUS[id(config)] = config._attn_implementation
+        if getattr(module, _HOOK, None) is not None:
+            getattr(module, _HOOK).remove()
+        module.add_module(KERNEL_CHILD, kernel)
+        kernel.train(module.training)
+        if getattr(kernel, "context_net", None) is not None:  # Fenchel's context preference reads x
+            object.__setattr__(module, _HOOK, module.register_forward_pre_hook(_stash_tokens, with_kwargs=True))
+        config._attn_implementation_internal = DISPATCH_NAME
+    change.apply = apply
+    return change
+
+
+def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
+    kernel = getattr(module, KERNEL_CHILD, None)
+    if kernel is None:
+        return None
+    change = Change(name=name, source=f"{type(module).__name__} + {type(kernel).__name__} kernel",
+                    target=type(module).__name__,
+                    carried=[n for n, _ in module.named_parameters() if not n.startswith(KERNEL_CHILD + ".")],
+                    dropped=param_names(kernel, KERNEL_CHILD + "."))
+
+    def apply() -> None:
+        del module._modules[KERNEL_CHILD]
+        hook = getattr(module, _HOOK, None)
+        if hook is not None:
+            hook.remove()
+            object.__delattr__(module, _HOOK)
+    change.apply = apply
+    return change
+
+
+def restore_implementations(root: nn.Module) -> None:
+    """After an unswap: configs none of whose modules keep a kernel get their previous implementation."""
+    configs, still_used = {}, set()
+    for m in root.modules():
+        config = getattr(m, "config", None)
+        if config is None or not recognises(m):
+            continue
+        configs[id(config)] = config
+        if getattr(m, KERNEL_CHILD, None) is not None:
+            still_used.add(id(config))
+    for key, config in configs.items():
+        if key not in still_used and config._attn_implementation == DISPATCH_NAME:
+            config._attn_implementation_internal = _PREVIOUS.pop(key, "sdpa")

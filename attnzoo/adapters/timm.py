@@ -1,0 +1,107 @@
+"""timm: ``timm.layers.Attention`` (ViT, DeiT, ... blocks) <-> attnzoo layers.
+
+attnzoo layers share timm's constructor, forward and submodule names (qkv, q_norm, k_norm, norm, proj,
+gate), so a swap moves those submodules over as they are: the weights, their dtype/device and any
+optimizer state keyed on them stay valid. Variants with extra parameters create them fresh.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from ..layers.base import AttentionLayer
+from .common import Change, describe_new_parameters, get_origin, param_names, replace_child, set_origin
+from .spec import Target
+
+MOVED = ("qkv", "q_norm", "k_norm", "norm", "proj", "gate")
+
+
+def _timm_attention():
+    try:
+        from timm.layers import Attention
+    except ImportError:  # timm is optional
+        return None
+    return Attention
+
+
+def recognises(module: nn.Module) -> bool:
+    timm_attention = _timm_attention()
+    return isinstance(module, AttentionLayer) or (timm_attention is not None and type(module) is timm_attention)
+
+
+# timm attention classes whose layout differs; named so the report can say why
+_UNSUPPORTED = {
+    "EvaAttention": "rotary position embeddings (rope=) and a q/v-only bias are not part of attnzoo's layers",
+    "AttentionRope": "rotary position embeddings are not part of attnzoo's layers",
+    "DiffAttention": "differential attention (two softmax maps per head) has no attnzoo equivalent",
+    "AttentionPoolLatent": "attention pooling with learned latent queries (separate q and kv projections)",
+}
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    name = type(module).__name__
+    if name in _UNSUPPORTED and type(module).__module__.startswith("timm"):
+        return _UNSUPPORTED[name]
+    return None
+
+
+def _constructor_kwargs(m: nn.Module) -> dict:
+    """timm-constructor arguments that rebuild ``m``'s shapes (norms and weights are moved in after)."""
+    return dict(attn_head_dim=m.head_dim, dim_out=m.proj.out_features, qkv_bias=m.qkv.bias is not None,
+                proj_bias=m.proj.bias is not None, gated=getattr(m, "gate", None) is not None,
+                attn_drop=m.attn_drop.p, proj_drop=m.proj_drop.p,
+                device=m.qkv.weight.device, dtype=m.qkv.weight.dtype)
+
+
+def _move(src: nn.Module, dst: nn.Module) -> list[str]:
+    carried = []
+    for sub in MOVED:
+        mod = getattr(src, sub, None)
+        if sub == "gate" and mod is None:
+            continue
+        setattr(dst, sub, mod)
+        carried += param_names(mod, sub + ".")
+    return carried
+
+
+def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Change:
+    kw = _constructor_kwargs(module)
+    head_dim = kw.pop("attn_head_dim")
+    new = target.build_layer(module.qkv.in_features, module.num_heads, head_dim, **kw)
+    moved_names = {n for sub in MOVED for n in param_names(getattr(new, sub, None), sub + ".")}
+    added = describe_new_parameters(new, moved_names)
+    set_origin(new, get_origin(module) or type(module))
+    change = Change(name=name, source=type(module).__name__, target=type(new).__name__, added=added)
+
+    def apply() -> None:
+        change.carried = _move(module, new)
+        new.train(module.training)
+        replace_child(root, name, new)()
+    change.carried = [n for sub in MOVED for n in param_names(getattr(module, sub, None), sub + ".")]
+    change.apply = apply
+    return change
+
+
+def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
+    """attnzoo layer -> the timm class it came from (timm.layers.Attention when it was built by attnzoo)."""
+    if not isinstance(module, AttentionLayer):
+        return None
+    cls = get_origin(module) or _timm_attention()
+    if cls is None:
+        return None
+    kw = _constructor_kwargs(module)
+    if module.gate is None:
+        kw.pop("gated")  # older timm versions have no gate argument
+    old = cls(module.qkv.in_features, num_heads=module.num_heads, **kw)
+    kept = {n for sub in MOVED for n in param_names(getattr(module, sub, None), sub + ".")}
+    dropped = [n for n, _ in module.named_parameters() if n not in kept]
+    change = Change(name=name, source=type(module).__name__, target=cls.__name__, carried=sorted(kept),
+                    dropped=dropped)
+
+    def apply() -> None:
+        _move(module, old)
+        old.train(module.training)
+        replace_child(root, name, old)()
+    change.apply = apply
+    return change

@@ -1,0 +1,133 @@
+"""torch.nn: ``nn.MultiheadAttention`` (alone or inside nn.TransformerEncoder/DecoderLayer) <->
+attnzoo.MultiheadAttention running any attnzoo variant.
+
+The projections (in_proj_weight / q,k,v_proj_weight, in_proj_bias, out_proj) are moved over as the same
+Parameter objects. The variant runs through a bare attnzoo layer (``variant_layer``) so variants with
+extra parameters (sigmoid's bias shift, Fenchel's preference, L2's tied keys) work here too.
+
+Fast paths: attnzoo.MultiheadAttention reports ``_qkv_same_embed_dim = False``, which turns off
+nn.TransformerEncoderLayer's fused eval kernel; nn.TransformerEncoder's nested-tensor path (decided
+once, at construction) is switched off here for every encoder whose layers were swapped, and
+switched back on by unswap.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..layers.multihead import MultiheadAttention
+from .common import Change, describe_new_parameters, get_origin, param_names, replace_child, set_origin
+from .kernel import kernel_layer, run_kernel
+from .spec import Target
+
+_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+
+
+class SwappedMultiheadAttention(MultiheadAttention):
+    """attnzoo.MultiheadAttention whose kernel is an attnzoo layer's variant (extra parameters included)."""
+
+    def __init__(self, embed_dim, num_heads, *args, target: Target, **kw):
+        super().__init__(embed_dim, num_heads, *args, **kw)
+        self.spec = target.spec
+        self.kind = target.name if target.name in ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear",
+                                                   "fenchel", "ot") else "softmax"
+        self.variant_layer = kernel_layer(target, self.kdim, num_heads, self.head_dim,
+                                          device=self.out_proj.weight.device, dtype=self.out_proj.weight.dtype)
+        self._key_tokens: Optional[torch.Tensor] = None
+
+    def forward(self, query, key, value, *args, **kwargs):
+        # Fenchel's context preference reads the key tokens, batch-first
+        tokens = key if key.dim() == 2 else (key if self.batch_first else key.transpose(0, 1))
+        self._key_tokens = tokens.unsqueeze(0) if key.dim() == 2 else tokens
+        try:
+            return super().forward(query, key, value, *args, **kwargs)
+        finally:
+            self._key_tokens = None
+
+    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
+        return run_kernel(self.variant_layer, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                          dropout_p=dropout_p, x=self._key_tokens)
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
+
+
+def recognises(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention) or isinstance(module, MultiheadAttention)
+
+
+def unsupported_reason(module: nn.Module) -> Optional[str]:
+    if isinstance(module, nn.MultiheadAttention):
+        if module.bias_k is not None or module.add_zero_attn:
+            return "add_bias_kv / add_zero_attn are not supported by attnzoo.MultiheadAttention"
+    return None
+
+
+def _constructor_kwargs(m: nn.Module) -> dict:
+    ref = m.out_proj.weight
+    return dict(dropout=m.dropout, bias=m.in_proj_bias is not None, kdim=m.kdim, vdim=m.vdim,
+                batch_first=m.batch_first, device=ref.device, dtype=ref.dtype)
+
+
+def _move(src: nn.Module, dst: nn.Module) -> list[str]:
+    carried = []
+    for n in _PROJ:
+        p = getattr(src, n, None)
+        setattr(dst, n, p)  # Parameter or None (nn.Module keeps the None registered)
+        if p is not None:
+            carried.append(n)
+    dst.out_proj = src.out_proj
+    return carried + param_names(src.out_proj, "out_proj.")
+
+
+def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Change:
+    new = SwappedMultiheadAttention(module.embed_dim, module.num_heads, target=target,
+                                    **_constructor_kwargs(module))
+    added = describe_new_parameters(new.variant_layer, set())
+    added = ["variant_layer." + a for a in added]
+    set_origin(new, get_origin(module) or (nn.MultiheadAttention if isinstance(module, MultiheadAttention)
+                                           else type(module)))
+    carried = [n for n in _PROJ if getattr(module, n, None) is not None] + param_names(module.out_proj, "out_proj.")
+    change = Change(name=name, source=type(module).__name__, target=type(new).__name__, carried=carried,
+                    added=added)
+
+    def apply() -> None:
+        _move(module, new)
+        new.train(module.training)
+        replace_child(root, name, new)()
+    change.apply = apply
+    return change
+
+
+def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
+    if not isinstance(module, MultiheadAttention):
+        return None
+    cls = get_origin(module) or nn.MultiheadAttention
+    old = cls(module.embed_dim, module.num_heads, **_constructor_kwargs(module))
+    kept = set(_PROJ) | {"out_proj.weight", "out_proj.bias"}
+    dropped = [n for n, _ in module.named_parameters() if n not in kept]
+    change = Change(name=name, source=type(module).__name__, target=cls.__name__,
+                    carried=[n for n, _ in module.named_parameters() if n in kept], dropped=dropped)
+
+    def apply() -> None:
+        _move(module, old)
+        old.train(module.training)
+        replace_child(root, name, old)()
+    change.apply = apply
+    return change
+
+
+def sync_nested_tensor_flags(root: nn.Module) -> None:
+    """Turn the nested-tensor path off where attnzoo runs, restore the original choice where it left."""
+    for m in root.modules():
+        if not isinstance(m, nn.TransformerEncoder):
+            continue
+        swapped = any(isinstance(getattr(layer, "self_attn", None), MultiheadAttention) for layer in m.layers)
+        if swapped and getattr(m, "use_nested_tensor", False):
+            object.__setattr__(m, "_attnzoo_use_nested_tensor", True)
+            m.use_nested_tensor = False
+        elif not swapped and getattr(m, "_attnzoo_use_nested_tensor", False):
+            m.use_nested_tensor = True
+            object.__delattr__(m, "_attnzoo_use_nested_tensor")
