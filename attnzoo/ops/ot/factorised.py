@@ -1,0 +1,75 @@
+"""OT attention (paper 004 eq 22, M = -a.b + C) written around one kernel: the transport weights.
+
+With A = keys + extra templates, the logit of template t for query i and input template j is
+
+    L_ijt = (alpha q_i.a_t + k_j.a_t) / gamma + bias_it = C_it + G_jt,
+
+a sum of a query term C (Nq, |A|) and the query-independent Gram term G (Nk, |A|): both are
+computed once with matmuls. Masks fold into them: C_it = -inf for a template removed from query
+i's set (masked key), and the source weights u_ij (uniform or softmax(log_u) over the keys taking
+part, 0 elsewhere) carry the source side. What is left is
+
+    W_it = sum_j u_ij softmax_t(C_it + G_jt),      out_i = sum_t W_it a_v_t,
+
+whose (Nq, Nk, |A|) inner tensor only the kernel (cpu.py, triton.py) touches, tile by tile.
+Everything here is autograd on O((Nq + Nk) |A| + Nq Nk) tensors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..common import upcast
+from ..masking import masked_softmax, split_mask
+
+
+def transport_weights_reference(c, g, u):
+    """The kernels' contract, materialising the cube: W (..., Nq, A) from c (..., Nq, A),
+    g (..., Nk, A), u (..., Nq or 1, Nk)."""
+    s = masked_softmax(c.unsqueeze(-2) + g.unsqueeze(-3), None)
+    s = torch.nan_to_num(s, nan=0.0)          # rows with every template removed
+    return (u.unsqueeze(-1) * s).sum(-2)
+
+
+def ot_terms(q, k, *, attn_mask, is_causal, alpha, gamma, log_u, templates_k):
+    """(C, G, u) as described above, in q's dtype; u keeps a size-1 query dim when it can."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    a_k = k if templates_k is None else torch.cat([k, templates_k], dim=-2)
+    na = a_k.shape[-2]
+    keep, bias = split_mask(attn_mask, is_causal, nq, nk, q.device)
+    c = (q * (alpha / gamma)) @ a_k.transpose(-1, -2)
+    g = (k * (1.0 / gamma)) @ a_k.transpose(-1, -2)
+    if bias is not None:
+        c = c + F.pad(bias.to(c.dtype), (0, na - nk))
+    if keep is not None:
+        c = c.masked_fill(~F.pad(keep, (0, na - nk), value=True), -math.inf)
+    lead = q.shape[:-2]
+    if log_u is None:
+        lu = torch.zeros(lead + (1, nk), dtype=q.dtype, device=q.device)
+    else:
+        lu = log_u.to(q.dtype).unsqueeze(-2).expand(lead + (1, nk))
+    src_keep = lu > -math.inf if log_u is not None else None
+    if keep is not None:
+        src_keep = keep if src_keep is None else src_keep & keep
+    u = masked_softmax(lu, src_keep)
+    return c, g, u.expand(lead + u.shape[-2:])
+
+
+def ot_attention_factorised(transport_weights, q, k, v, *, attn_mask=None, is_causal=False, scale, alpha=1.0,
+                            gamma=None, log_u=None, templates_k=None, templates_v=None):
+    (q, k, v, log_u, templates_k, templates_v), out_dtype = upcast(q, k, v, log_u, templates_k, templates_v)
+    gamma = 1.0 / scale if gamma is None else gamma
+    c, g, u = ot_terms(q, k, attn_mask=attn_mask, is_causal=is_causal, alpha=alpha, gamma=gamma,
+                       log_u=log_u, templates_k=templates_k)
+    w = transport_weights(c, g, u)
+    a_v = v if templates_v is None else torch.cat([v, templates_v], dim=-2)
+    return (w @ a_v).to(out_dtype)
+
+
+def supports_ot_fused(q, k, v, **kw):
+    """Shared by the cpu and triton OT backends: None, or why the call needs the reference."""
+    if kw.get("dropout_p", 0.0) > 0:
+        return "dropout on the weights is only implemented by backend='reference'"
+    return None
