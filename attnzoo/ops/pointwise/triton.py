@@ -1,0 +1,139 @@
+"""Pointwise attention (sigmoid, ReLU / n) Triton kernels as torch custom ops, and the backends.
+
+``sigmoid_attention`` / ``relu_attention`` have the references' signatures (ops/pointwise/reference.py)
+and are registered as the ``triton`` backend of the ``sigmoid`` and ``relu`` variants. The sigmoid
+bias is the default -log n_i, a Python float, or a tensor broadcastable to (B, H, Nq, 1) (one value per
+head and/or row, e.g. SigmoidAttention's -log n + learned per-head shift), which gets its gradient.
+A bias that varies with the key is refused (``bias_reason``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
+                            kernel_mask, reduce_to_shape)
+from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
+
+if HAVE_TRITON:
+    import triton
+    from torch.library import triton_op, wrap_triton
+
+    from .triton_kernels import pointwise_bwd_dkdv_kernel, pointwise_bwd_dq_kernel, pointwise_fwd_kernel
+
+
+def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode):
+    B, H, Nq, D = q.shape
+    Nk, DV = k.shape[2], v.shape[3]
+    m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
+    if m is None:
+        m = torch.zeros(1, dtype=torch.uint8, device=q.device)
+    rows = broadcast_rows(bias, B, H, Nq)
+    if rows is None:
+        rows, bias_strides = torch.zeros(1, dtype=torch.float32, device=q.device), (0, 0, 0)
+    else:
+        bias_strides = tuple(rows.stride())
+    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), BIAS_MODE=int(bias_mode),
+                MASK_KIND=mask_kind, CAUSAL=bool(is_causal), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
+    if q.device.type != "cpu":
+        meta.update(num_warps=warps, num_stages=2)
+    return m, mask_strides, rows, bias_strides, meta
+
+
+if HAVE_TRITON:
+    @triton_op("attnzoo::pointwise_fwd", mutates_args=())
+    def pointwise_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                      bias_scalar: float, bias_mode: int, scale: float, is_causal: bool,
+                      sigmoid: bool) -> tuple[Tensor, Tensor]:
+        """(out (B, H, Nq, Dv), n (B, H, Nq) fp32: keys taking part per row)."""
+        B, H, Nq, D = q.shape
+        Nk, DV = k.shape[2], v.shape[3]
+        out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
+        n_rows = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        wrap_triton(pointwise_fwd_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
+            q, k, v, out, n_rows, m, rows, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
+            H, Nq, Nk, D, DV, scale, bias_scalar, **meta)
+        return out, n_rows
+
+    @triton_op("attnzoo::pointwise_bwd", mutates_args=())
+    def pointwise_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, n_rows: Tensor, mask: Optional[Tensor],
+                      bias: Optional[Tensor], bias_scalar: float, bias_mode: int, scale: float, is_causal: bool,
+                      sigmoid: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, dbias (B, H, Nq) fp32, empty unless the bias is a tensor)."""
+        B, H, Nq, D = q.shape
+        Nk, DV = k.shape[2], v.shape[3]
+        dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=q.device)
+        dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=q.device)
+        dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
+        has_bias = bias_mode == BIAS_ROWS
+        dbias = torch.empty((B, H, Nq) if has_bias else (0,), dtype=torch.float32, device=q.device)
+        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
+        sizes = (H, Nq, Nk, D, DV, scale, bias_scalar)
+        wrap_triton(pointwise_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
+            q, k, v, grad_out, n_rows, m, rows, dk, dv, *strides, *sizes, **meta)
+        wrap_triton(pointwise_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
+            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, *strides, *sizes, **meta)
+        return dq, dk, dv, dbias
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, mask, bias, bias_scalar, bias_mode, scale, is_causal, sigmoid = inputs
+        ctx.save_for_backward(q, k, v, output[1], mask, bias)
+        ctx.args = (bias_scalar, bias_mode, scale, is_causal, sigmoid)
+
+    def _backward(ctx, grad_out, grad_n):
+        q, k, v, n_rows, mask, bias = ctx.saved_tensors
+        dq, dk, dv, dbias = pointwise_bwd(grad_out, q, k, v, n_rows, mask, bias, *ctx.args)
+        g_bias = reduce_to_shape(dbias, bias.shape).to(bias.dtype) if bias is not None else None
+        return dq, dk, dv, None, g_bias, None, None, None, None, None
+
+    pointwise_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def bias_rows(bias, q):
+    """A bias tensor broadcastable to (B, H, Nq, 1) as a (B|1, H|1, Nq|1) view, or None if it varies per key."""
+    b4 = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    if b4.shape[-1] != 1:
+        return None
+    return b4[..., 0]
+
+
+def bias_reason(bias, q):
+    """None when the kernel takes this sigmoid bias, else why not."""
+    if isinstance(bias, Tensor) and bias_rows(bias, q) is None:
+        return (f"a sigmoid bias of shape {tuple(bias.shape)} varies with the key; the kernel takes a float or a "
+                "tensor broadcastable to (B, H, Nq, 1) (per head / per row)")
+    return None
+
+
+def _check(q, k, v, attn_mask, dropout_p):
+    why = common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if why is not None:
+        raise ValueError(f"the Triton pointwise kernel cannot run this call: {why}")
+
+
+def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
+    """Backend ``triton`` of ``sigmoid``: sum_j sigmoid(s_ij + b) v_j (b = -log n_i by default)."""
+    _check(q, k, v, attn_mask, dropout_p)
+    why = bias_reason(bias, q)
+    if why is not None:
+        raise ValueError(why)
+    if bias is None:
+        rows, scalar, mode = None, 0.0, BIAS_DEFAULT
+    elif isinstance(bias, Tensor):
+        rows, scalar, mode = bias_rows(bias, q), 0.0, BIAS_ROWS
+    else:
+        rows, scalar, mode = None, float(bias), BIAS_SCALAR
+    out, _ = pointwise_fwd(q, k, v, attn_mask, rows, scalar, mode, float(scale), bool(is_causal), True)
+    return out
+
+
+def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    """Backend ``triton`` of ``relu``: sum_j relu(s_ij) v_j / n_i."""
+    _check(q, k, v, attn_mask, dropout_p)
+    out, _ = pointwise_fwd(q, k, v, attn_mask, None, 0.0, BIAS_DEFAULT, float(scale), bool(is_causal), False)
+    return out

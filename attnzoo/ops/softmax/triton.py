@@ -1,0 +1,243 @@
+"""The softmax-family Triton kernels as torch custom ops, and their public entry points.
+
+Entry points (all take q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv) like SDPA):
+- ``softmax_attention`` / ``l2_attention`` / ``fenchel_attention``: the backends registered for the
+  ``softmax``, ``l2`` and ``fenchel`` variants (see ops/backends_triton_family.py);
+- ``preference_attention(q, k, v, log_pref)``: out_i = sum_j softmax_j(l_ij + g_j) v_j with a per-key
+  log-preference g (B|1, H|1, Nk) and its gradient (Sinkhorn's final row pass is this with
+  g = the column potential);
+- ``t5_bias_attention(q, k, v, table, ...)``: softmax(scale q.k + table[bucket(j - i), h]) with the
+  gradient to the (num_buckets, H) table, no (Nq, Nk) bias ever built.
+
+The kernels live in triton_kernels.py; the ops ``attnzoo::softmax_family_fwd`` / ``_bwd`` are
+``torch.library.triton_op``s, so torch.compile sees through them on a GPU and autograd uses the fused
+backward. No (Nq, Nk) tensor is allocated: masks are passed broadcast (stride 0), the T5 bias as an
+(Nq + Nk - 1) offset -> bucket vector plus the table.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import validate as V
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
+                            dot_precision, kernel_mask, reduce_to_shape)
+
+if HAVE_TRITON:
+    import triton
+    from torch.library import triton_op, wrap_triton
+
+    from .triton_kernels import softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel, softmax_fwd_kernel
+
+
+def _dummy(device, dtype):
+    """A stand-in pointer for an absent optional input (the kernel never reads it)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def _prepare(q, k, mask, pref, table, lut):
+    """Everything the three kernels share: broadcast views, stand-ins and their strides."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    dev = q.device
+    m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
+    if m is None:
+        m = _dummy(dev, torch.uint8)
+    p = broadcast_rows(pref, B, H, Nk)
+    pref_strides = tuple(p.stride()) if p is not None else (0, 0, 0)
+    if p is None:
+        p = _dummy(dev, torch.float32)
+    has_t5 = table is not None
+    if has_t5:
+        table = table.contiguous()
+        table_strides = tuple(table.stride())
+    else:
+        table, table_strides, lut = _dummy(dev, torch.float32), (0, 0), _dummy(dev, torch.int32)
+    flags = dict(MASK_KIND=mask_kind, HAS_PREF=pref is not None, HAS_T5=has_t5)
+    return m, mask_strides, p, pref_strides, table, table_strides, lut, flags
+
+
+def _launch_config(q, k, v, is_causal, l2):
+    B, H, Nq, D = q.shape
+    Nk, DV = k.shape[2], v.shape[3]
+    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal),
+                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
+    launch = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": 2}
+    return meta, launch
+
+
+if HAVE_TRITON:
+    @triton_op("attnzoo::softmax_family_fwd", mutates_args=())
+    def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
+                           table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
+                           l2: bool) -> tuple[Tensor, Tensor]:
+        """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32; +inf for rows with no key)."""
+        B, H, Nq, D = q.shape
+        Nk, DV = k.shape[2], v.shape[3]
+        out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+        m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
+        meta, launch = _launch_config(q, k, v, is_causal, l2)
+        grid = (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
+        wrap_triton(softmax_fwd_kernel)[grid](
+            q, k, v, out, lse, m, p, t, lut,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts,
+            H, Nq, Nk, D, DV, scale, **meta, **flags, **launch)
+        return out, lse
+
+    @triton_op("attnzoo::softmax_family_bwd", mutates_args=())
+    def softmax_family_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
+                           lut: Optional[Tensor], scale: float, is_causal: bool,
+                           l2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty)."""
+        B, H, Nq, D = q.shape
+        Nk, DV = k.shape[2], v.shape[3]
+        delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # delta_i = dO_i . O_i
+        dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=q.device)
+        dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=q.device)
+        dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
+        m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
+        dpref = (torch.empty((B, H, Nk), dtype=torch.float32, device=q.device) if flags["HAS_PREF"]
+                 else torch.empty(0, dtype=torch.float32, device=q.device))
+        dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
+                  else torch.empty(0, dtype=torch.float32, device=q.device))
+        meta, launch = _launch_config(q, k, v, is_causal, l2)
+        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, H, Nq, Nk, D, DV, scale)
+        wrap_triton(softmax_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
+            q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
+            dtable if flags["HAS_T5"] else t, m, p, t, lut, *common, **meta, **flags, **launch)
+        wrap_triton(softmax_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
+            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, *common, **meta, **flags, **launch)
+        return dq, dk, dv, dpref, dtable
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, mask, pref, table, lut, scale, is_causal, l2 = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, mask, pref, table, lut)
+        ctx.scale, ctx.is_causal, ctx.l2 = scale, is_causal, l2
+
+    def _backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, mask, pref, table, lut = ctx.saved_tensors
+        dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, mask, pref, table, lut,
+                                                       ctx.scale, ctx.is_causal, ctx.l2)
+        g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
+        g_table = dtable.reshape(table.shape).to(table.dtype) if table is not None else None
+        return dq, dk, dv, None, g_pref, g_table, None, None, None, None
+
+    softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- host-side checks and the public entry points ---------------------------------------------------
+
+def _check_runnable(q, k, v, attn_mask, dropout_p=0.0):
+    why = common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if why is not None:
+        raise ValueError(f"the Triton softmax kernel cannot run this call: {why}")
+
+
+def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None):
+    out, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2))
+    return out
+
+
+def key_preference(log_u, q, k):
+    """log_u broadcastable to (B, H, Nq, Nk) that does not vary with the query -> (B|1, H|1, Nk|1),
+    or None when it does (the kernel takes per-key preferences only)."""
+    if log_u is None:
+        return None
+    lu = log_u.reshape((1,) * (4 - log_u.dim()) + tuple(log_u.shape)) if log_u.dim() < 4 else log_u
+    if lu.shape[2] != 1:
+        return None
+    return lu[:, :, 0, :]
+
+
+def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    """Backend ``triton`` of the ``softmax`` variant."""
+    _check_runnable(q, k, v, attn_mask, dropout_p)
+    return _run(q, k, v, attn_mask, is_causal, scale)
+
+
+def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    """Backend ``triton`` of the ``l2`` variant: softmax_j(-scale ||q_i - k_j||^2 + mask) v_j."""
+    _check_runnable(q, k, v, attn_mask, dropout_p)
+    return _run(q, k, v, attn_mask, is_causal, scale, l2=True)
+
+
+def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
+                      solve="first_order", dropout_p=0.0):
+    """Backend ``triton`` of the ``fenchel`` variant, first order only: softmax(alpha s_ij + log u_j)."""
+    _check_runnable(q, k, v, attn_mask, dropout_p)
+    if solve != "first_order":
+        raise ValueError(f"the Triton kernel computes solve='first_order' only, got solve={solve!r}")
+    pref = key_preference(log_u, q, k)
+    if log_u is not None and pref is None:
+        raise ValueError(f"log_u of shape {tuple(log_u.shape)} varies with the query; the Triton kernel takes "
+                         "a per-key preference (B|1, H|1, 1, Nk) (T5 tables: use t5_bias_attention)")
+    return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref)
+
+
+def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, scale=None, l2=False):
+    """out_i = sum_j softmax_j(l_ij + g_j) v_j, with l_ij = scale q_i.k_j (or -scale ||q_i - k_j||^2 when
+    ``l2``) plus the mask, and g = ``log_pref`` broadcastable to (B, H, Nk) (-inf removes a key).
+    Differentiable in q, k, v and log_pref; no (Nq, Nk) tensor is stored."""
+    V.check_qkv(q, k, v)
+    V.check_mask(attn_mask, q, k)
+    scale = V.resolve_scale(scale, q)
+    B, H, _, _ = q.shape
+    V.check_broadcast("log_pref", log_pref, (B, H, k.shape[2]), q, allow_bool=False)
+    if log_pref is None:
+        raise ValueError("log_pref must be a float tensor broadcastable to (B, H, Nk), got None")
+    _check_runnable(q, k, v, attn_mask)
+    return _run(q, k, v, attn_mask, is_causal, scale, l2=l2, pref=log_pref)
+
+
+def t5_bucket_lut(nq: int, nk: int, num_buckets: int, max_distance: int, bidirectional: bool, device):
+    """int32 (Nq + Nk - 1,): entry j - i + Nq - 1 is the T5 bucket of the offset j - (i + Nk - Nq),
+    exactly what FenchelAttention(preference="t5") uses."""
+    from ...layers.fenchel import t5_relative_buckets  # layers import ops; import lazily to avoid a cycle
+    rel = torch.arange(-(nk - 1), nq, device=device)
+    return t5_relative_buckets(rel, num_buckets, max_distance, bidirectional).to(torch.int32)
+
+
+def _check_t5_args(table, num_buckets, max_distance, q):
+    H = q.shape[1]
+    if not isinstance(table, Tensor) or not table.is_floating_point():
+        raise TypeError(f"table must be a float tensor of shape (num_buckets, H), got {type(table).__name__}"
+                        + (f" {table.dtype}" if isinstance(table, Tensor) else ""))
+    for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 2:
+            raise ValueError(f"{name} must be an int >= 2, got {val!r}")
+    if tuple(table.shape) != (num_buckets, H):
+        raise ValueError(f"table must have shape (num_buckets={num_buckets}, H={H}), got {tuple(table.shape)}")
+    if table.device != q.device:
+        raise ValueError(f"table must be on {q.device} like q, got {table.device}")
+
+
+def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, attn_mask=None,
+                      is_causal=False, scale=None, *, alpha=1.0):
+    """softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j (paper 004 eqs 16-18).
+
+    ``table`` is (num_buckets, H), e.g. ``nn.Embedding(num_buckets, H).weight``; the bucket of the
+    offset j - i (bottom-right aligned when Nq != Nk) is T5's, as in FenchelAttention. The kernel
+    adds the bias tile by tile and returns the gradient to ``table`` (summed per head and bucket)."""
+    V.check_qkv(q, k, v)
+    V.check_mask(attn_mask, q, k)
+    scale = V.resolve_scale(scale, q)
+    alpha = V.check_positive("alpha", alpha)
+    _check_t5_args(table, num_buckets, max_distance, q)
+    _check_runnable(q, k, v, attn_mask)
+    lut = t5_bucket_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
+    return _run(q, k, v, attn_mask, is_causal, scale * alpha, table=table, lut=lut)
+
+
+def t5_reason(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0):
+    """None when t5_bias_attention can run this call, else why not (used by FenchelAttention)."""
+    return common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+
+
+__all__ = ["softmax_attention", "l2_attention", "fenchel_attention", "preference_attention", "t5_bias_attention",
+           "t5_bucket_lut", "key_preference"]
