@@ -90,8 +90,10 @@ class _TransportWeights(torch.autograd.Function):
         return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape), None
 
 
-def transport_weights(c, g, u, tile_elements: int = TILE_ELEMENTS):
-    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt); u is (..., Nq or 1, Nk)."""
+def transport_weights(c, g, u, tile_elements=None):
+    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt); u is (..., Nq or 1, Nk).
+    ``tile_elements`` caps the (i, j, t) tile (default: the module's TILE_ELEMENTS, read per call)."""
+    tile_elements = TILE_ELEMENTS if tile_elements is None else int(tile_elements)
     return _TransportWeights.apply(c.contiguous(), g.contiguous(), u.contiguous(), tile_elements)
 
 
