@@ -75,6 +75,13 @@ class FenchelAttention(AttentionLayer):
         return None
 
     def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, **extra):
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if self.relative_bias is not None and self.solve == "first_order":
+            from ..ops.softmax import triton as fused  # the T5 kernel builds the bias from the table itself
+            if fused.t5_wanted(q, k, v, backend=self.backend, attn_mask=attn_mask, dropout_p=dropout_p):
+                return fused.t5_bias_attention(q, k, v, self.relative_bias.weight, self.num_buckets,
+                                               self.max_distance, self.bidirectional, attn_mask=attn_mask,
+                                               is_causal=is_causal, scale=self.scale, alpha=self.alpha)
         log_u = self.log_preference(x, q.shape[-2], k.shape[-2])
         return AF.fenchel(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale, log_u=log_u,
                           alpha=self.alpha, solve=self.solve,

@@ -68,6 +68,14 @@ def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
     return None
 
 
+def tracing_only(t: torch.Tensor) -> bool:
+    """True for a fake (shape-only) tensor under the interpreter. On a GPU ``wrap_triton`` records the
+    launch for torch.compile; the interpreter's kernels are plain Python that would try to read a fake
+    tensor's memory, so the ops return their (shape-correct) outputs without launching."""
+    from torch._subclasses.fake_tensor import is_fake
+    return INTERPRETED and is_fake(t)
+
+
 def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str):
     """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps).
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
-                            kernel_mask, reduce_to_shape)
+                            kernel_mask, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
 
 if HAVE_TRITON:
@@ -54,6 +54,8 @@ if HAVE_TRITON:
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         n_rows = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        if tracing_only(q):
+            return out, n_rows
         wrap_triton(pointwise_fwd_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
             q, k, v, out, n_rows, m, rows, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
             H, Nq, Nk, D, DV, scale, bias_scalar, **meta)
@@ -72,6 +74,8 @@ if HAVE_TRITON:
         has_bias = bias_mode == BIAS_ROWS
         dbias = torch.empty((B, H, Nq) if has_bias else (0,), dtype=torch.float32, device=q.device)
         m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        if tracing_only(q):
+            return dq, dk, dv, dbias
         strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
         sizes = (H, Nq, Nk, D, DV, scale, bias_scalar)
         wrap_triton(pointwise_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](

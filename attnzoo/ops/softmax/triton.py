@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import validate as V
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
-                            dot_precision, kernel_mask, reduce_to_shape)
+                            dot_precision, kernel_mask, reduce_to_shape, tracing_only)
 
 if HAVE_TRITON:
     import triton
@@ -81,6 +81,8 @@ if HAVE_TRITON:
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         meta, launch = _launch_config(q, k, v, is_causal, l2)
+        if tracing_only(q):
+            return out, lse
         grid = (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
         wrap_triton(softmax_fwd_kernel)[grid](
             q, k, v, out, lse, m, p, t, lut,
@@ -106,6 +108,8 @@ if HAVE_TRITON:
         dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
         meta, launch = _launch_config(q, k, v, is_causal, l2)
+        if tracing_only(q):
+            return dq, dk, dv, dpref, dtable
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, H, Nq, Nk, D, DV, scale)
         wrap_triton(softmax_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
             q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
@@ -234,10 +238,23 @@ def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, 
     return _run(q, k, v, attn_mask, is_causal, scale * alpha, table=table, lut=lut)
 
 
-def t5_reason(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0):
-    """None when t5_bias_attention can run this call, else why not (used by FenchelAttention)."""
-    return common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+def t5_wanted(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0) -> bool:
+    """Whether FenchelAttention(preference="t5") should call t5_bias_attention for this call: when the
+    triton backend is requested by name (it then runs or raises, never falls back) or by ``auto`` on a
+    CUDA tensor the kernel supports."""
+    from .. import dispatch
+    requested = backend or dispatch._default_backend.get()
+    if requested not in ("triton", dispatch.AUTO):
+        return False
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        return False  # let the functional path raise its argument error
+    why = common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if requested == "triton":
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run this fenchel (T5) call: {why}")
+        return True
+    return why is None and q.device.type == "cuda"
 
 
 __all__ = ["softmax_attention", "l2_attention", "fenchel_attention", "preference_attention", "t5_bias_attention",
-           "t5_bucket_lut", "key_preference"]
+           "t5_bucket_lut", "key_preference", "t5_wanted"]
