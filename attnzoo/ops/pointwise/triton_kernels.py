@@ -42,7 +42,9 @@ if HAVE_TRITON:
     def weights_tile(s, keep, bias, inv_n, SIGMOID: tl.constexpr):
         """(w, dw/ds) of one tile; both 0 where the key does not take part."""
         if SIGMOID:
-            w = tl.sigmoid(s + bias[:, None])
+            x = s + bias[:, None]
+            e = tl.exp(-tl.abs(x))  # never overflows, unlike 1 / (1 + exp(-x)) at x = -1e4
+            w = tl.where(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
             dw = w * (1.0 - w)
         else:
             w = tl.maximum(s, 0.0) * inv_n[:, None]
