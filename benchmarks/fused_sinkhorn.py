@@ -1,0 +1,110 @@
+"""Streaming CPU Sinkhorn vs the eager reference: peak memory and time of forward + backward.
+
+    .venv/bin/python benchmarks/fused_sinkhorn.py            # B=1 H=4 D=64 N=4096 n_iters=3, fp32, 1 thread
+
+Each measurement runs in a fresh subprocess (so one method's allocator cache cannot hide the
+other's peak): peak memory = the process's high-water RSS (VmHWM) minus its RSS once the inputs
+exist; time = one forward + backward after a small warm-up. Both run in one invocation, side by
+side, on a machine other jobs share: treat times as +-20%. Writes JSON + PNG to
+benchmarks/results/cpu/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT_DIR = Path(__file__).resolve().parent / "results" / "cpu"
+METHODS = ("reference", "cpu")
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measure_one(method: str, B: int, H: int, N: int, D: int, n_iters: int) -> dict:
+    """Runs inside the subprocess."""
+    import torch
+
+    import attnzoo.functional as AF
+
+    torch.set_num_threads(1)
+    warm = [torch.randn(1, 1, 32, D, requires_grad=True) for _ in range(3)]
+    AF.sinkhorn(*warm, n_iters=n_iters, backend=method).sum().backward()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen).requires_grad_() for _ in range(3))
+    base_kb = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    out = AF.sinkhorn(q, k, v, n_iters=n_iters, backend=method)
+    out.square().sum().backward()
+    seconds = time.perf_counter() - t0
+    peak_kb = _status_kb("VmHWM")
+    return dict(method=method, seconds=seconds, peak_extra_mb=(peak_kb - base_kb) / 1024,
+                out_checksum=float(out.detach().double().abs().sum()))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    names = [r["method"] for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((axes[0], "peak_extra_mb", "peak memory above inputs (MB)"),
+                           (axes[1], "seconds", "forward + backward (s)")):
+        vals = [r[key] for r in runs]
+        ax.bar(names, vals, color=["#999999", "#3b7dd8"])
+        ax.set_title(label)
+        for i, val in enumerate(vals):
+            ax.text(i, val, f"{val:.1f}", ha="center", va="bottom")
+    c = result["config"]
+    fig.suptitle(f"Sinkhorn CPU fp32, B={c['B']} H={c['H']} N={c['N']} D={c['D']} n_iters={c['n_iters']}, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--N", type=int, default=4096)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--n-iters", type=int, default=3)
+    ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # subprocess mode
+    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    args = ap.parse_args()
+    cfg = dict(B=args.B, H=args.H, N=args.N, D=args.D, n_iters=args.n_iters)
+    if args.one:
+        print(json.dumps(measure_one(args.one, **cfg)))
+        return
+    runs = []
+    for method in METHODS:
+        cmd = [sys.executable, __file__, "--one", method] + [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+        runs.append(json.loads(line))
+        print(runs[-1])
+    ref, fused = runs
+    result = dict(config=dict(cfg, dtype="float32", threads=1), runs=runs,
+                  memory_ratio=fused["peak_extra_mb"] / ref["peak_extra_mb"],
+                  time_ratio=fused["seconds"] / ref["seconds"],
+                  command="python benchmarks/fused_sinkhorn.py " + " ".join(sys.argv[1:]),
+                  note="shared 2-core machine; one run each; peak = VmHWM - RSS after inputs")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"fused_sinkhorn_N{args.N}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out / f"{stem}.png")
+    print(f"memory ratio {result['memory_ratio']:.3f}, time ratio {result['time_ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
