@@ -1,0 +1,288 @@
+"""Blockwise attention in plain PyTorch: the memory-efficient CPU path of the softmax family.
+
+The (Nq, Nk) score matrix is never built. Queries are cut into blocks of ``block_q`` rows and keys
+into blocks of ``block_k`` columns; each (query block, key block) pair builds its scores, uses them
+and drops them, so the largest temporary holds B*H*block_q*block_k numbers whatever N is.
+
+kinds (what turns a score block s into weights w):
+  softmax          online softmax over the key blocks (running max and sum, FlashAttention);
+                   the forward saves only the per-row log-sum-exp for the backward;
+  sigmoid          w = sigmoid(s) where s already holds the caller's bias (passed as add_b);
+  sigmoid_default  w = sigmoid(s - log n_i), n_i = keys taking part in row i;
+  relu             w = relu(s) / n_i.
+The backward recomputes every score block from q, k and the saved row statistic (lse or n_i).
+
+Masks come as ``keep`` (bool, True = take part), ``add_a`` / ``add_b`` (float, added to the
+scores; -inf = the key does not take part) and ``is_causal`` (bottom-right aligned, see
+``ops.masking.causal_keep``), all broadcastable to (B, H, Nq, Nk) and read block by block, so a
+broadcast (1, H, 1, Nk) preference vector costs nothing extra. n_i counts the keys allowed by
+keep, causal and add_a (add_b is a bias, not a mask: sigmoid's b and Fenchel's log u go there).
+
+The op is a ``torch.library.custom_op`` with a fake (meta) implementation and a registered
+autograd formula, so ``torch.compile`` treats it as one opaque node (no graph break, and no
+unrolling of the block loops into the graph).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
+# Chosen by measurement (benchmarks/fused_softmax_family.py --blocks, docs/kernels_cpu_torch.md): on
+# one core, blocks of 256 x 1024 were within a few percent of the best time at N = 1024..4096.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 1024
+
+
+class _Masks:
+    """Reads keep / add_a / add_b / causal one block at a time."""
+
+    def __init__(self, keep, add_a, add_b, is_causal, nq, nk):
+        self.keep, self.add_a, self.add_b = keep, add_a, add_b
+        self.is_causal = is_causal
+        self.nq, self.nk = nq, nk
+        self.offset = nk - nq  # key j takes part for query i when j <= i + offset
+
+    @staticmethod
+    def block(t, qs, qe, ks, ke):
+        rows = slice(qs, qe) if t.shape[2] != 1 else slice(None)
+        cols = slice(ks, ke) if t.shape[3] != 1 else slice(None)
+        return t[:, :, rows, cols]
+
+    def key_blocks(self, qs, qe, block_k):
+        """Key blocks that can hold a kept key for queries qs..qe-1 (causal blocks past the
+        diagonal are skipped: they would only hold -inf)."""
+        last = self.nk if not self.is_causal else min(self.nk, qe - 1 + self.offset + 1)
+        for ks in range(0, max(last, 0), block_k):
+            yield ks, min(ks + block_k, last)
+
+    def dropped(self, qs, qe, ks, ke, device, with_add_a=True):
+        """Bool block, True where the key does not take part (keep, causal, add_a = -inf), or None."""
+        out = None
+        if self.keep is not None:
+            out = ~self.block(self.keep, qs, qe, ks, ke)
+        if self.is_causal and ke - 1 > qs + self.offset:  # the block crosses the diagonal
+            i = torch.arange(qs, qe, device=device)[:, None]
+            j = torch.arange(ks, ke, device=device)[None, :]
+            c = j > i + self.offset
+            out = c if out is None else (out | c)
+        if with_add_a and self.add_a is not None:
+            a = self.block(self.add_a, qs, qe, ks, ke) == -math.inf
+            out = a if out is None else (out | a)
+        return out
+
+    def scores(self, q_scaled, k, qs, qe, ks, ke):
+        """s = q_scaled k^T + add_a + add_b for one block, -inf where the key does not take part."""
+        s = q_scaled @ k[:, :, ks:ke].transpose(-1, -2)
+        for add in (self.add_a, self.add_b):
+            if add is not None:
+                s = s.add_(self.block(add, qs, qe, ks, ke))  # s is a fresh (B, H, bq, bk) block
+        drop = self.dropped(qs, qe, ks, ke, s.device, with_add_a=False)  # add_a's -inf is already in s
+        if drop is not None:
+            s = s.masked_fill_(drop, -math.inf)
+        return s
+
+    def counts(self, shape, dtype, device, block_q, block_k):
+        """n_i, shape (B, H, Nq, 1): keys taking part in each row."""
+        if self.keep is None and self.add_a is None:
+            if not self.is_causal:
+                return torch.full(shape[:3] + (1,), float(self.nk), dtype=dtype, device=device)
+            i = torch.arange(self.nq, device=device, dtype=dtype)
+            n = (i + self.offset + 1).clamp(0, self.nk)
+            return n.view(1, 1, -1, 1).expand(shape[:3] + (1,)).contiguous()
+        n = torch.zeros(shape[:3] + (1,), dtype=dtype, device=device)
+        for qs in range(0, self.nq, block_q):
+            qe = min(qs + block_q, self.nq)
+            for ks, ke in self.key_blocks(qs, qe, block_k):
+                drop = self.dropped(qs, qe, ks, ke, device)
+                kept = (~drop).sum(-1, keepdim=True, dtype=dtype)
+                n[:, :, qs:qe] += kept
+        return n
+
+
+def _pointwise_weights(kind, s, n):
+    """Weights of one score block for the pointwise kinds, computed in place in s (s = -inf gives 0).
+    relu leaves out the 1/n_i factor: the callers apply it per row, which is cheaper."""
+    if kind == "relu":
+        return s.relu_()
+    if kind == "sigmoid_default":
+        s = s.sub_(torch.log(n.clamp_min(1.0)))
+    return s.sigmoid_()
+
+
+def _check_kind(kind):
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+    """Returns (out, stat): stat is the row log-sum-exp (softmax; +inf for a row with no key) or
+    n_i (pointwise kinds), shape (B, H, Nq)."""
+    _check_kind(kind)
+    B, H, nq, _ = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk)
+    out = q.new_zeros(B, H, nq, dv)
+    if kind == "softmax":
+        stat = q.new_full((B, H, nq, 1), math.inf)
+    else:
+        stat = masks.counts((B, H, nq, nk), q.dtype, q.device, block_q, block_k)
+    for qs in range(0, nq, block_q):
+        qe = min(qs + block_q, nq)
+        qb = q[:, :, qs:qe] * scale
+        if kind == "softmax":
+            row_max = q.new_full((B, H, qe - qs, 1), -math.inf)
+            row_sum = q.new_zeros(B, H, qe - qs, 1)
+        acc = q.new_zeros(B, H, qe - qs, dv)
+        for ks, ke in masks.key_blocks(qs, qe, block_k):
+            s = masks.scores(qb, k, qs, qe, ks, ke)
+            if kind == "softmax":
+                new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+                safe_max = torch.where(new_max > -math.inf, new_max, torch.zeros_like(new_max))
+                p = s.sub_(safe_max).exp_()
+                rescale = torch.exp(row_max - safe_max)
+                row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+                acc = acc.mul_(rescale).add_(p @ v[:, :, ks:ke])
+                row_max = new_max
+            else:
+                acc = acc.add_(_pointwise_weights(kind, s, stat[:, :, qs:qe]) @ v[:, :, ks:ke])
+        if kind == "softmax":
+            nonempty = row_sum > 0
+            total = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
+            out[:, :, qs:qe] = acc / total
+            stat[:, :, qs:qe] = torch.where(nonempty, row_max + torch.log(total), stat[:, :, qs:qe])
+        elif kind == "relu":
+            out[:, :, qs:qe] = acc / stat[:, :, qs:qe].clamp_min(1.0)
+        else:
+            out[:, :, qs:qe] = acc
+    return out, stat.squeeze(-1)
+
+
+def _accumulate(grad, ds, qs, qe, ks, ke):
+    """Add a score-gradient block into the gradient of a broadcast additive tensor."""
+    dims = [d for d in range(4) if grad.shape[d] == 1 and ds.shape[d] != 1]
+    _Masks.block(grad, qs, qe, ks, ke).add_(ds.sum(dim=dims, keepdim=True) if dims else ds)
+
+
+def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+    """Gradients (dq, dk, dv, d_add_a, d_add_b); a missing add gets an empty tensor."""
+    _check_kind(kind)
+    B, H, nq, _ = q.shape
+    nk = k.shape[2]
+    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk)
+    grad_out = grad_out.to(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_adds = [torch.zeros_like(a) if a is not None else q.new_empty(0) for a in (add_a, add_b)]
+    stat = stat.unsqueeze(-1)
+    for qs in range(0, nq, block_q):
+        qe = min(qs + block_q, nq)
+        qb = q[:, :, qs:qe] * scale
+        do = grad_out[:, :, qs:qe]
+        if kind == "softmax":
+            lse = stat[:, :, qs:qe]
+            delta = (do * out[:, :, qs:qe]).sum(-1, keepdim=True)
+        elif kind == "relu":
+            do = do / stat[:, :, qs:qe].clamp_min(1.0)  # w = relu(s) / n_i: fold 1/n_i into the rows of dO
+        dqb = torch.zeros_like(qb)
+        for ks, ke in masks.key_blocks(qs, qe, block_k):
+            s = masks.scores(qb, k, qs, qe, ks, ke)
+            vb = v[:, :, ks:ke]
+            ds = do @ vb.transpose(-1, -2)  # dL/dw, turned into dL/ds in place below
+            if kind == "softmax":
+                w = s.sub_(lse).exp_()  # lse = +inf on empty rows: w = 0 there
+                ds = ds.sub_(delta).mul_(w)
+            else:
+                w = _pointwise_weights(kind, s, stat[:, :, qs:qe])
+                # aten's fused backward kernels: one pass over the block instead of three
+                if kind == "relu":
+                    ds = torch.ops.aten.threshold_backward(ds, w, 0.0)  # ds where w > 0, else 0
+                else:
+                    ds = torch.ops.aten.sigmoid_backward(ds, w)  # ds * w * (1 - w)
+            dv[:, :, ks:ke] += w.transpose(-1, -2) @ do
+            dqb += ds @ k[:, :, ks:ke]
+            dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
+            for add, d_add in zip((add_a, add_b), d_adds):
+                if add is not None:
+                    _accumulate(d_add, ds, qs, qe, ks, ke)
+        dq[:, :, qs:qe] = dqb * scale
+    return dq, dk, dv, d_adds[0], d_adds[1]
+
+
+# --- the custom op: opaque to torch.compile, with fake shapes and an autograd formula ------------
+
+@torch.library.custom_op("attnzoo::blockwise_attention", mutates_args=())
+def _blockwise_op(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], add_a: Optional[Tensor],
+                  add_b: Optional[Tensor], kind: str, scale: float, is_causal: bool, block_q: int,
+                  block_k: int) -> tuple[Tensor, Tensor]:
+    return forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k)
+
+
+@_blockwise_op.register_fake
+def _(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+    B, H, nq, _ = q.shape
+    return q.new_empty(B, H, nq, v.shape[3]), q.new_empty(B, H, nq)
+
+
+@torch.library.custom_op("attnzoo::blockwise_attention_backward", mutates_args=())
+def _blockwise_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stat: Tensor,
+                           keep: Optional[Tensor], add_a: Optional[Tensor], add_b: Optional[Tensor],
+                           kind: str, scale: float, is_causal: bool, block_q: int,
+                           block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal,
+                         block_q, block_k)
+
+
+@_blockwise_backward_op.register_fake
+def _(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(add_a) if add_a is not None else q.new_empty(0),
+            torch.empty_like(add_b) if add_b is not None else q.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], keep, add_a, add_b)
+    ctx.config = (kind, scale, is_causal, block_q, block_k)
+
+
+def _backward(ctx, grad_out, _grad_stat):
+    q, k, v, out, stat, keep, add_a, add_b = ctx.saved_tensors
+    dq, dk, dv, da, db = _blockwise_backward_op(grad_out.contiguous(), q, k, v, out, stat, keep, add_a, add_b,
+                                                *ctx.config)
+    return (dq, dk, dv, None, da if add_a is not None else None, db if add_b is not None else None,
+            None, None, None, None, None)
+
+
+_blockwise_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _as4d(t):
+    return None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+
+
+def blockwise_attention(q, k, v, *, kind: str, scale: float, is_causal: bool = False, keep=None, add_a=None,
+                        add_b=None, block_q: Optional[int] = None, block_k: Optional[int] = None) -> Tensor:
+    """Blockwise attention (see the module docstring). Half-precision inputs are computed in
+    float32, like the references; float32 and float64 stay as they are."""
+    _check_kind(kind)
+    out_dtype = q.dtype
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    q, k, v = (t.to(work) for t in (q, k, v))
+    add_a, add_b = (None if a is None else _as4d(a).to(work) for a in (add_a, add_b))
+    keep = _as4d(keep)
+    out, _ = _blockwise_op(q, k, v, keep, add_a, add_b, kind, float(scale), bool(is_causal),
+                           int(block_q or DEFAULT_BLOCK_Q), int(block_k or DEFAULT_BLOCK_K))
+    return out.to(out_dtype)
+
+
+def split_attn_mask(attn_mask):
+    """SDPA-style attn_mask -> (keep, add): a bool mask selects keys, a float one is added
+    (its -inf entries drop keys inside the op, block by block)."""
+    if attn_mask is None:
+        return None, None
+    if attn_mask.dtype == torch.bool:
+        return attn_mask, None
+    return None, attn_mask
