@@ -91,10 +91,11 @@ def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str):
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs use exact fp32 products unless the user allowed TF32 for matmuls."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    """fp32 inputs use exact fp32 products unless the user allowed TF32 for matmuls; fp16/bf16
+    operands go to the tensor cores whatever this says (it only governs fp32 operands)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 def kernel_mask(attn_mask, B, H, nq, nk):
