@@ -79,9 +79,13 @@ def _run(kernel: AttentionLayer, target_scale: bool, module, query, key, value, 
     else:
         is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     tokens = getattr(kernel, "_tokens", None)
+    # HF has separate classes for cross-attention (BertCrossAttention) or flags it on the module
+    self_attention = (query.shape[-2] == key.shape[-2] and "Cross" not in type(module).__name__
+                      and not getattr(module, "is_cross_attention", False))
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=is_causal,
                      dropout_p=dropout if module.training else 0.0,
-                     scale=scaling if (target_scale and scaling is not None) else None, x=tokens)
+                     scale=scaling if (target_scale and scaling is not None) else None, x=tokens,
+                     self_attention=self_attention)
     return out.transpose(1, 2).contiguous(), None
 
 

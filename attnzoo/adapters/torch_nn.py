@@ -36,11 +36,13 @@ class SwappedMultiheadAttention(MultiheadAttention):
         self.variant_layer = kernel_layer(target, self.kdim, num_heads, self.head_dim,
                                           device=self.out_proj.weight.device, dtype=self.out_proj.weight.dtype)
         self._key_tokens: Optional[torch.Tensor] = None
+        self._self_attention = False
 
     def forward(self, query, key, value, *args, **kwargs):
         # Fenchel's context preference reads the key tokens, batch-first
         tokens = key if key.dim() == 2 else (key if self.batch_first else key.transpose(0, 1))
         self._key_tokens = tokens.unsqueeze(0) if key.dim() == 2 else tokens
+        self._self_attention = query is key
         try:
             return super().forward(query, key, value, *args, **kwargs)
         finally:
@@ -48,7 +50,7 @@ class SwappedMultiheadAttention(MultiheadAttention):
 
     def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
         return run_kernel(self.variant_layer, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                          dropout_p=dropout_p, x=self._key_tokens)
+                          dropout_p=dropout_p, x=self._key_tokens, self_attention=self._self_attention)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
