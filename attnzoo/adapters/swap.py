@@ -92,7 +92,8 @@ def _plan(model, spec, include, exclude, strict, variant_kwargs, dry_run):
         if filters.selected(name, include, exclude)[0]:
             report.entries.append(SwapEntry(name, "unsupported", type(module).__name__,
                                             reason=_unsupported_reason(module, None)))
-    _complain(report, strict)
+    if not dry_run:  # a dry run only reports
+        _complain(report, strict)
     return report, changes
 
 
@@ -121,7 +122,7 @@ def swap(model: nn.Module, spec: str, *, include=None, exclude=None, strict: boo
     include / exclude: glob or regex patterns (or lists of them) on module names, e.g.
         ``include="blocks.11.*"`` swaps only the last block of a 12-block ViT.
     strict: raise ValueError (before changing anything) if a selected attention module is unsupported
-        or nothing matched; default False warns and lists them in the report.
+        or nothing matched; default False warns and lists them in the report (a dry run only reports).
     """
     report, changes = _plan(model, spec, include, exclude, strict, variant_kwargs, dry_run)
     if dry_run:
