@@ -1,6 +1,7 @@
 """Streaming CPU Sinkhorn vs the eager reference: peak memory and time of forward + backward.
 
     .venv/bin/python benchmarks/fused_sinkhorn.py            # B=1 H=4 D=64 N=4096 n_iters=3, fp32, 1 thread
+    .venv/bin/python benchmarks/fused_sinkhorn.py --sweep 128 512 1024 2048   # where "cpu" starts to pay
 
 Each measurement runs in a fresh subprocess (so one method's allocator cache cannot hide the
 other's peak): peak memory = the process's high-water RSS (VmHWM) minus its RSS once the inputs
@@ -72,6 +73,44 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_pair(cfg: dict) -> dict:
+    runs = []
+    for method in METHODS:
+        cmd = [sys.executable, __file__, "--one", method] + [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+        runs.append(json.loads(line))
+        print(runs[-1], flush=True)
+    ref, fused = runs
+    return dict(config=dict(cfg, dtype="float32", threads=1), runs=runs,
+                memory_ratio=fused["peak_extra_mb"] / ref["peak_extra_mb"],
+                time_ratio=fused["seconds"] / ref["seconds"],
+                command="python benchmarks/fused_sinkhorn.py " + " ".join(sys.argv[1:]),
+                note="shared 2-core machine; one run each; peak = VmHWM - RSS after inputs")
+
+
+def plot_sweep(results: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["config"]["N"] for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((axes[0], "peak_extra_mb", "peak memory above inputs (MB)"),
+                           (axes[1], "seconds", "forward + backward (s)")):
+        for i, method in enumerate(METHODS):
+            ax.plot(ns, [r["runs"][i][key] for r in results], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N")
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle("Sinkhorn CPU fp32, B=1 H=4 D=64 n_iters=3, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--B", type=int, default=1)
@@ -79,6 +118,7 @@ def main() -> None:
     ap.add_argument("--N", type=int, default=4096)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--n-iters", type=int, default=3)
+    ap.add_argument("--sweep", type=int, nargs="+", help="several N: a sweep JSON + plot instead")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # subprocess mode
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args()
@@ -86,20 +126,15 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure_one(args.one, **cfg)))
         return
-    runs = []
-    for method in METHODS:
-        cmd = [sys.executable, __file__, "--one", method] + [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
-        runs.append(json.loads(line))
-        print(runs[-1])
-    ref, fused = runs
-    result = dict(config=dict(cfg, dtype="float32", threads=1), runs=runs,
-                  memory_ratio=fused["peak_extra_mb"] / ref["peak_extra_mb"],
-                  time_ratio=fused["seconds"] / ref["seconds"],
-                  command="python benchmarks/fused_sinkhorn.py " + " ".join(sys.argv[1:]),
-                  note="shared 2-core machine; one run each; peak = VmHWM - RSS after inputs")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        results = [run_pair(dict(cfg, N=n)) for n in args.sweep]
+        (args.out / "fused_sinkhorn_sweep.json").write_text(json.dumps(results, indent=2) + "\n")
+        plot_sweep(results, args.out / "fused_sinkhorn_sweep.png")
+        for r in results:
+            print(f"N={r['config']['N']}: memory ratio {r['memory_ratio']:.3f}, time ratio {r['time_ratio']:.3f}")
+        return
+    result = run_pair(cfg)
     stem = f"fused_sinkhorn_N{args.N}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / f"{stem}.png")

@@ -1,8 +1,10 @@
 """Fused Sinkhorn backends register here (imported by attnzoo.functional after the references).
 
-- "cpu": blockwise PyTorch (ops/sinkhorn/cpu.py), O(N) memory, unrolled backward; auto on CPU
-  (benchmarks/fused_sinkhorn.py: at N=4096 it uses a small fraction of the reference's memory and is
-  faster; on small problems one tile covers everything and it costs about what the reference does).
+- "cpu": blockwise PyTorch (ops/sinkhorn/cpu.py), O(N) memory, unrolled backward; auto on CPU from
+  Nq * Nk >= 2^21 on (and for every causal call). benchmarks/fused_sinkhorn.py --sweep measured the
+  forward + backward time against the reference's (1 thread): about equal at N=128, 2-3.5x slower at
+  N=512-1024 (its 2 n_iters + 3 passes recompute the logits), faster from N=2048 on, while its memory
+  is always lower (1/10 at N=2048, 1/29 at N=4096).
 - "triton": the same passes as Triton kernels (ops/sinkhorn/triton.py); auto on CUDA only.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 from .dispatch import register_backend
 from .sinkhorn import cpu
@@ -36,6 +39,22 @@ def _triton_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
     return sinkhorn_triton.unsupported_reason(q, attn_mask, dropout_p)
 
 
+AUTO_MIN_LOGITS = 1 << 21  # Nq * Nk per head from which the streaming CPU path is also faster
+
+
+def _cpu_auto_prefers(q, k, v, is_causal=False, **_):
+    """Consulted by auto only (naming "cpu" always runs it)."""
+    if not is_causal and q.shape[-2] * k.shape[-2] < AUTO_MIN_LOGITS:
+        return (f"Nq * Nk = {q.shape[-2] * k.shape[-2]} < {AUTO_MIN_LOGITS}: the eager reference was measured "
+                "faster at this size (benchmarks/fused_sinkhorn.py --sweep); name backend='cpu' for O(N) memory")
+    return None
+
+
+# auto_prefers (a dispatcher hook consulted by auto only) is passed when this dispatcher has it
+_AUTO_HOOK = ({"auto_prefers": _cpu_auto_prefers}
+              if "auto_prefers" in inspect.signature(register_backend).parameters else {})
+
+
 def _backend(fn, grad_mode):
     @functools.wraps(fn)
     def run(q, k, v, *, attn_mask, is_causal, scale, dropout_p, n_iters=3, eps=1.0, cost="l2"):
@@ -45,7 +64,7 @@ def _backend(fn, grad_mode):
 
 
 register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled"), _cpu_supports, priority=10,
-                 auto_devices=("cpu",),
+                 auto_devices=("cpu",), **_AUTO_HOOK,
                  description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
 register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"), _cpu_supports,
                  priority=1, auto_devices=(),

@@ -42,6 +42,19 @@ class TorchEngine:
         """Yield (query slice, key slice, logits tile (B, H, bq, bk) with -inf where masked)."""
         bq, bk = self._block_sizes(p)
         nq, nk = p.q.shape[-2], p.k.shape[-2]
+        if nq <= bq and nk <= bk:
+            # one tile covers the problem: keep it for the passes of this forward (or backward)
+            # instead of recomputing it 2 n_iters + 1 times; it is no larger than any tile
+            cached = getattr(p, "_single_tile", None)
+            if cached is None:
+                cached = next(self._compute_tiles(p, bq, bk))
+                p._single_tile = cached
+            yield cached
+            return
+        yield from self._compute_tiles(p, bq, bk)
+
+    def _compute_tiles(self, p: Problem, bq: int, bk: int):
+        nq, nk = p.q.shape[-2], p.k.shape[-2]
         a = p.logit_scale
         for i0 in range(0, nq, bq):
             qs = slice(i0, min(i0 + bq, nq))

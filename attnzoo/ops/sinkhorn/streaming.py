@@ -36,6 +36,7 @@ because every prefix has its own potentials.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,14 +109,30 @@ def _adjoint_implicit(engine, p, g, lse, dg):
     f = -lse  # row potential of the final plan: P_ij = exp(L_ij + f_i + g_j)
     w_g = torch.zeros_like(dg)
     w_f = torch.zeros_like(f)
+    # g is only defined up to a constant (g + t gives the same P): that direction has eigenvalue 1 in
+    # the series, exactly balanced at the fixed point, slowly drifting off it. Removing the mean of dg
+    # over the keys that carry mass is exact at the fixed point and keeps the series contracting.
+    active = (engine.wsum_cols(p, f, g, torch.ones_like(f)) > 0).to(dg.dtype)
+    n_active = active.sum(-1, keepdim=True).clamp_min(1.0)
+    center = lambda x: x - active * (x * active).sum(-1, keepdim=True) / n_active
+    dg = center(dg)
     start, tol = dg.norm(), IMPLICIT_TOL[dg.dtype]
     for _ in range(IMPLICIT_MAX_ITERS):
         df = -engine.wsum_rows(p, f, g - c, dg)
         w_g = w_g + dg
         w_f = w_f + df
-        dg = -engine.wsum_cols(p, f, g, df)
-        if dg.norm() <= tol * start:
+        dg = center(-engine.wsum_cols(p, f, g, df))
+        size = dg.norm()
+        if size <= tol * start:
             break
+        if size > 10 * start:  # P^T P e^{-c} has spectral radius > 1 when the forward is far from converged
+            warnings.warn("Sinkhorn implicit backward: the adjoint series diverges (the forward is far from its "
+                          "fixed point: raise n_iters or use grad_mode='unrolled')", RuntimeWarning, stacklevel=2)
+            break
+    else:
+        warnings.warn(f"Sinkhorn implicit backward: the adjoint series did not converge in {IMPLICIT_MAX_ITERS} "
+                      "terms (eps too small or the forward far from its fixed point); use grad_mode='unrolled'",
+                      RuntimeWarning, stacklevel=2)
     return f[None], (g - c)[None], g[None], w_g[None], w_f[None]
 
 
