@@ -17,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo.functional as AF
 from attnzoo.ops.ot import cpu as ot_cpu
+from attnzoo.ops.ot import tiles as ot_tiles
+from attnzoo.ops.ot.factorised import ot_terms
 
 from . import formulas as FM
 
@@ -53,11 +55,11 @@ def _mask(kind, nq, nk):
     return None
 
 
-def _inputs(nq, nk, n_templates, with_log_u, dtype):
-    def t(*shape):
-        return torch.randn(*shape, dtype=dtype, requires_grad=True)
-    q, k, v = t(B, H, nq, D), t(B, H, nk, D), t(B, H, nk, DV)
-    tk, tv = (t(B, H, n_templates, D), t(B, H, n_templates, DV)) if n_templates else (None, None)
+def _inputs(nq, nk, n_templates, with_log_u, dtype, mag=1.0):
+    def t(*shape, mag=1.0):
+        return (mag * torch.randn(*shape, dtype=dtype)).requires_grad_()
+    q, k, v = t(B, H, nq, D, mag=mag), t(B, H, nk, D, mag=mag), t(B, H, nk, DV)
+    tk, tv = (t(B, H, n_templates, D, mag=mag), t(B, H, n_templates, DV)) if n_templates else (None, None)
     log_u = t(B, H, nk) if with_log_u else None
     return q, k, v, tk, tv, log_u
 
@@ -69,8 +71,8 @@ def _expected(q, k, v, tk, tv, log_u, mask, causal, scale, alpha):
                  tk=d(tk), tv=d(tv))
 
 
-def _check(backend, causal, nq, nk, n_templates, mask_kind, with_log_u, dtype, tol):
-    q, k, v, tk, tv, log_u = _inputs(nq, nk, n_templates, with_log_u, dtype)
+def _check(backend, causal, nq, nk, n_templates, mask_kind, with_log_u, dtype, tol, mag=1.0):
+    q, k, v, tk, tv, log_u = _inputs(nq, nk, n_templates, with_log_u, dtype, mag)
     mask = _mask(mask_kind, nq, nk)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
@@ -95,10 +97,30 @@ def test_cpu_matches_eq22(causal, nq, nk, n_templates, mask, log_u):
     _check("cpu", causal, nq, nk, n_templates, mask, log_u, torch.float64, 1e-9)
 
 
-def test_cpu_tiles_smaller_than_a_row(monkeypatch):
-    # one (i, j) pair per tile exercises every block boundary of the CPU loops
-    monkeypatch.setattr(ot_cpu, "TILE_ELEMENTS", 1)
-    _check("cpu", True, 6, 5, 2, "key_bool", True, torch.float64, 1e-9)
+def _all_pairs_to_tiles(monkeypatch, tile_elements):
+    """Send every (i, j) pair of the CPU path to its exact blockwise fallback (tiles.py)."""
+    monkeypatch.setattr(ot_cpu, "SAFE_NORMALISER", {torch.float32: math.inf, torch.float64: math.inf})
+    monkeypatch.setattr(ot_tiles, "TILE_ELEMENTS", tile_elements)
+
+
+def test_cpu_large_logits_mix_matmul_and_exact_pairs():
+    # logits of a few hundred: the matmul path cannot resolve some (i, j) pairs in floating point
+    # and hands them to the exact tiles; together they must still be eq (22) to float64 accuracy
+    torch.manual_seed(0)
+    q, k, _, tk, _, _ = _inputs(7, 7, 3, False, torch.float64, mag=15.0)
+    c, g, _ = ot_terms(q, k, attn_mask=None, is_causal=False, alpha=1.3, gamma=1 / 0.7, log_u=None, templates_k=tk)
+    share = ot_cpu._parts(c, g)[3].double().mean().item()
+    assert 0.05 < share < 0.95, share
+    torch.manual_seed(0)
+    _check("cpu", False, 7, 7, 3, None, False, torch.float64, 1e-9, mag=15.0)
+
+
+@pytest.mark.parametrize("tile_elements", [1, 40, 10**6])
+@pytest.mark.parametrize("causal,nq,nk,n_templates,mask,log_u", [CPU_CASES[4], CPU_CASES[6]])
+def test_cpu_blockwise_fallback_matches_eq22(monkeypatch, tile_elements, causal, nq, nk, n_templates, mask, log_u):
+    # tile_elements=1: one (i, j) pair per tile, every block boundary of the loops is crossed
+    _all_pairs_to_tiles(monkeypatch, tile_elements)
+    _check("cpu", causal, nq, nk, n_templates, mask, log_u, torch.float64, 1e-9)
 
 
 @pytest.mark.parametrize("causal,nq,nk,n_templates,mask,log_u", TRITON_CASES)
@@ -150,10 +172,11 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_cpu_never_allocates_the_cube(monkeypatch, causal):
-    monkeypatch.setattr(ot_cpu, "TILE_ELEMENTS", 256)
-    nq, nk, m = 24, 16, 16
+@pytest.mark.parametrize("causal,tiles", [(False, False), (True, False), (True, True)])
+def test_cpu_never_allocates_the_cube(monkeypatch, causal, tiles):
+    if tiles:
+        _all_pairs_to_tiles(monkeypatch, 1024)
+    nq, nk, m = 16, 12, 20
     q, k, v, tk, tv, log_u = _inputs(nq, nk, m, True, torch.float32)
     mask = torch.ones(B, 1, 1, nk, dtype=torch.bool)
     with _LargestTensor() as mode:
@@ -161,8 +184,8 @@ def test_cpu_never_allocates_the_cube(monkeypatch, causal):
                     backend="cpu")
         out.sum().backward()
     na = nk + m
-    # the query term C (Nq x |A|) and the Gram term G (Nk x |A|) are the largest; the reference's
-    # (B, H, Nq, Nk, |A|) cube is 16x bigger here
+    # the query term C (Nq x |A|) and the Gram term G (Nk x |A|) are the largest (u and the pair
+    # normalisers are Nq x Nk <= Nq x |A|); the reference's (B, H, Nq, Nk, |A|) cube is 16x bigger here
     assert mode.largest <= B * H * max(nq, nk) * na < B * H * nq * nk * na // 8
 
 

@@ -43,41 +43,48 @@ def _key_weights(attn_mask, nk, dtype):
     return (None if weight is None else weight.transpose(-1, -2)), keep
 
 
+def _causal_count(keep, nq, nk, dtype, device):
+    """n_i = kept keys among 0 .. i + (nk - nq), shape broadcastable to (..., nq, 1)."""
+    last = torch.arange(nq, device=device) + (nk - nq)
+    if keep is None:
+        return (last + 1).clamp_min(0).to(dtype)[:, None]
+    prefix = keep.to(dtype).cumsum(-1).transpose(-1, -2)                  # (b, h, Nk, 1)
+    return prefix[..., last.clamp_min(0), :] * (last >= 0).to(dtype)[:, None]
+
+
+def _causal_numerator(causal_product, fq, fk, v):
+    """fq_i^T sum_{j <= i + nk - nq} fk_j v_j^T (bottom-right causal), zeros for rows seeing no key."""
+    nq, nk = fq.shape[-2], fk.shape[-2]
+    off = nk - nq
+    if off >= 0:
+        s0 = fk[..., :off, :].transpose(-1, -2) @ v[..., :off, :]
+        return causal_product(fq, fk[..., off:, :], v[..., off:, :], s0)
+    s0 = fk.new_zeros(fk.shape[:-2] + (fk.shape[-1], v.shape[-1]))
+    tail = causal_product(fq[..., -off:, :], fk, v, s0)
+    return torch.cat([tail.new_zeros(tail.shape[:-2] + (-off, tail.shape[-1])), tail], dim=-2)
+
+
 def linear_attention_factorised(causal_product, q, k, v, *, attn_mask=None, is_causal=False, scale=1.0,
                                 feature_map="elu"):
     (q, k, v), out_dtype = upcast(q, k, v)
     phi = feature_map_fn(feature_map)
     fq, fk = phi(q * scale), phi(k)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
-    normalised = feature_map != "identity"
     weight, keep = _key_weights(attn_mask, nk, q.dtype)
     if weight is not None:
         fk = fk * weight
-    if normalised:   # the ones column turns the numerator product into the denominator too
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-
+    if feature_map != "identity":
+        if not is_causal:   # two matmuls, and a matrix-vector product for the normaliser
+            out = (fq @ (fk.transpose(-1, -2) @ v)) / (fq @ fk.sum(-2).unsqueeze(-1) + EPS)
+        else:               # the ones column turns the numerator product into the denominator too
+            num = _causal_numerator(causal_product, fq, fk, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
+            out = num[..., :dv] / (num[..., dv:] + EPS)
+        return out.to(out_dtype)
     if not is_causal:
         num = fq @ (fk.transpose(-1, -2) @ v)
-        count = torch.tensor(float(nk), dtype=q.dtype) if keep is None else keep.sum(-1, keepdim=True).to(q.dtype)
-        count = count.transpose(-1, -2) if keep is not None else count
+        count = (torch.tensor(float(nk), dtype=q.dtype, device=q.device) if keep is None
+                 else keep.sum(-1, keepdim=True).to(q.dtype).transpose(-1, -2))
     else:
-        off = nk - nq
-        if off >= 0:
-            s0 = fk[..., :off, :].transpose(-1, -2) @ v[..., :off, :]
-            num = causal_product(fq, fk[..., off:, :], v[..., off:, :], s0)
-        else:
-            s0 = fk.new_zeros(fk.shape[:-2] + (fk.shape[-1], v.shape[-1]))
-            tail = causal_product(fq[..., -off:, :], fk, v, s0)
-            num = torch.cat([tail.new_zeros(tail.shape[:-2] + (-off, tail.shape[-1])), tail], dim=-2)
-        # keys visible to query i: 0 .. i + off
-        last = torch.arange(nq, device=q.device) + off
-        if keep is None:
-            count = (last + 1).clamp_min(0).to(q.dtype)[:, None]
-        else:
-            prefix = keep.to(q.dtype).cumsum(-1).transpose(-1, -2)          # (b, h, Nk, 1)
-            count = prefix[..., last.clamp_min(0), :] * (last >= 0).to(q.dtype)[:, None]
-    if normalised:
-        out = num[..., :dv] / (num[..., dv:] + EPS)
-    else:
-        out = num / count.clamp_min(1.0)
-    return out.to(out_dtype)
+        num = _causal_numerator(causal_product, fq, fk, v)
+        count = _causal_count(keep, nq, nk, q.dtype, q.device)
+    return (num / count.clamp_min(1.0)).to(out_dtype)

@@ -1,100 +1,75 @@
-"""Blockwise OT attention for CPU: W_it = sum_j u_ij softmax_t(C_it + G_jt) tile by tile.
+"""OT attention for CPU: the transport weights as matmuls, exact tiles where floating point needs them.
 
-A tile is (queries i0:i1) x (input templates j0:j1) x (all of A): the softmax over A belongs to
-one (i, j) pair, so with A whole in the tile it is an ordinary max-shifted softmax and no running
-logsumexp is needed (the Triton kernel, whose tiles must be small, streams over A instead). The
-tile size is capped by ``TILE_ELEMENTS`` so the largest temporary does not depend on Nq * Nk.
-The backward recomputes each tile's softmax (nothing per (i, j, t) is stored):
+exp(C_it + G_jt) separates into exp(C_it - mc_i) * exp(G_jt - mg_j) * const_ij (mc_i, mg_j row
+maxima), so with ec = exp(C - mc), eg = exp(G - mg) every sum over the template set is a matmul:
 
-    g_ij = sum_t P_ijt dW_it,   dL_ijt = u_ij P_ijt (dW_it - g_ij),
-    dC_it = sum_j dL_ijt,       dG_jt = sum_i dL_ijt,       du_ij = g_ij.
+    s_ij = sum_t ec_it eg_jt                    (softmax normaliser of pair (i, j), up to const_ij)
+    W    = ec * ((u / s) @ eg)
+    g_ij = ((ec * dW) @ eg^T)_ij / s_ij         (= du_ij = sum_t P_ijt dW_it)
+    dC   = dW * W - ec * ((u g / s) @ eg)
+    dG   = eg * ((u / s)^T @ (ec * dW) - (u g / s)^T @ ec)
+
+O(Nq Nk |A|) multiply-adds at matmul speed and O((Nq + Nk)|A| + Nq Nk) memory: the Gram term G is
+query-independent and enters only through eg. The shift by the two row maxima is exact unless the
+best template for pair (i, j) scores far below mc_i + mg_j; then s_ij underflows and loses digits.
+Such pairs (s_ij below ``SAFE_NORMALISER``, e.g. with huge logits) are recomputed with an ordinary
+per-pair max-shifted softmax by the exact blockwise path (tiles.py), which never forms the
+(Nq, Nk, |A|) tensor either and skips every tile without such a pair.
 """
 from __future__ import annotations
 
 import torch
 
 from .factorised import ot_attention_factorised
+from .tiles import transport_weights_tiles
 
-TILE_ELEMENTS = 1 << 21   # 8 MB of float32 per (i, j, t) tile
-
-
-def _blocks(nq, nk, na, tile_elements):
-    per_pair = max(1, tile_elements // na)
-    bj = min(nk, per_pair)
-    bi = min(nq, max(1, per_pair // bj))
-    return bi, bj
+# s_ij >= this (about 2^-90 in fp32, 2^-900 in fp64) keeps every term that matters normal
+SAFE_NORMALISER = {torch.float32: 2.0 ** -90, torch.float64: 2.0 ** -900}
 
 
-def _tile_softmax(c_blk, g_blk):
-    """P (bi, bj, A) = softmax over A of c_i + g_j, all-zero where every template is removed."""
-    p = c_blk.unsqueeze(1) + g_blk.unsqueeze(0)
-    m = p.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p.sub_(m).exp_()
-    s = p.sum(-1, keepdim=True)
-    p.div_(torch.where(s > 0, s, torch.ones_like(s)))
-    return p
+def _parts(c, g):
+    mc = c.amax(-1, keepdim=True)
+    mc = torch.where(torch.isfinite(mc), mc, torch.zeros_like(mc))
+    ec = torch.exp(c - mc)                                         # 0 for removed templates
+    eg = torch.exp(g - g.amax(-1, keepdim=True))
+    s = ec @ eg.transpose(-1, -2)
+    empty = (ec == 0).all(-1, keepdim=True)                        # query i has no template: P = 0
+    resolved = (s > SAFE_NORMALISER.get(c.dtype, 2.0 ** -90)) | empty
+    inv = torch.where(resolved & ~empty, 1.0 / torch.where(resolved & ~empty, s, torch.ones_like(s)),
+                      torch.zeros_like(s))
+    return ec, eg, inv, ~resolved
 
 
-def _flat(c, g, u):
-    lead = c.shape[:-2]
-    return c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-2:]), u.reshape((-1,) + u.shape[-2:]), lead
+class _TransportWeightsGemm(torch.autograd.Function):
+    """The matmul part over the resolved pairs (the caller adds the rest from tiles.py)."""
 
-
-class _TransportWeights(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, c, g, u, tile_elements):
-        cf, gf, uf, lead = _flat(c, g, u)
-        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-        bi, bj = _blocks(nq, nk, na, tile_elements)
-        w = torch.zeros_like(cf)
-        per_query_u = uf.shape[1] != 1
-        for b in range(cf.shape[0]):
-            for i0 in range(0, nq, bi):
-                i1 = min(nq, i0 + bi)
-                for j0 in range(0, nk, bj):
-                    j1 = min(nk, j0 + bj)
-                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                    ub = (uf[b, i0:i1, j0:j1] if per_query_u else uf[b, :, j0:j1].expand(i1 - i0, -1))
-                    w[b, i0:i1] += (ub.unsqueeze(1) @ p).squeeze(1)
+    def forward(ctx, c, g, u):
+        ec, eg, inv, unresolved = _parts(c, g)
         ctx.save_for_backward(c, g, u)
-        ctx.tile_elements = tile_elements
-        return w.reshape(lead + w.shape[-2:])
+        ctx.mark_non_differentiable(unresolved)
+        return ec * ((u * inv) @ eg), unresolved
 
     @staticmethod
-    def backward(ctx, dw):
+    def backward(ctx, dw, _):
         c, g, u = ctx.saved_tensors
-        cf, gf, uf, lead = _flat(c, g, u)
-        dwf = dw.reshape(cf.shape)
-        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-        bi, bj = _blocks(nq, nk, na, ctx.tile_elements)
-        dc, dg, du = torch.zeros_like(cf), torch.zeros_like(gf), torch.zeros_like(uf)
-        per_query_u = uf.shape[1] != 1
-        for b in range(cf.shape[0]):
-            for i0 in range(0, nq, bi):
-                i1 = min(nq, i0 + bi)
-                dw_blk = dwf[b, i0:i1].unsqueeze(1)                        # (bi, 1, A)
-                for j0 in range(0, nk, bj):
-                    j1 = min(nk, j0 + bj)
-                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                    ub = (uf[b, i0:i1, j0:j1] if per_query_u else uf[b, :, j0:j1].expand(i1 - i0, -1))
-                    dl = p * dw_blk
-                    gij = dl.sum(-1, keepdim=True)                          # (bi, bj, 1)
-                    dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
-                    dc[b, i0:i1] += dl.sum(1)
-                    dg[b, j0:j1] += dl.sum(0)
-                    if per_query_u:
-                        du[b, i0:i1, j0:j1] = gij.squeeze(-1)
-                    else:
-                        du[b, 0, j0:j1] += gij.squeeze(-1).sum(0)
-        return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape), None
+        ec, eg, inv, _ = _parts(c, g)
+        ecdw = ec * dw
+        gij = (ecdw @ eg.transpose(-1, -2)) * inv
+        coef, coef_g = u * inv, u * gij * inv
+        w = ec * (coef @ eg)
+        dc = dw * w - ec * (coef_g @ eg)
+        dg = eg * (coef.transpose(-1, -2) @ ecdw - coef_g.transpose(-1, -2) @ ec)
+        du = gij.sum(-2, keepdim=True) if u.shape[-2] == 1 else gij
+        return dc, dg, du
 
 
-def transport_weights(c, g, u, tile_elements=None):
-    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt); u is (..., Nq or 1, Nk).
-    ``tile_elements`` caps the (i, j, t) tile (default: the module's TILE_ELEMENTS, read per call)."""
-    tile_elements = TILE_ELEMENTS if tile_elements is None else int(tile_elements)
-    return _TransportWeights.apply(c.contiguous(), g.contiguous(), u.contiguous(), tile_elements)
+def transport_weights(c, g, u):
+    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt); u is (..., Nq or 1, Nk)."""
+    w, unresolved = _TransportWeightsGemm.apply(c, g, u)
+    if bool(unresolved.any()):
+        w = w + transport_weights_tiles(c, g, u, active=unresolved)
+    return w
 
 
 def ot_attention_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, alpha=1.0, gamma=None, log_u=None,
@@ -102,6 +77,3 @@ def ot_attention_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, alpha=1
     return ot_attention_factorised(transport_weights, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                    scale=scale, alpha=alpha, gamma=gamma, log_u=log_u,
                                    templates_k=templates_k, templates_v=templates_v)
-
-
-__all__ = ["transport_weights", "ot_attention_cpu"]

@@ -1,0 +1,122 @@
+"""Exact blockwise transport weights: W_it = sum_j u_ij softmax_t(C_it + G_jt) tile by tile.
+
+A tile is (queries i0:i1) x (input templates j0:j1) x (all of A): the softmax over A belongs to
+one (i, j) pair, so with A whole in the tile it is an ordinary max-shifted softmax and no running
+logsumexp is needed (the Triton kernel, whose tiles must be small, streams over A instead). The
+tile size is capped by ``TILE_ELEMENTS`` so the largest temporary does not depend on Nq * Nk.
+The backward recomputes each tile's softmax (nothing per (i, j, t) is stored):
+
+    g_ij = sum_t P_ijt dW_it,   dL_ijt = u_ij P_ijt (dW_it - g_ij),
+    dC_it = sum_j dL_ijt,       dG_jt = sum_i dL_ijt,       du_ij = g_ij.
+
+``active`` (bool, broadcastable like u) restricts the sum to some (i, j) pairs and skips tiles
+without one: cpu.py uses it for the few pairs its matmul path cannot resolve in floating point.
+"""
+from __future__ import annotations
+
+import torch
+
+TILE_ELEMENTS = 1 << 21   # 8 MB of float32 per (i, j, t) tile
+
+
+def _blocks(nq, nk, na, tile_elements):
+    per_pair = max(1, tile_elements // na)
+    bj = min(nk, per_pair)
+    bi = min(nq, max(1, per_pair // bj))
+    return bi, bj
+
+
+def _tile_softmax(c_blk, g_blk):
+    """P (bi, bj, A) = softmax over A of c_i + g_j, all-zero where every template is removed."""
+    p = c_blk.unsqueeze(1) + g_blk.unsqueeze(0)
+    m = p.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p.sub_(m).exp_()
+    s = p.sum(-1, keepdim=True)
+    p.div_(torch.where(s > 0, s, torch.ones_like(s)))
+    return p
+
+
+def _slice(uf, af, b, i0, i1, j0, j1):
+    """u's (i0:i1, j0:j1) block (expanded over queries when u has one row), zeroed outside
+    ``active``; None when no pair of the block is active (the tile is skipped)."""
+    rows = slice(i0, i1) if uf.shape[1] != 1 else slice(0, 1)
+    ub = uf[b, rows, j0:j1].expand(i1 - i0, -1)
+    if af is None:
+        return ub
+    ab = af[b, rows, j0:j1].expand(i1 - i0, -1)
+    if not bool(ab.any()):
+        return None
+    return ub * ab
+
+
+def _flat(c, g, u):
+    lead = c.shape[:-2]
+    return c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-2:]), u.reshape((-1,) + u.shape[-2:]), lead
+
+
+class _TransportWeights(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, g, u, tile_elements, active):
+        cf, gf, uf, lead = _flat(c, g, u)
+        af = None if active is None else active.reshape(uf.shape)
+        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
+        bi, bj = _blocks(nq, nk, na, tile_elements)
+        w = torch.zeros_like(cf)
+        for b in range(cf.shape[0]):
+            for i0 in range(0, nq, bi):
+                i1 = min(nq, i0 + bi)
+                for j0 in range(0, nk, bj):
+                    j1 = min(nk, j0 + bj)
+                    ub = _slice(uf, af, b, i0, i1, j0, j1)
+                    if ub is None:
+                        continue
+                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
+                    w[b, i0:i1] += (ub.unsqueeze(1) @ p).squeeze(1)
+        ctx.save_for_backward(c, g, u, active)
+        ctx.tile_elements = tile_elements
+        return w.reshape(lead + w.shape[-2:])
+
+    @staticmethod
+    def backward(ctx, dw):
+        c, g, u, active = ctx.saved_tensors
+        cf, gf, uf, lead = _flat(c, g, u)
+        af = None if active is None else active.reshape(uf.shape)
+        dwf = dw.reshape(cf.shape)
+        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
+        bi, bj = _blocks(nq, nk, na, ctx.tile_elements)
+        dc, dg, du = torch.zeros_like(cf), torch.zeros_like(gf), torch.zeros_like(uf)
+        per_query_u = uf.shape[1] != 1
+        for b in range(cf.shape[0]):
+            for i0 in range(0, nq, bi):
+                i1 = min(nq, i0 + bi)
+                dw_blk = dwf[b, i0:i1].unsqueeze(1)                        # (bi, 1, A)
+                for j0 in range(0, nk, bj):
+                    j1 = min(nk, j0 + bj)
+                    ub = _slice(uf, af, b, i0, i1, j0, j1)
+                    if ub is None:
+                        continue
+                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
+                    dl = p * dw_blk
+                    gij = dl.sum(-1, keepdim=True)                          # (bi, bj, 1)
+                    dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
+                    dc[b, i0:i1] += dl.sum(1)
+                    dg[b, j0:j1] += dl.sum(0)
+                    gij = gij.squeeze(-1)
+                    if af is not None:
+                        gij = gij * _slice(af, None, b, i0, i1, j0, j1)
+                    if per_query_u:
+                        du[b, i0:i1, j0:j1] = gij
+                    else:
+                        du[b, 0, j0:j1] += gij.sum(0)
+        return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape), None, None
+
+
+def transport_weights_tiles(c, g, u, tile_elements=None, active=None):
+    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt) over the ``active`` pairs (all by default);
+    u is (..., Nq or 1, Nk). ``tile_elements`` caps the (i, j, t) tile (default: TILE_ELEMENTS, read per call)."""
+    tile_elements = TILE_ELEMENTS if tile_elements is None else int(tile_elements)
+    if active is not None:
+        active = active.expand(u.shape[:-2] + active.shape[-2:]).contiguous()
+        u = u.expand(active.shape)
+    return _TransportWeights.apply(c.contiguous(), g.contiguous(), u.contiguous(), tile_elements, active)
