@@ -143,30 +143,32 @@ def test_unswap_restores_outputs_and_type():
     assert model.attnzoo_swap_report.entries[0].dropped == ["bias_shift"]
 
 
-class WithEva(nn.Module):
+class WithUnsupported(nn.Module):
     def __init__(self):
         super().__init__()
+        from timm.layers import AttentionRope
         from timm.models.eva import EvaAttention
         self.good = Attention(16, num_heads=2)
-        self.eva = EvaAttention(16, num_heads=2, norm_layer=nn.LayerNorm)
+        self.rope = AttentionRope(16, num_heads=2)
+        self.split = EvaAttention(16, num_heads=2, qkv_fused=False, norm_layer=nn.LayerNorm)
 
 
 def test_unsupported_is_reported_by_name():
-    model = WithEva()
-    with pytest.warns(UserWarning, match=r"eva \(EvaAttention"):
+    model = WithUnsupported()
+    with pytest.warns(UserWarning, match=r"rope \(AttentionRope.*split \(EvaAttention"):
         attnzoo.swap(model, "relu")
     assert isinstance(model.good, attnzoo.ReLUAttention)
-    assert model.attnzoo_swap_report.unsupported == ["eva"]
+    assert model.attnzoo_swap_report.unsupported == ["rope", "split"]
 
 
 def test_strict_raises_before_touching():
-    model = WithEva()
-    with pytest.raises(ValueError, match="eva"):
+    model = WithUnsupported()
+    with pytest.raises(ValueError, match="rope"):
         attnzoo.swap(model, "relu", strict=True)
     assert type(model.good) is Attention
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        attnzoo.swap(model, "relu", strict=True, exclude="eva")
+        attnzoo.swap(model, "relu", strict=True, exclude=["rope", "split"])
     assert isinstance(model.good, attnzoo.ReLUAttention)
 
 
@@ -194,3 +196,42 @@ def test_bad_filters_and_model():
         attnzoo.swap("vit", "relu")
     with pytest.warns(UserWarning, match="no attention module"):
         attnzoo.swap(tiny_vit(), "relu", include="nothing.here")
+
+
+def tiny_eva():
+    model = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=32, patch_size=4, depth=2,
+                              num_classes=5).eval()
+    g = torch.Generator().manual_seed(5)
+    for block in model.blocks:  # timm starts q/v biases at 0; non-zero ones show they are carried
+        block.attn.q_bias.data.normal_(generator=g)
+        block.attn.v_bias.data.normal_(generator=g)
+    return model
+
+
+@pytest.mark.parametrize("spec", ["softmax", "sigmoid(learnable_bias=True)"])
+def test_eva_attention_with_rope(spec):
+    from timm.models.eva import EvaAttention
+    model = tiny_eva()
+    assert model.rope is not None
+    x = images()
+    before = model.forward_features(x)
+    attnzoo.swap(model, spec)
+    assert all(isinstance(b.attn, attnzoo.layers.AttentionLayer) for b in model.blocks)
+    after = model.forward_features(x)
+    if spec == "softmax":
+        assert max_diff(after, before) <= 1e-5
+    else:
+        assert max_diff(after, before) > 1e-3
+        y = torch.tensor([0, 4])
+        losses = train_steps(model.train(), lambda m: nn.functional.cross_entropy(m(x), y), steps=3)
+        assert losses[-1] < losses[0]
+        state_dict_roundtrip(model, attnzoo.swap(tiny_eva(), spec), lambda m: m(x))
+        model.eval()
+        before = model.forward_features(x)
+        attnzoo.unswap(model)
+        assert all(type(b.attn) is EvaAttention for b in model.blocks)
+        assert max_diff(model.forward_features(x), before) > 1e-5  # the learned bias shift is dropped
+        return
+    attnzoo.unswap(model)
+    assert all(type(b.attn) is EvaAttention for b in model.blocks)
+    assert max_diff(model.forward_features(x), before) <= 1e-6

@@ -92,6 +92,8 @@ def _plan(model, spec, include, exclude, strict, variant_kwargs, dry_run):
         if filters.selected(name, include, exclude)[0]:
             report.entries.append(SwapEntry(name, "unsupported", type(module).__name__,
                                             reason=_unsupported_reason(module, None)))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    report.entries.sort(key=lambda e: order.get(e.name, -1))  # model order, whatever the adapter
     if not dry_run:  # a dry run only reports
         _complain(report, strict)
     return report, changes

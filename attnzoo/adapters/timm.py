@@ -1,4 +1,5 @@
-"""timm: ``timm.layers.Attention`` (ViT, DeiT, ... blocks) <-> attnzoo layers.
+"""timm: ``timm.layers.Attention`` (ViT, DeiT, ... blocks) and EVA's fused-qkv ``EvaAttention``
+(see timm_eva.py) <-> attnzoo layers.
 
 attnzoo layers share timm's constructor, forward and submodule names (qkv, q_norm, k_norm, norm, proj,
 gate), so a swap moves those submodules over as they are: the weights, their dtype/device and any
@@ -11,6 +12,7 @@ from typing import Optional
 from torch import nn
 
 from ..layers.base import AttentionLayer
+from . import timm_eva
 from .common import Change, describe_new_parameters, get_origin, param_names, replace_child, set_origin
 from .spec import Target
 
@@ -27,12 +29,12 @@ def _timm_attention():
 
 def recognises(module: nn.Module) -> bool:
     timm_attention = _timm_attention()
-    return isinstance(module, AttentionLayer) or (timm_attention is not None and type(module) is timm_attention)
+    return (isinstance(module, AttentionLayer) or (timm_attention is not None and type(module) is timm_attention)
+            or timm_eva.is_eva(module))
 
 
 # timm attention classes whose layout differs; named so the report can say why
 _UNSUPPORTED = {
-    "EvaAttention": "rotary position embeddings (rope=) and a q/v-only bias are not part of attnzoo's layers",
     "AttentionRope": "rotary position embeddings are not part of attnzoo's layers",
     "DiffAttention": "differential attention (two softmax maps per head) has no attnzoo equivalent",
     "AttentionPoolLatent": "attention pooling with learned latent queries (separate q and kv projections)",
@@ -40,6 +42,8 @@ _UNSUPPORTED = {
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
+    if timm_eva.is_eva(module) and module.qkv is None:
+        return "EvaAttention with separate q/k/v projections (qkv_fused=False); only the fused layout is supported"
     name = type(module).__name__
     if name in _UNSUPPORTED and type(module).__module__.startswith("timm"):
         return _UNSUPPORTED[name]
@@ -71,14 +75,21 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
     new = target.build_layer(module.qkv.in_features, module.num_heads, head_dim, **kw)
     moved_names = {n for sub in MOVED for n in param_names(getattr(new, sub, None), sub + ".")}
     added = describe_new_parameters(new, moved_names)
+    eva = timm_eva.is_eva(module) or isinstance(module, timm_eva.EvaLayout)
+    if eva:
+        timm_eva.adopt(module, new)
     set_origin(new, get_origin(module) or type(module))
     change = Change(name=name, source=type(module).__name__, target=type(new).__name__, added=added)
 
     def apply() -> None:
-        change.carried = _move(module, new)
+        _move(module, new)
+        if eva:
+            timm_eva.move_biases(module, new)
         new.train(module.training)
         replace_child(root, name, new)()
     change.carried = [n for sub in MOVED for n in param_names(getattr(module, sub, None), sub + ".")]
+    if eva:
+        change.carried += [n for n in ("q_bias", "v_bias") if getattr(module, n, None) is not None]
     change.apply = apply
     return change
 
@@ -93,8 +104,14 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
     kw = _constructor_kwargs(module)
     if module.gate is None:
         kw.pop("gated")  # older timm versions have no gate argument
-    old = cls(module.qkv.in_features, num_heads=module.num_heads, **kw)
+    if isinstance(module, timm_eva.EvaLayout):
+        for unused in ("dim_out", "qkv_bias", "proj_bias", "attn_head_dim"):
+            kw.pop(unused)
+        old = timm_eva.rebuild(module, cls, **kw)
+    else:
+        old = cls(module.qkv.in_features, num_heads=module.num_heads, **kw)
     kept = {n for sub in MOVED for n in param_names(getattr(module, sub, None), sub + ".")}
+    kept |= {n for n in ("q_bias", "v_bias") if getattr(module, n, None) is not None}
     dropped = [n for n, _ in module.named_parameters() if n not in kept]
     change = Change(name=name, source=type(module).__name__, target=cls.__name__, carried=sorted(kept),
                     dropped=dropped)
