@@ -1,0 +1,204 @@
+"""Baselines timed in the same run as attnzoo: torch SDPA (each backend it offers on the device),
+FlexAttention (CUDA, variants it can express), flash-attn and flash-linear-attention when they are
+installed, and torch.nn.MultiheadAttention for the multihead module.
+
+SDPA's default dispatch on the same device is the anchor of every ratio ("x SDPA").
+The CUDA-only paths here (FlexAttention, flash-attn, fla, SDPA's CUDA backends) have not been run
+in this repository's CI (no GPU): they are written against those libraries' documented APIs.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .errors import Unavailable, Unsupported
+from .problem import Problem, make_step, qkv, randn
+from .targets import Prepared, VariantSpec
+
+SDPA = "sdpa"
+_SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                  "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-math": "MATH"}
+_CPU_SDPA = ("sdpa-flash", "sdpa-math")   # what SDPA offers on CPU
+FLEX, FLASH_ATTN, FLA, TORCH_MHA = "torch-flex", "flash-attn", "fla", "torch-mha"
+BASELINE_NAMES = (SDPA, *_SDPA_BACKENDS, FLEX, FLASH_ATTN, FLA, TORCH_MHA)
+
+
+class Baseline:
+    kind = "baseline"
+
+    def __init__(self, spec: VariantSpec, backend: str):
+        self.spec = spec
+        self.variant = spec.label
+        self.backend = backend
+
+    def prepare(self, problem: Problem) -> Prepared:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class SdpaTarget(Baseline):
+    """F.scaled_dot_product_attention, default dispatch ("sdpa") or one backend forced with sdpa_kernel.
+    Causal: SDPA's top-left is_causal equals attnzoo's bottom-right one here (Nq == Nk)."""
+
+    def prepare(self, problem: Problem) -> Prepared:
+        causal = self.spec.causal(problem.causal)
+        q, k, v = qkv(problem)
+        if problem.shape.seq_q != problem.shape.nk and causal:
+            raise Unsupported("SDPA's is_causal is top-left aligned; attnzoo's causal is bottom-right (Nq != Nk)")
+        forced = _SDPA_BACKENDS.get(self.backend)
+
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        if forced is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            which = getattr(SDPBackend, forced)
+            inner = make_step(forward, (q, k, v), problem)
+
+            def step():
+                with sdpa_kernel([which]):
+                    inner()
+        else:
+            step = make_step(forward, (q, k, v), problem)
+        return Prepared(step, self.backend, ("sdpa", self.backend, problem.key(), causal),
+                        materialises=self.backend == "sdpa-math")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class FlexTarget(Baseline):
+    """torch.nn.attention.flex_attention (compiled) with a score_mod per variant and a causal BlockMask.
+    FlexAttention hard-wires the softmax normalisation: only softmax, l2 and first-order Fenchel
+    without a preference tensor are expressible."""
+
+    EXPRESSIBLE = ("softmax", "l2", "fenchel")
+
+    def prepare(self, problem: Problem) -> Prepared:
+        kernel, kw = self.spec.kernel, self.spec.kernel_kwargs
+        if kernel not in self.EXPRESSIBLE or (kernel == "fenchel" and kw.get("solve", "first_order") != "first_order"):
+            raise Unsupported(f"FlexAttention hard-wires the softmax normalisation: {self.spec.label} cannot be "
+                              f"written as a score_mod / block mask")
+        if problem.device.type != "cuda":
+            raise Unsupported("FlexAttention is benchmarked on CUDA only (it has no backward on CPU)")
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        causal = self.spec.causal(problem.causal)
+        q, k, v = qkv(problem)
+        s = problem.shape
+        scale = s.head_dim ** -0.5
+        alpha = float(kw.get("alpha", 1.0))
+        compiled = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if causal:
+            shift = s.nk - s.seq_q
+            block_mask = create_block_mask(lambda b, h, qi, kj: kj <= qi + shift, None, None, s.seq_q, s.nk,
+                                           device=problem.device)
+
+        def forward():
+            if kernel == "l2":
+                # -scale ||q - k||^2 = 2 (scale q.k) - scale ||q||^2 - scale ||k||^2
+                qq, kk = (q * q).sum(-1) * scale, (k * k).sum(-1) * scale
+
+                def score_mod(score, b, h, qi, kj):
+                    return 2 * score - qq[b, h, qi] - kk[b, h, kj]
+            elif kernel == "fenchel":
+                def score_mod(score, b, h, qi, kj):
+                    return alpha * score
+            else:
+                score_mod = None
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+        return Prepared(make_step(forward, (q, k, v), problem), FLEX, ("flex", self.spec.label, problem.key(), causal))
+
+
+class FlashAttnTarget(Baseline):
+    """flash_attn.flash_attn_func (layout B, N, H, D; fp16/bf16 on CUDA)."""
+
+    def prepare(self, problem: Problem) -> Prepared:
+        if not _installed("flash_attn"):
+            raise Unavailable("flash-attn is not installed (pip install flash-attn)")
+        if problem.device.type != "cuda" or problem.dtype not in (torch.float16, torch.bfloat16):
+            raise Unsupported("flash-attn runs fp16/bf16 on CUDA only")
+        from flash_attn import flash_attn_func
+        causal = self.spec.causal(problem.causal)
+        q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_(problem.needs_grad) for t in qkv(problem))
+
+        def forward():
+            return flash_attn_func(q, k, v, causal=causal)
+        return Prepared(make_step(forward, (q, k, v), problem), FLASH_ATTN,
+                        ("flash-attn", problem.key(), causal))
+
+
+class FlaTarget(Baseline):
+    """flash-linear-attention's chunked causal linear attention (layout B, N, H, D) on phi(q), phi(k)."""
+
+    def prepare(self, problem: Problem) -> Prepared:
+        if not _installed("fla"):
+            raise Unavailable("flash-linear-attention (fla) is not installed (pip install flash-linear-attention)")
+        causal = self.spec.causal(problem.causal)
+        if not causal:
+            raise Unsupported("flash-linear-attention's chunk kernels are causal only")
+        if problem.device.type != "cuda":
+            raise Unsupported("flash-linear-attention's Triton kernels need a CUDA GPU")
+        from fla.ops.linear_attn import chunk_linear_attn
+        feature_map = self.spec.kernel_kwargs.get("feature_map", "elu")
+        phi = {"elu": lambda x: F.elu(x) + 1.0, "relu": torch.relu, "identity": lambda x: x}[feature_map]
+        q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_(problem.needs_grad) for t in qkv(problem))
+
+        def forward():
+            return chunk_linear_attn(q=phi(q), k=phi(k), v=v, scale=1.0, normalize=feature_map != "identity")[0]
+        return Prepared(make_step(forward, (q, k, v), problem), FLA, ("fla", self.spec.label, problem.key()))
+
+
+class TorchMhaTarget(Baseline):
+    """torch.nn.MultiheadAttention (batch_first, same shapes) against attnzoo.MultiheadAttention."""
+
+    def prepare(self, problem: Problem) -> Prepared:
+        if self.spec.kernel != "softmax":
+            raise Unsupported("torch.nn.MultiheadAttention computes softmax attention only")
+        s = problem.shape
+        embed = s.heads * s.head_dim
+        causal = self.spec.causal(problem.causal)
+        torch.manual_seed(problem.seed)
+        module = torch.nn.MultiheadAttention(embed, s.heads, batch_first=True, device=problem.device,
+                                             dtype=problem.dtype)
+        x = randn(problem, (s.batch, s.seq_q, embed), 5)
+        mask = None
+        if causal:
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(s.seq_q, device=problem.device,
+                                                                        dtype=problem.dtype)
+
+        def forward():
+            return module(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
+        return Prepared(make_step(forward, [x, *module.parameters()], problem), TORCH_MHA,
+                        ("torch-mha", problem.key(), causal))
+
+
+def sdpa_names(device: torch.device) -> list[str]:
+    return [SDPA, *(_CPU_SDPA if torch.device(device).type == "cpu" else _SDPA_BACKENDS)]
+
+
+def baseline_targets(spec: VariantSpec, device: torch.device, backends: Optional[list[str]] = None) -> list[Baseline]:
+    """The baselines that compete with ``spec`` (each recorded, even when unavailable or unsupported)."""
+    out: list[Baseline] = []
+    plain_softmax = spec.kernel == "softmax" and not spec.kernel_kwargs
+    if spec.name in ("softmax", "masked") and plain_softmax:
+        out += [SdpaTarget(spec, n) for n in sdpa_names(device)]
+    if spec.name in ("softmax", "masked", "l2", "fenchel", "sigmoid", "relu", "sinkhorn"):
+        out.append(FlexTarget(spec, FLEX))
+    if spec.name in ("softmax", "masked") and plain_softmax:
+        out.append(FlashAttnTarget(spec, FLASH_ATTN))
+    if spec.kernel == "linear" and spec.name != "multihead":
+        out.append(FlaTarget(spec, FLA))
+    if spec.name == "multihead":
+        out.append(TorchMhaTarget(spec, TORCH_MHA))
+    if backends:
+        out = [t for t in out if t.backend in backends]
+    return out
+
+
+def anchor(causal: bool) -> SdpaTarget:
+    """SDPA softmax with default dispatch: the denominator of every "x SDPA" ratio."""
+    return SdpaTarget(VariantSpec("masked" if causal else "softmax", "masked" if causal else "softmax"), SDPA)

@@ -1,0 +1,145 @@
+"""docs/bench.md, the README's benchmark section, generated from the committed result JSONs
+(benchmarks/render_readme.py calls :func:`render`): nothing in it is typed by hand except the prose."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from .errors import OK
+from .report import fmt_bytes, fmt_time, markdown_summary, settings_line
+
+HOW_TO = """\
+```bash
+attnzoo bench                                   # all ten variants, every backend, N 256 and 1024, fwd and fwd+bwd
+attnzoo bench --variants softmax "sinkhorn(n_iters=5)" linear --seq-lens 1024 4096 --mode fwd+bwd
+attnzoo bench --causal --dtype bfloat16 --heads 16 --head-dim 128 --out runs/bench/mine
+attnzoo bench --compare benchmarks/results/cpu/bench_cpu.json   # this run against a saved one
+attnzoo bench --compare OLD.json NEW.json                       # two saved runs, no benchmarking
+```
+Each run writes `NAME.json` (every measurement and the environment), `NAME.md` (tables) and
+`NAME_time_*.png` / `NAME_memory_*.png` (log-log plots) to `--out`, and prints a table with a
+progress bar while it runs. Variants are names or spec strings; `--backends` filters attnzoo's
+backends (`reference`, `torch`, `cpu`, `triton`, ..., `auto`) and the baselines (`sdpa`,
+`sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`, `sdpa-math`, `torch-flex`, `flash-attn`, `fla`,
+`torch-mha`). Standard sweeps: `benchmarks/sweep_cpu.py`, `benchmarks/sweep_gpu.py`; this page:
+`benchmarks/render_readme.py`.
+"""
+
+WHAT = """\
+- **Rows**: every (variant, backend, N, dtype, mode). A variant's backends are those registered with
+  the dispatcher for its kernel, plus `auto` (shown as `auto -> <backend it picked>`; when that
+  backend was already measured on the same problem the measurement is shared, not repeated).
+  `masked` is causal attention through `attnzoo.functional.masked` (kind softmax by default), so its
+  baseline is causal SDPA. `multihead` is the `attnzoo.MultiheadAttention` module (kind softmax by
+  default) *with* its input/output projections, against `torch.nn.MultiheadAttention`.
+- **Baselines in the same run**: torch SDPA (default dispatch, and each backend it offers on the
+  device), FlexAttention (CUDA only; softmax, L2 and first-order Fenchel are expressible, the
+  others are recorded as not expressible), flash-attn and flash-linear-attention (recorded as
+  not installed when absent).
+- **Status**: `ok`, `oom`, `n/a` (unsupported, with the dispatcher's reason), `not installed`,
+  `skipped` (predicted slower than `--max-call-seconds` from the previous N, or an eager
+  reference estimated larger than the host memory limit) or `error` - never a crash.
+- **x SDPA**: time (and peak memory) divided by torch SDPA softmax with default dispatch on the same
+  problem and causality, measured in the same run.
+"""
+
+
+def _relative(path: Path, start: Path) -> str:
+    return os.path.relpath(path, start).replace(os.sep, "/")
+
+
+def _methods(result: dict) -> str:
+    m = result.get("methods", {})
+    return "\n".join(f"- **{k}**: {v}" for k, v in m.items())
+
+
+def _flop_table(result: dict) -> str:
+    conv = result["flop_conventions"]
+    lines = ["| variant | forward FLOPs |", "|---|---|"]
+    lines += [f"| {v} | {f} |" for v, f in conv["forward"].items()]
+    lines += ["", f"{conv['backward']}. B batch, H heads, N/Nq/Nk sequence lengths, D and Dv head dims; only "
+                  "multiply-adds of matrix products are counted (2 FLOPs each), so TFLOP/s is a rescaled "
+                  "throughput, comparable between backends of one variant."]
+    return "\n".join(lines)
+
+
+def headline(result: dict) -> str:
+    """Per variant at the largest N measured: the fastest attnzoo backend next to the eager reference."""
+    rows = [r for r in result["results"] if r["status"] == OK and r["kind"] == "attnzoo" and r["backend"] != "auto"]
+    if not rows:
+        return "_no successful attnzoo rows_"
+    out = ["| variant | mode | N | fastest backend | time | x SDPA | peak memory | eager reference | "
+           "reference memory |", "|---|---|---|---|---|---|---|---|---|"]
+    variants = list(dict.fromkeys(r["variant"] for r in result["results"]))
+    for mode in ("fwd", "fwd+bwd"):
+        for variant in variants:
+            mine = [r for r in rows if r["variant"] == variant and r["mode"] == mode]
+            if not mine:
+                continue
+            n = max(r["seq_len"] for r in mine)
+            best = min((r for r in mine if r["seq_len"] == n), key=lambda r: r["time_s"]["median"])
+            ref = next((r for r in result["results"] if r["variant"] == variant and r["mode"] == mode
+                        and r["seq_len"] == n and r["backend"] == "reference"), None)
+            if ref is None:
+                ref_time = ref_mem = ""
+            elif ref["status"] == OK:
+                ref_time, ref_mem = fmt_time(ref["time_s"]["median"]), fmt_bytes(ref.get("peak_memory_bytes"))
+            else:
+                ref_time, ref_mem = ref["status"], ""
+            ratio = best.get("ratio_time_vs_sdpa")
+            out.append(f"| {variant} | {mode} | {n} | {best['backend']} | {fmt_time(best['time_s']['median'])} | "
+                       f"{'' if ratio is None else f'{ratio:.3g}x'} | {fmt_bytes(best.get('peak_memory_bytes'))} | "
+                       f"{ref_time} | {ref_mem} |")
+    return "\n".join(out)
+
+
+def _plots(result_path: Path, doc_dir: Path) -> str:
+    stem = result_path.stem
+    pngs = sorted(result_path.parent.glob(f"{stem}_*.png"))
+    return "\n".join(f"![{p.stem}]({_relative(p, doc_dir)})" for p in pngs)
+
+
+def _result_section(title: str, result: dict, path: Path, doc_dir: Path) -> str:
+    parts = [f"### {title}", "", settings_line(result), ""]
+    notes = result["settings"].get("notes")
+    if notes:
+        parts += [f"Notes: {notes}", ""]
+    parts += [f"Source: [`{_relative(path, doc_dir)}`]({_relative(path, doc_dir)}) "
+              f"(wall time {result['settings'].get('wall_seconds', '?')} s)", "",
+              "Fastest attnzoo backend per variant at the largest N:", "", headline(result), "",
+              _plots(path, doc_dir), "", "<details><summary>every variant, backend and N</summary>", "",
+              markdown_summary(result["results"]), "</details>", ""]
+    return "\n".join(parts)
+
+
+def render(cpu: Optional[tuple[dict, Path]], gpu: list[tuple[dict, Path]], doc_path: Path) -> str:
+    """The Markdown of docs/bench.md: ``cpu`` and ``gpu`` are (result, path of its JSON) pairs."""
+    doc_dir = Path(doc_path).resolve().parent
+    sources = [p for _, p in ([cpu] if cpu else []) + gpu]
+    parts = [f"<!-- generated by benchmarks/render_readme.py from "
+             f"{', '.join(_relative(Path(p).resolve(), doc_dir) for p in sources) or 'no results'}; "
+             f"do not edit by hand -->", "", "## Benchmarks", "",
+             "Which attention can you afford at your sequence length? `attnzoo bench` answers with time, "
+             "TFLOP/s, tokens/s and peak memory of every variant and backend, side by side with torch SDPA "
+             "in the same run.", "", HOW_TO, "### What is measured", "", WHAT, _methods(cpu[0] if cpu else gpu[0][0])
+             if (cpu or gpu) else "", "", "### FLOP counts", "",
+             _flop_table(cpu[0] if cpu else gpu[0][0]) if (cpu or gpu) else "", ""]
+    if gpu:
+        env = gpu[0][0]["environment"]
+        parts += [f"### Latest GPU results: {env.get('device_name')} ({gpu[0][0]['created'][:10]})", ""]
+        for result, path in gpu:
+            s = result["settings"]
+            title = (f"{result['environment'].get('device_name')}, head dim {s.get('head_dim')}, "
+                     f"{'causal' if s.get('causal') else 'non-causal'}, {', '.join(s.get('dtypes', []))}")
+            parts.append(_result_section(title, result, Path(path).resolve(), doc_dir))
+    else:
+        parts += ["### GPU results", "",
+                  "None yet: `benchmarks/sweep_gpu.py` (FlashAttention's shapes: batch x N = 16k tokens, hidden "
+                  "2048, head dim 64 and 128, bf16, causal and not) is written but has not been run - no GPU was "
+                  "available to this project so far. Its results will appear here, with date and device, "
+                  "once it runs.", ""]
+    if cpu:
+        parts.append(_result_section(f"CPU results ({cpu[0]['created'][:10]})", cpu[0], Path(cpu[1]).resolve(),
+                                     doc_dir))
+    return "\n".join(parts).rstrip() + "\n"

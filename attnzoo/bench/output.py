@@ -1,0 +1,18 @@
+"""Writing one run to a folder: ``<name>.json`` (every measurement + environment), ``<name>.md``
+(Markdown tables) and ``<name>_time_*.png`` / ``<name>_memory_*.png`` (log-log plots)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .plots import plot_results
+from .report import markdown_report
+from .schema import validate, write_json, write_text
+
+
+def write_outputs(result: dict, out_dir, name: str = "bench") -> dict:
+    out_dir = Path(out_dir)
+    validate(result)
+    files = {"json": write_json(result, out_dir / f"{name}.json"),
+             "markdown": write_text(markdown_report(result), out_dir / f"{name}.md")}
+    files["plots"] = plot_results(result, out_dir, prefix=f"{name}_")
+    return files

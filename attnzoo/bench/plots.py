@@ -1,0 +1,99 @@
+"""PNG plots: time and peak memory against N, log-log, one panel per variant, one line per backend."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+from .errors import OK
+
+from .report import fmt_bytes, fmt_time
+
+# (y label, value, tick format, log base of the y ticks): bytes read best at powers of two
+METRICS = {"time": ("median time", lambda r: r["time_s"]["median"], fmt_time, 10),
+           "memory": ("peak memory", lambda r: r.get("peak_memory_bytes"), fmt_bytes, 2)}
+
+
+def _axes_style(ax, xs, ys, fmt, base, ticker) -> None:
+    """Plain-text ticks (matplotlib's default log ticks are mathtext, slow to lay out) at whole
+    decades, with the y range widened to whole decades so every panel shows at least two labels."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=base)
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=base, numticks=6))
+    ax.xaxis.set_major_locator(ticker.FixedLocator(sorted(set(xs))))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: fmt(y)))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+    if ys:
+        lo, hi = math.log(min(ys), base), math.log(max(ys), base)
+        ax.set_ylim(base ** math.floor(lo - 0.05), base ** math.ceil(hi + 0.05))
+
+
+def _slug(mode: str, dtype: str, heads: int, head_dim: int, many: bool) -> str:
+    base = f"{mode.replace('+', '_')}_{dtype}"
+    return base + (f"_h{heads}_d{head_dim}" if many else "")
+
+
+def _colours(rows: list[dict], plt) -> dict:
+    """One colour per backend name, the same in every panel of a figure."""
+    names = sorted({r["backend"] for r in rows})
+    cycle = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: cycle(i % cycle.N) for i, name in enumerate(names)}
+
+
+def plot_results(result: dict, out_dir, prefix: str = "") -> list[Path]:
+    """Write ``{prefix}time_<mode>_<dtype>.png`` and ``{prefix}memory_<mode>_<dtype>.png``; return the paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # "auto" duplicates the line of the backend it resolves to: left out of the plots
+    rows = [r for r in result["results"] if r["status"] == OK and r["backend"] != "auto"]
+    groups = OrderedDict()
+    for r in rows:
+        groups.setdefault((r["mode"], r["dtype"], r["heads"], r["head_dim"]), []).append(r)
+    many = len({(h, d) for (_, _, h, d) in groups}) > 1
+    device = result["environment"].get("device_name", "")
+    written = []
+    for (mode, dtype, heads, head_dim), members in groups.items():
+        variants = list(OrderedDict.fromkeys(r["variant"] for r in members))
+        for metric, (ylabel, value, fmt, base) in METRICS.items():
+            ncols = min(5, len(variants))
+            nrows = math.ceil(len(variants) / ncols)
+            colours = _colours(members, plt)
+            height = 2.9 * nrows + 0.7
+            fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, height), squeeze=False)
+            for ax, variant in zip(axes.flat, variants):
+                lines = OrderedDict()
+                for r in members:
+                    if r["variant"] == variant and value(r):
+                        lines.setdefault((r["backend"], r["kind"]), []).append((r["seq_len"], value(r)))
+                for (backend, kind), points in lines.items():
+                    points.sort()
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", markersize=3, linestyle="--" if kind == "baseline" else "-",
+                            color=colours[backend], label=backend)
+                _axes_style(ax, [x for pts in lines.values() for x, _ in pts],
+                            [y for pts in lines.values() for _, y in pts], fmt, base, ticker)
+                ax.set_title(variant, fontsize=9)
+                ax.set_xlabel("N", fontsize=8)
+                ax.tick_params(labelsize=7)
+                if lines:
+                    ax.legend(fontsize=6)
+            for ax in list(axes.flat)[len(variants):]:
+                ax.axis("off")
+            axes[0][0].set_ylabel(ylabel, fontsize=8)
+            fig.suptitle(f"{metric} vs N - {mode}, {dtype}, {heads} head(s) x {head_dim}, batch*N fixed - {device}",
+                         fontsize=10)
+            # fixed margins: tight_layout costs seconds per figure on a small machine
+            fig.subplots_adjust(left=0.25 / ncols, right=0.98, bottom=0.5 / height, top=1 - 0.6 / height,
+                                wspace=0.35, hspace=0.45)
+            path = out_dir / f"{prefix}{metric}_{_slug(mode, dtype, heads, head_dim, many)}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written

@@ -1,0 +1,105 @@
+"""The JSON layout of a benchmark result, checked by hand (no jsonschema dependency), and atomic I/O."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import OK, STATUSES
+from .flops import MODES
+from .runner import SCHEMA
+
+TOP_LEVEL = {"schema": str, "created": str, "environment": dict, "settings": dict, "methods": dict,
+             "flop_conventions": dict, "results": list}
+ROW = {"variant": str, "backend": str, "kind": str, "seq_len": int, "batch": int, "heads": int, "head_dim": int,
+       "dtype": str, "mode": str, "causal": bool, "status": str, "flops": int}
+ROW_OPTIONAL = {"reason": str, "resolved_backend": str, "shared_with": str, "time_s": dict, "tflops": float,
+                "tokens_per_s": float, "peak_memory_bytes": int, "ratio_time_vs_sdpa": float,
+                "ratio_memory_vs_sdpa": float}
+TIME_FIELDS = ("median", "p20", "p80", "min", "max", "mean", "std", "n")
+ENVIRONMENT = ("date", "device_type", "device_name", "torch", "triton", "cuda", "cpu_model", "torch_threads")
+
+
+def _type_ok(value, expected) -> bool:
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def validate(result: dict) -> dict:
+    """Raise ValueError naming the first field that does not match the layout; return ``result``."""
+    if not isinstance(result, dict):
+        raise ValueError(f"a benchmark result must be a JSON object, got {type(result).__name__}")
+    for key, typ in TOP_LEVEL.items():
+        if key not in result or not _type_ok(result[key], typ):
+            raise ValueError(f"benchmark result: '{key}' must be a {typ.__name__}")
+    if result["schema"] != SCHEMA:
+        raise ValueError(f"benchmark result: schema must be {SCHEMA!r}, got {result['schema']!r}")
+    for key in ENVIRONMENT:
+        if key not in result["environment"]:
+            raise ValueError(f"benchmark result: environment.{key} is missing")
+    for i, row in enumerate(result["results"]):
+        where = f"results[{i}]"
+        for key, typ in ROW.items():
+            if key not in row or not _type_ok(row[key], typ):
+                raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {row.get(key)!r}")
+        for key, typ in ROW_OPTIONAL.items():
+            if row.get(key) is not None and not _type_ok(row[key], typ):
+                raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {row[key]!r}")
+        if row["status"] not in STATUSES:
+            raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
+        if row["mode"] not in MODES:
+            raise ValueError(f"{where}.mode must be one of {MODES}, got {row['mode']!r}")
+        if row["status"] == OK:
+            t = row.get("time_s")
+            if not isinstance(t, dict) or any(not _type_ok(t.get(f), float) for f in TIME_FIELDS):
+                raise ValueError(f"{where}.time_s must hold {TIME_FIELDS} for a row with status 'ok'")
+            if not t["min"] <= t["median"] <= t["max"]:
+                raise ValueError(f"{where}.time_s: median must lie between min and max")
+        elif not row.get("reason"):
+            raise ValueError(f"{where}: a row with status {row['status']!r} must give a reason")
+    return result
+
+
+def write_json(result: dict, path) -> Path:
+    """Write atomically (temporary file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(text: str, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"benchmark result {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"benchmark result {str(path)!r} is not valid JSON: {e}") from None
+    return validate(data)

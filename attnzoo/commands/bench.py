@@ -1,0 +1,122 @@
+"""attnzoo bench: time, throughput and peak memory of every variant and backend against torch SDPA."""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+HELP = "benchmark every attention variant and backend (time, TFLOP/s, tokens/s, peak memory) against SDPA"
+
+# CPU defaults are sized so the default run takes about a minute on a small machine; the GPU ones
+# follow FlashAttention's benchmarks (batch * N = 16k tokens, hidden 2048, bf16).
+CPU_DEFAULTS = {"seq_lens": [256, 1024], "dtypes": ["float32"], "heads": None, "max_call_seconds": 5.0}
+GPU_DEFAULTS = {"seq_lens": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["bfloat16"], "heads": None,
+                "max_call_seconds": 30.0}
+
+
+def add_arguments(parser) -> None:
+    from ..bench.flops import MODES
+    from ..bench.runner import ALL_VARIANTS, DTYPES
+    g = parser.add_argument_group("what to run")
+    g.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), metavar="SPEC",
+                   help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: all ten)")
+    g.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                   help="only these backends: attnzoo ones (reference, cpu, torch, triton, auto, ...) and baselines "
+                        "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, flex, flash-attn, fla, torch-mha). "
+                        "SDPA with default dispatch is always measured: it is the anchor of the ratios")
+    g.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
+                   help="sequence lengths (default: 256 1024 on CPU; 512 ... 16384 on GPU)")
+    g.add_argument("--dtype", nargs="+", default=None, choices=list(DTYPES), dest="dtypes",
+                   help="dtypes (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--mode", nargs="+", default=["fwd", "fwd+bwd"], choices=list(MODES), dest="modes",
+                   help="fwd (inference, no_grad) and/or fwd+bwd (default: both)")
+    g.add_argument("--batch-tokens", type=int, default=16384, help="batch * N, fixed across N (default 16384)")
+    g.add_argument("--head-dim", type=int, default=64)
+    g.add_argument("--heads", nargs="+", type=int, default=None,
+                   help="head counts (default: 1 on CPU; 2048 / head_dim on GPU, i.e. hidden 2048)")
+    g.add_argument("--causal", action="store_true", help="causal attention for every variant ('masked' always is)")
+    g.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
+    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    t = parser.add_argument_group("measurement")
+    t.add_argument("--warmup", type=int, default=1, help="CPU warm-up calls (default 1)")
+    t.add_argument("--min-repeats", type=int, default=3)
+    t.add_argument("--repeats", type=int, default=10, dest="max_repeats", help="at most this many timed calls (CPU)")
+    t.add_argument("--target-seconds", type=float, default=1.0, help="CPU: repeat until about this long per row")
+    t.add_argument("--max-call-seconds", type=float, default=None,
+                   help="skip a row whose predicted time per call exceeds this (default 5 on CPU, 30 on GPU)")
+    t.add_argument("--once-above-seconds", type=float, default=2.0,
+                   help="CPU: a call slower than this is timed once, its warm-up run (default 2)")
+    t.add_argument("--budget-seconds", type=float, default=None,
+                   help="stop measuring after this long: the remaining rows are recorded as skipped")
+    t.add_argument("--max-memory-gb", type=float, default=None,
+                   help="CPU: skip eager-reference rows estimated above this (default: half the available memory)")
+    t.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    t.add_argument("--seed", type=int, default=0)
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None,
+                   help="folder for NAME.json, NAME.md and NAME_{time,memory}_*.png (default: runs/bench/<device>-<time>)")
+    o.add_argument("--name", default="bench", help="file stem of the outputs (default: bench)")
+    o.add_argument("--compare", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="OLD.json: print speed-ups/regressions of this run against it; OLD.json NEW.json: compare "
+                        "two saved runs without benchmarking")
+    o.add_argument("--threshold", type=float, default=0.1, help="--compare: flag changes beyond this (default 0.1)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _config(args):
+    import torch
+
+    from ..bench.runner import BenchConfig, default_device
+    device = args.device or default_device()
+    defaults = GPU_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
+    heads = args.heads or ([max(1, 2048 // args.head_dim)] if torch.device(device).type == "cuda" else [1])
+    return BenchConfig(
+        variants=args.variants, backends=args.backends, seq_lens=args.seq_lens or defaults["seq_lens"],
+        dtypes=args.dtypes or defaults["dtypes"], modes=args.modes, batch_tokens=args.batch_tokens,
+        head_dim=args.head_dim, heads=heads, causal=args.causal, device=device, warmup=args.warmup,
+        min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
+        max_call_seconds=args.max_call_seconds or defaults["max_call_seconds"], max_memory_gb=args.max_memory_gb,
+        once_above_seconds=args.once_above_seconds, budget_seconds=args.budget_seconds,
+        measure_memory=not args.no_memory, seed=args.seed).validate()
+
+
+def _compare_only(args, console) -> int:
+    from ..bench import load, markdown_compare, rich_compare
+    old, new = (load(p) for p in args.compare)
+    console.print(rich_compare(old, new, args.threshold))
+    if args.out is not None:
+        from ..bench.schema import write_text
+        path = write_text(markdown_compare(old, new, args.threshold), args.out / f"{args.name}_compare.md")
+        console.print(f"wrote {path}")
+    return 0
+
+
+def run(args) -> int:
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: wide enough for the table without folding
+        console = Console(width=160)
+    if args.compare is not None and len(args.compare) > 2:
+        raise SystemExit("--compare takes OLD.json, or OLD.json NEW.json")
+    if args.compare is not None and len(args.compare) == 2:
+        return _compare_only(args, console)
+    import torch
+
+    from ..bench import load, markdown_compare, rich_compare, rich_table, run as run_bench, write_outputs
+    from ..bench.environment import slug
+    old = load(args.compare[0]) if args.compare else None   # fail before a long run, not after it
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = _config(args)
+    result = run_bench(config, progress=not args.quiet)
+    console.print(rich_table(result))
+    out = args.out
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / "bench" / f"{slug(result['environment']['device_name'])}-{stamp}"
+    files = write_outputs(result, out, args.name)
+    console.print(f"wrote {files['json']}, {files['markdown']} and {len(files['plots'])} plots in {out}")
+    if old is not None:
+        console.print(rich_compare(old, result, args.threshold))
+        from ..bench.schema import write_text
+        write_text(markdown_compare(old, result, args.threshold), Path(out) / f"{args.name}_compare.md")
+    return 0

@@ -1,0 +1,69 @@
+"""The standard CPU sweep committed under benchmarks/results/cpu/ (bench_cpu.json, .md, .png).
+
+Every variant (the ten registry names) x every registered backend + "auto" + the baselines,
+N in {256, 1024, 4096}, fwd and fwd+bwd, float32, one head of dim 64 and batch * N = 4096 tokens
+(so N = 4096 is a single sequence), 2 threads. Sized to finish in about 20 minutes on a 2-core
+machine: rows predicted slower than --max-call-seconds per call (from the same row at the previous N,
+scaled by FLOPs) are recorded as skipped with the prediction, eager-reference rows that would not
+fit in memory as skipped with the estimate.
+
+    .venv/bin/python benchmarks/sweep_cpu.py              # then: benchmarks/render_readme.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# CPU timings of Triton kernels would time the interpreter: keep it off for this sweep
+os.environ.pop("TRITON_INTERPRET", None)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from attnzoo.bench import BenchConfig, rich_table, run, write_outputs  # noqa: E402
+from attnzoo.bench.runner import ALL_VARIANTS  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 1024, 4096])
+    p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS))
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-call-seconds", type=float, default=20.0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
+    p.add_argument("--name", default="bench_cpu")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = BenchConfig(
+        variants=args.variants, seq_lens=args.seq_lens, dtypes=["float32"], modes=["fwd", "fwd+bwd"],
+        batch_tokens=args.batch_tokens, head_dim=args.head_dim, heads=[args.heads], device="cpu",
+        warmup=1, min_repeats=3, max_repeats=5, target_seconds=1.0, max_call_seconds=args.max_call_seconds,
+        notes=(f"benchmarks/sweep_cpu.py on a machine shared with other jobs, {args.threads} threads; "
+               f"TRITON_INTERPRET unset (Triton backends are recorded as unsupported on CPU)"))
+    start = time.perf_counter()
+
+    def progress_line(row):
+        t = row["time_s"]["median"] if row.get("time_s") else None
+        print(f"[{time.perf_counter() - start:7.1f}s] {row['variant']:>10} {row['backend']:<16} N={row['seq_len']:<5} "
+              f"{row['mode']:<8} {row['status']:<11} {'' if t is None else f'{t * 1e3:.3g} ms'}", flush=True)
+
+    result = run(config, progress=False, on_row=progress_line)
+    result["settings"]["wall_seconds"] = round(time.perf_counter() - start, 1)
+    files = write_outputs(result, args.out, args.name)
+    from rich.console import Console
+    Console(width=160).print(rich_table(result))
+    print(f"wrote {files['json']}, {files['markdown']}, {len(files['plots'])} plots "
+          f"in {result['settings']['wall_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
