@@ -4,8 +4,8 @@ Three measurements, all side by side in one run on this machine (fp32, 1 thread 
 
   main       fwd+bwd, B=1, H=4, D=64, N in {1024, 2048, 4096}: for each variant (softmax, l2,
              fenchel, sigmoid, relu) and each backend that can run it (reference, cpu, torch),
-             median time and peak memory. Each (variant, backend, N) runs in a fresh subprocess
-             and peak memory is the growth of the process's peak RSS (getrusage ru_maxrss) during
+             median time and peak memory. Each (variant, backend, N) runs in a freshly forked child
+             and peak memory is the growth of the child's peak RSS (getrusage ru_maxrss) during
              one fwd+bwd, counted from the RSS after the inputs exist and after a small warm-up
              call (so library code pages are already loaded). RSS counts what the OS gave the
              process, including freed memory malloc keeps: an upper bound on live tensors.
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -100,17 +100,37 @@ def worker(variant, backend, N, reps, threads, B=1, H=4, D=64):
             "time_s": statistics.median(times), "times_s": times}
 
 
+def _in_child(fn, *args):
+    """Run fn(*args) in a forked child (fresh peak-RSS counter, modules already imported: importing
+    torch again per measurement cost a minute on the shared machine) and return its result."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def target():
+        try:
+            queue.put(("ok", fn(*args)))
+        except BaseException as e:  # report, don't hang the parent
+            queue.put(("error", repr(e)))
+
+    proc = ctx.Process(target=target)
+    proc.start()
+    status, result = queue.get()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"measurement {args} failed: {result}")
+    return result
+
+
 def run_main(args):
+    import torch
+    torch.set_num_threads(args.threads)
+    import attnzoo.functional  # noqa: F401  (imported once, before forking)
     rows = []
     for N in args.sizes:
         for variant in args.variants:
             for backend in VARIANTS[variant]:
-                cmd = [sys.executable, __file__, "--worker", variant, backend, str(N), "--reps",
-                       str(args.reps if N < 4096 else max(1, args.reps - 1)), "--threads", str(args.threads)]
-                res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                if res.returncode != 0:
-                    raise RuntimeError(f"{variant}/{backend}/N={N} failed:\n{res.stderr[-2000:]}")
-                row = json.loads(res.stdout.strip().splitlines()[-1])
+                reps = args.reps if N < 4096 else max(1, args.reps - 1)
+                row = _in_child(worker, variant, backend, N, reps, args.threads)
                 rows.append(row)
                 print(f"N={N:5d} {variant:8s} {backend:9s} time {row['time_s']:7.3f} s  peak {row['peak_mb']:8.1f} MB",
                       flush=True)
@@ -208,12 +228,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: 1)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
-    p.add_argument("--worker", nargs=3, metavar=("VARIANT", "BACKEND", "N"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        variant, backend, n = args.worker
-        print(json.dumps(worker(variant, backend, int(n), args.reps, args.threads)))
-        return
     import torch
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),

@@ -26,7 +26,7 @@ from .softmax.torch import fenchel_torch, l2_torch, softmax_torch
 # Below this many scores per call (B * H * Nq * Nk) auto keeps the eager reference instead of the
 # blockwise path: one block covers the whole matrix there, and the per-call Python overhead of the
 # blockwise op is not paid back. Measured with benchmarks/fused_softmax_family.py --mode crossover.
-SMALL_CALL_ELEMENTS = 2 ** 18
+SMALL_CALL_ELEMENTS = 2 ** 22
 
 
 def _first_order_only(q, k, v, **kw):
@@ -53,15 +53,15 @@ def _small_call(q, k, v, **kw):
 
 
 def _sdpa_mask_grad(q, k, v, **kw):
-    """On CPU, SDPA's fused kernel gives no gradient for an additive mask: it would use its math
-    kernel (N x N weights), which the blockwise path avoids."""
+    """(auto only) On CPU, SDPA's fused kernel gives no gradient for an additive mask: SDPA would use
+    its math kernel (N x N weights), which the blockwise path avoids. Named explicitly, 'torch' runs."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return None
     for name in ("attn_mask", "log_u"):
         t = kw.get(name)
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            return (f"{name} requires grad and on CPU SDPA has no fused kernel with a mask gradient (it would "
-                    f"build the N x N weights); 'cpu' computes it blockwise")
+            return (f"{name} requires grad and on CPU SDPA has no fused kernel with a mask gradient (its math "
+                    f"kernel would build the N x N weights); 'cpu' computes it blockwise")
     return None
 
 
@@ -92,18 +92,18 @@ def _flex_supports(q, k, v, **kw):
 _CPU_DESC = "blockwise online softmax / pointwise weights with recomputation in backward, no N x N tensor"
 _TORCH_DESC = "F.scaled_dot_product_attention with attnzoo's mask semantics"
 
-dispatch.register_backend("softmax", "torch", softmax_torch, supports=_sdpa_mask_grad, priority=25,
-                          description=_TORCH_DESC)
-dispatch.register_backend("l2", "torch", l2_torch, supports=_sdpa_mask_grad, priority=15,
+dispatch.register_backend("softmax", "torch", softmax_torch, priority=25, description=_TORCH_DESC,
+                          auto_prefers=_sdpa_mask_grad)
+dispatch.register_backend("l2", "torch", l2_torch, priority=15, auto_prefers=_sdpa_mask_grad,
                           description=_TORCH_DESC + ", q and k augmented by one coordinate")
-dispatch.register_backend("fenchel", "torch", fenchel_torch, supports=_all(_first_order_only, _sdpa_mask_grad),
-                          priority=15, description=_TORCH_DESC + ", log u as an additive mask")
+dispatch.register_backend("fenchel", "torch", fenchel_torch, supports=_first_order_only, priority=15,
+                          auto_prefers=_sdpa_mask_grad, description=_TORCH_DESC + ", log u as an additive mask")
 
 for _variant, _fn, _extra in (("softmax", softmax_cpu, ()), ("l2", l2_cpu, ()),
                               ("fenchel", fenchel_cpu, (_first_order_only,)),
                               ("sigmoid", sigmoid_cpu, ()), ("relu", relu_cpu, ())):
     dispatch.register_backend(_variant, "cpu", _fn, supports=_cpu_supports(*_extra), priority=10,
-                              description=_CPU_DESC, auto_devices=("cpu",))
+                              description=_CPU_DESC, auto_devices=("cpu",), auto_prefers=_small_call)
 
 dispatch.register_backend("l2", "flex", l2_flex, supports=_flex_supports, priority=5,
                           description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))

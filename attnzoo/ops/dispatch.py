@@ -28,6 +28,10 @@ class Backend:
     # `supports` still decides). Triton kernels list only "cuda": under TRITON_INTERPRET=1 they
     # also run on CPU tensors, far too slowly to be anyone's default.
     auto_devices: tuple = ("cpu", "cuda")
+    # consulted by `auto` only, after `supports`: None, or a sentence saying why auto prefers a
+    # lower-priority backend for this call (e.g. a size where the reference was measured faster);
+    # naming the backend explicitly bypasses it.
+    auto_prefers: Optional[Callable[..., Optional[str]]] = None
 
 
 @dataclass
@@ -49,9 +53,9 @@ _TABLE: dict[str, dict[str, Backend]] = {}
 
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
-                     description: str = "", auto_devices: tuple = ("cpu", "cuda")) -> None:
+                     description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None) -> None:
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
-                                                   priority, description, tuple(auto_devices))
+                                                   priority, description, tuple(auto_devices), auto_prefers)
 
 
 def backends(variant: str) -> list[str]:
@@ -88,6 +92,8 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
             continue
         why = cand.supports(q, k, v, **kwargs)
+        if why is None and cand.auto_prefers is not None:
+            why = cand.auto_prefers(q, k, v, **kwargs)
         if why is None:
             return Choice(variant, cand, requested, reasons)
         reasons[name] = why

@@ -7,6 +7,7 @@ attnzoo's semantics on top of SDPA's:
 - a query row with no key returns zeros, forward and backward: such rows are opened to every key
   before SDPA (so it computes finite numbers there) and their output is replaced by zeros after,
   which also zeroes every gradient flowing through them;
+- q, k and v are zero-padded to one head dim (SDPA's fused kernels need it);
 - L2: q' = [2q, -1], k' = [k, ||k||^2] so q'.k' = 2 q.k - ||k||^2 = -||q - k||^2 + ||q||^2, and the
   ||q||^2 term, constant along a softmax row, cancels;
 - Fenchel first order: softmax(alpha * scale * q.k + log u + mask) is SDPA with scale' = alpha *
@@ -49,10 +50,24 @@ def sdpa_mask(attn_mask, is_causal, nq, nk, device, dtype):
     return torch.where(has_key, attn_mask, torch.zeros((), dtype=dtype, device=device)), False, has_key
 
 
+def _same_head_dims(q, k, v):
+    """SDPA's fused kernels (CPU flash, FlashAttention-2) need one head dim for q, k and v, else it
+    takes its math kernel (N x N weights); zero columns change neither q.k nor the output's first Dv
+    columns."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        v = F.pad(v, (0, dqk - dv))
+    elif dqk < dv:
+        q, k = F.pad(q, (0, dv - dqk)), F.pad(k, (0, dv - dqk))
+    return q, k, v
+
+
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     mask, causal, has_key = sdpa_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device, q.dtype)
+    dv = v.shape[-1]
+    q, k, v = _same_head_dims(q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=scale)
+                                         scale=scale)[..., :dv]
     if has_key is not None:
         out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

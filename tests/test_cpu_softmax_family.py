@@ -1,0 +1,290 @@
+"""The "cpu" (blockwise) and "torch" (SDPA) backends of softmax, l2, fenchel, sigmoid and relu against
+float64 math written here from the formulas (paper 002 eqs 2.2-2.6, paper 004 eq 16), forward and
+every gradient (q, k, v, float masks, log u, sigmoid bias), on one table of cases; plus bf16 /
+extreme-logit / fully-masked-row safety, the choices `auto` makes, and a memory property of the
+blockwise path (no tensor with Nq * Nk entries per head is ever allocated)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnzoo
+import attnzoo.functional as AF
+from attnzoo.ops import blockwise
+
+# --- float64 ground truth, straight from the formulas ---------------------------------------------
+
+
+def _keep_and_add(case, mask, nq, nk):
+    """Which keys take part (bool (.., nq, nk)) and the finite float added to the logits."""
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if case["causal"]:
+        keep = j <= i + (nk - nq)  # bottom-right aligned
+    add = torch.zeros((), dtype=torch.float64)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            keep = keep & (mask > -math.inf)
+            add = torch.where(mask > -math.inf, mask, torch.zeros((), dtype=mask.dtype))
+    return keep, add
+
+
+def _softmax_rows(s, keep):
+    s = torch.where(keep, s, torch.full_like(s, -math.inf))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)  # exp(-inf) = 0 on the keys that do not take part
+    z = e.sum(-1, keepdim=True)
+    return e / torch.where(z > 0, z, torch.ones_like(z))
+
+
+def expected(variant, q, k, v, case, mask, scale, log_u=None, bias=None, alpha=1.0):
+    nq, nk = q.shape[-2], k.shape[-2]
+    keep, add = _keep_and_add(case, mask, nq, nk)
+    dot = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    if variant == "softmax":
+        w = _softmax_rows(dot + add, keep)
+    elif variant == "l2":
+        dist = ((q[:, :, :, None, :] - k[:, :, None, :, :]) ** 2).sum(-1)  # ||q_i - k_j||^2 directly
+        w = _softmax_rows(-scale * dist + add, keep)
+    elif variant == "fenchel":  # softmax(alpha s_ij + log u_ij), -inf in log u drops the key
+        lu = torch.zeros(()) if log_u is None else log_u
+        keep = keep & (lu > -math.inf)
+        lu = torch.where(lu > -math.inf, lu, torch.zeros((), dtype=torch.float64))
+        w = _softmax_rows(alpha * dot + lu + add, keep)
+    else:
+        n = keep.expand(dot.shape).sum(-1, keepdim=True).to(torch.float64)
+        s = dot + add
+        if variant == "sigmoid":
+            b = -torch.log(n.clamp_min(1)) if bias is None else bias
+            w = torch.sigmoid(s + b)
+        else:
+            w = torch.relu(s) / n.clamp_min(1)
+        w = torch.where(keep, w, torch.zeros_like(w))
+    return w @ v
+
+
+# --- the table of cases ----------------------------------------------------------------------------
+
+CASES = [
+    dict(id="plain", nq=19, nk=19, d=8, mask=None, causal=False),
+    dict(id="cross_odd", nq=13, nk=29, d=5, mask=None, causal=False),
+    dict(id="causal_square", nq=21, nk=21, d=8, mask=None, causal=True),
+    dict(id="causal_nq<nk", nq=9, nk=26, d=8, mask=None, causal=True),
+    dict(id="causal_nq>nk_empty_rows", nq=27, nk=11, d=8, mask=None, causal=True),
+    dict(id="bool_padding", nq=17, nk=23, d=8, mask="padding", causal=False),
+    dict(id="bool_empty_rows", nq=17, nk=23, d=8, mask="bool", causal=False),
+    dict(id="float_mask_inf", nq=18, nk=31, d=8, mask="float", causal=False),
+    dict(id="float_mask_causal", nq=25, nk=25, d=4, mask="float", causal=True),
+    dict(id="bool_causal_cross", nq=11, nk=30, d=8, mask="bool", causal=True),
+    dict(id="logits_1e4", nq=15, nk=20, d=8, mask="bool", causal=True, scale=2e3),
+]
+B, H = 2, 3
+BACKENDS = [("cpu", v) for v in ("softmax", "l2", "fenchel", "sigmoid", "relu")] + \
+           [("torch", v) for v in ("softmax", "l2", "fenchel")]
+
+
+def _make_mask(case, g, dtype=torch.float64):
+    nq, nk = case["nq"], case["nk"]
+    if case["mask"] == "padding":  # (B, 1, 1, Nk) key padding
+        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
+        m[0, :, :, -5:] = False
+        return m
+    if case["mask"] == "bool":  # per batch, broadcast over heads, with rows that keep no key
+        m = torch.rand(B, 1, nq, nk, generator=g) > 0.4
+        m[0, :, 2] = False
+        m[1, :, -1] = False
+        return m
+    if case["mask"] == "float":  # per head, some -inf entries and a fully -inf row
+        m = torch.randn(1, H, nq, nk, generator=g, dtype=dtype)
+        m = m.masked_fill(torch.rand(1, H, nq, nk, generator=g) > 0.7, -math.inf)
+        m[0, 1, 3] = -math.inf
+        return m.requires_grad_()
+    return None
+
+
+def _inputs(case, g, dtype=torch.float64):
+    nq, nk, d = case["nq"], case["nk"], case["d"]
+    q = torch.randn(B, H, nq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, nk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, nk, d + 1, generator=g, dtype=torch.float64)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _variant_kwargs(variant, case, g, dtype=torch.float64):
+    """Extra learnable inputs: Fenchel's per-key log u (with a dropped key) and a sigmoid bias."""
+    if variant == "fenchel":
+        lu = torch.randn(B, H, 1, case["nk"], generator=g, dtype=torch.float64)
+        lu[:, :, :, 1] = -math.inf
+        return {"log_u": lu.to(dtype).requires_grad_(), "alpha": 0.7}
+    if variant == "sigmoid" and case["id"] in ("plain", "float_mask_inf"):
+        return {"bias": torch.randn(1, H, case["nq"], 1, generator=g, dtype=torch.float64).to(dtype).requires_grad_()}
+    return {}
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 8 queries x 16 keys: every case spans several blocks, most end in a partial one."""
+    monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_Q", 8)
+    monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_K", 16)
+
+
+def _leaves(qkv, mask, kw):
+    extra = [t for t in kw.values() if isinstance(t, torch.Tensor)]
+    return list(qkv) + ([mask] if mask is not None and mask.requires_grad else []) + extra
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+@pytest.mark.parametrize("backend,variant", BACKENDS, ids=[f"{b}-{v}" for b, v in BACKENDS])
+def test_matches_float64_formula(backend, variant, case, small_blocks):
+    g = torch.Generator().manual_seed(hash((variant, case["id"])) % 2**31)
+    qkv = _inputs(case, g)
+    mask = _make_mask(case, g)
+    kw = _variant_kwargs(variant, case, g)
+    scale = case.get("scale", 0.35)
+    got = AF.VARIANT_FUNCTIONS[variant](*qkv, attn_mask=mask, is_causal=case["causal"], scale=scale,
+                                        backend=backend, **kw)
+    want = expected(variant, *qkv, case, mask, scale, **kw)
+    leaves = _leaves(qkv, mask, kw)
+    cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    g_got = torch.autograd.grad((got * cot).sum(), leaves, allow_unused=True)
+    g_want = torch.autograd.grad((want * cot).sum(), leaves, allow_unused=True)
+    tol = dict(rtol=1e-9, atol=1e-9) if "scale" not in case else dict(rtol=1e-7, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+    for name, a, b in zip(["q", "k", "v", "mask/log_u/bias", "log_u/bias"], g_got, g_want):
+        if b is None:
+            assert a is None or not a.abs().any(), f"{name}: unexpected gradient"
+            continue
+        assert a is not None, f"{name}: no gradient"
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+# --- low precision: no NaN, error at most ~2x the reference's own low-precision error ----------------
+
+_BY_ID = {c["id"]: c for c in CASES}
+# fp16 is left out of logits_1e4 on purpose: there the true gradients (~1e7) exceed fp16's range.
+LOW_CASES = [(_BY_ID[i], dt) for i in ("causal_nq>nk_empty_rows", "bool_empty_rows", "float_mask_inf", "logits_1e4")
+             for dt in (torch.bfloat16, torch.float16) if not (dt == torch.float16 and i == "logits_1e4")]
+
+
+@pytest.mark.parametrize("case,dtype", LOW_CASES, ids=[f"{c['id']}-{str(d)[6:]}" for c, d in LOW_CASES])
+@pytest.mark.parametrize("backend,variant", BACKENDS, ids=[f"{b}-{v}" for b, v in BACKENDS])
+def test_low_precision_no_nan(backend, variant, case, dtype, small_blocks):
+    g = torch.Generator().manual_seed(7)
+    qkv64 = _inputs(case, g)
+    mask = _make_mask(case, g)
+    mask = None if mask is None else mask.detach()
+    kw64 = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in _variant_kwargs(variant, case, g).items()}
+    scale = case.get("scale", 0.35)
+    want = expected(variant, *qkv64, case, mask, scale, **kw64)
+    low = [t.detach().to(dtype).requires_grad_() for t in qkv64]
+    low_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    low_kw = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in kw64.items()}
+    fn = AF.VARIANT_FUNCTIONS[variant]
+    got = fn(*low, attn_mask=low_mask, is_causal=case["causal"], scale=scale, backend=backend, **low_kw)
+    assert got.dtype == dtype
+    got.float().square().sum().backward()
+    assert torch.isfinite(got).all()
+    for t in low:
+        assert torch.isfinite(t.grad).all()
+    # the eager reference run in the same precision sets the bar (the FlashAttention test rule)
+    ref = fn(*[t.detach() for t in low], attn_mask=low_mask, is_causal=case["causal"], scale=scale,
+             backend="reference", **low_kw)
+    err = (got.double() - want).abs().max().item()
+    ref_err = (ref.double() - want).abs().max().item()
+    assert err <= 2 * ref_err + 1e-2 * want.abs().max().item() + 1e-6, (err, ref_err)
+
+
+# --- backends refuse what they cannot do, with a sentence -----------------------------------------
+
+REFUSALS = [
+    ("cpu", "softmax", dict(dropout_p=0.1), "dropout_p > 0"),
+    ("cpu", "sigmoid", dict(dropout_p=0.1), "dropout_p > 0"),
+    ("cpu", "fenchel", dict(solve="second_order"), "first_order"),
+    ("torch", "fenchel", dict(solve="exact"), "first_order"),
+]
+
+
+@pytest.mark.parametrize("backend,variant,kw,words", REFUSALS, ids=[f"{r[0]}-{r[1]}-{r[3][:8]}" for r in REFUSALS])
+def test_refusals_name_the_reason(backend, variant, kw, words):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=words):
+        AF.VARIANT_FUNCTIONS[variant](q, q, q, backend=backend, **kw)
+
+
+AUTO = [  # (variant, N, kwargs, grad, expected backend on CPU)
+    ("softmax", 16, {}, False, "torch"),
+    ("l2", 256, {}, True, "torch"),
+    ("softmax", 256, {"dropout_p": 0.1}, True, "torch"),
+    ("sigmoid", 8, {}, True, "reference"),
+    ("sigmoid", 1024, {}, True, "cpu"),
+    ("relu", 1024, {"dropout_p": 0.1}, True, "reference"),
+    ("fenchel", 1024, {"log_u": "grad"}, True, "cpu"),
+    ("fenchel", 1024, {"log_u": "grad"}, False, "torch"),
+    ("fenchel", 64, {"solve": "exact"}, True, "reference"),
+]
+
+
+@pytest.mark.parametrize("variant,n,kw,grad,want", AUTO, ids=[f"{a[0]}-{a[1]}-{a[4]}" for a in AUTO])
+def test_auto_choice_on_cpu(variant, n, kw, grad, want):
+    q = torch.zeros(1, 4, n, 8)  # shapes only: explain runs nothing
+    kw = dict(kw)
+    if kw.get("log_u") == "grad":
+        kw["log_u"] = torch.zeros(1, 4, 1, n, requires_grad=True)
+    with torch.set_grad_enabled(grad):
+        choice = attnzoo.explain(variant, q, q, q, **kw)
+    assert choice.backend.name == want, str(choice)
+    for why in choice.reasons.values():  # every skipped backend says why in a sentence
+        assert len(why.split()) >= 4
+
+
+# --- memory: the blockwise path never allocates an (Nq, Nk) tensor --------------------------------
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+MEMORY = [("softmax", {}), ("l2", {}), ("fenchel", {"log_u": True}), ("sigmoid", {}), ("relu", {})]
+
+
+@pytest.mark.parametrize("variant,extra", MEMORY, ids=[m[0] for m in MEMORY])
+def test_blockwise_never_allocates_n_by_n(variant, extra):
+    """N = 512, blocks of 64 x 128: the op's inner loops (run through forward_impl/backward_impl,
+    which the custom op calls) and the user-facing call around the op (masks, L2 augmentation,
+    autograd) each allocate at most one block per head, far below Nq * Nk."""
+    n, d, bq, bk = 512, 16, 64, 128
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+    pad = torch.ones(1, 1, 1, n, dtype=torch.bool)
+    pad[..., -100:] = False
+    log_u = torch.randn(1, 2, 1, n, generator=g) if extra.get("log_u") else None
+    block = 2 * bq * bk
+    kind = {"softmax": "softmax", "l2": "softmax", "fenchel": "softmax", "sigmoid": "sigmoid_default",
+            "relu": "relu"}[variant]
+    with _LargestOutput() as inner:
+        out, stat = blockwise.forward_impl(q, k, v, pad, None, log_u, kind, 0.25, True, bq, bk)
+        blockwise.backward_impl(torch.ones_like(out), q, k, v, out, stat, pad, None, log_u, kind, 0.25, True, bq, bk)
+    assert 0 < inner.largest <= block < n * n
+    leaves = [t.requires_grad_() for t in (q, k, v)] + ([log_u.requires_grad_()] if log_u is not None else [])
+    kw = {"log_u": log_u} if log_u is not None else {}
+    with _LargestOutput() as outer:
+        o = AF.VARIANT_FUNCTIONS[variant](q, k, v, attn_mask=pad, is_causal=True, backend="cpu", **kw)
+        torch.autograd.grad(o.sum(), leaves)
+    assert outer.largest < n * n // 8, outer.largest
