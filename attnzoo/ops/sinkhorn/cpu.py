@@ -64,13 +64,13 @@ class TorchEngine:
                 ks = slice(j0, min(j0 + bk, nk))
                 kb = p.k[..., ks, :]
                 s = qb @ kb.transpose(-1, -2)
-                if p.cost == "l2":
+                if p.cost == "l2":  # in place: every pass recomputes this tile
                     kk = (kb * kb).sum(-1).unsqueeze(-2)
-                    L = (qq + kk - 2.0 * s).clamp_min_(0.0).mul_(-a)
+                    L = s.mul_(-2.0).add_(qq).add_(kk).clamp_min_(0.0).mul_(-a)
                 else:
                     L = s.mul_(a)
                 if p.bias is not None:
-                    L = L + p.bias[..., qs, ks].to(L.dtype)
+                    L = L.add_(p.bias[..., qs, ks].to(L.dtype))
                 if p.keep is not None:
                     L = L.masked_fill(~p.keep[..., qs, ks], -math.inf)
                 yield qs, ks, L
@@ -113,9 +113,9 @@ class TorchEngine:
         return out.to(p.q.dtype), lse
 
     def _plan_and_dS(self, p, qs, ks, L, g, lse, dout, delta):
-        P = torch.exp(L + g[..., None, ks] - lse[..., qs, None])
+        P = torch.add(L, g[..., None, ks]).sub_(lse[..., qs, None]).exp_()
         dP = dout[..., qs, :].to(P.dtype) @ p.v[..., ks, :].to(P.dtype).transpose(-1, -2)
-        return P, P * (dP - delta[..., qs, None])
+        return P, dP.sub_(delta[..., qs, None]).mul_(P)
 
     def grad_v_and_bias(self, p, g, lse, dout, delta):
         dv = torch.zeros(p.v.shape, dtype=lse.dtype, device=lse.device)
@@ -129,14 +129,14 @@ class TorchEngine:
     def wsum_rows(self, p, a, b, w):
         out = self._vec(p, p.q.shape[-2])
         for qs, ks, L in self._tiles(p):
-            e = torch.exp(L + a[..., qs, None] + b[..., None, ks])
+            e = torch.add(L, a[..., qs, None]).add_(b[..., None, ks]).exp_()
             out[..., qs] += (e @ w[..., ks, None]).squeeze(-1)
         return out
 
     def wsum_cols(self, p, a, b, w):
         out = self._vec(p, p.k.shape[-2])
         for qs, ks, L in self._tiles(p):
-            e = torch.exp(L + a[..., qs, None] + b[..., None, ks])
+            e = torch.add(L, a[..., qs, None]).add_(b[..., None, ks]).exp_()
             out[..., ks] += (w[..., None, qs] @ e).squeeze(-2)
         return out
 
@@ -149,10 +149,10 @@ class TorchEngine:
             _, dL = self._plan_and_dS(p, qs, ks, L, g, lse, dout, delta)
             if terms is not None:
                 FT, GC, GR, DG, DF = terms
-                for t in range(FT.shape[0]):
+                for t in range(FT.shape[0]):  # in place: 2 n_iters exponentials per tile entry
                     Lf = L + FT[t][..., qs, None]
-                    dL = dL - torch.exp(Lf + GC[t][..., None, ks]) * DG[t][..., None, ks]
-                    dL = dL - torch.exp(Lf + GR[t][..., None, ks]) * DF[t][..., qs, None]
+                    dL.sub_(torch.add(Lf, GC[t][..., None, ks]).exp_().mul_(DG[t][..., None, ks]))
+                    dL.sub_(Lf.add_(GR[t][..., None, ks]).exp_().mul_(DF[t][..., qs, None]))
             qb, kb = p.q[..., qs, :].to(acc), p.k[..., ks, :].to(acc)
             if p.cost == "l2":  # L = -a ||q - k||^2: dL/dq_i = 2a (k_j - q_i)
                 dq[..., qs, :] += 2 * a * (dL @ kb - qb * dL.sum(-1, keepdim=True))
