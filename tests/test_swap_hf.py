@@ -12,7 +12,7 @@ import attnzoo
 
 from .swap_helpers import OTHER_VARIANTS, max_diff, reference_kernels, state_dict_roundtrip, train_steps  # noqa: F401
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers import (AutoModel, BertConfig, BertForSequenceClassification, BertModel,  # noqa: E402
                           ViTConfig, ViTForImageClassification)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
@@ -47,6 +47,15 @@ MODELS = {  # name -> (constructor, forward returning hidden states, loss)
              lambda m: m(IDS, attention_mask=PADDING, labels=LABELS).loss),
     "vit": (vit, lambda m: m.vit(PIXELS).last_hidden_state, lambda m: m(PIXELS, labels=LABELS).loss),
 }
+
+
+def test_implementations_registered_on_import():
+    # first test of the file: nothing has called register_hf_attention yet; importing attnzoo and
+    # transformers (in either order) is enough for attn_implementation="attnzoo_..."
+    for v in ("softmax", "sigmoid", "relu", "sinkhorn"):
+        assert f"attnzoo_{v}" in ALL_ATTENTION_FUNCTIONS and f"attnzoo_{v}" in ALL_MASK_ATTENTION_FUNCTIONS
+    model = AutoModel.from_config(bert_config(), attn_implementation="attnzoo_sigmoid")
+    assert model.config._attn_implementation == "attnzoo_sigmoid"
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -3,6 +3,7 @@
 ``swap(model, spec, include=, exclude=, strict=)``, its dry run ``plan_swap`` (or ``swap(dry_run=True)``),
 ``unswap(model)``, and ``register_hf_attention()`` for transformers' ``attn_implementation=``.
 """
+from . import hf_hook
 from .report import SwapEntry, SwapReport
 from .swap import plan_swap, swap, unswap
 
@@ -12,5 +13,7 @@ def register_hf_attention(spec=None, name=None):
     from .hf import register_hf_attention as _register
     return _register(spec, name)
 
+
+hf_hook.install()  # attnzoo_<variant> attention implementations appear when transformers loads
 
 __all__ = ["swap", "unswap", "plan_swap", "register_hf_attention", "SwapReport", "SwapEntry"]

@@ -139,7 +139,11 @@ def register_hf_attention(spec: Optional[str] = None, name: Optional[str] = None
     that spec under ``name`` (default ``"attnzoo_<variant>"``). Specs that add parameters raise
     ValueError (use ``attnzoo.swap``).
     """
-    from transformers import AttentionInterface, AttentionMaskInterface
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ImportError(f"attnzoo's Hugging Face adapter needs transformers>=5, found {transformers.__version__}")
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
 
     from .. import registry
     if spec is None:
