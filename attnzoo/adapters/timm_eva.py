@@ -55,6 +55,16 @@ def eva_class(layer_class: type) -> type:
     return _CLASSES[layer_class]
 
 
+def __getattr__(name: str):
+    """Lets pickle find ``EvaSoftmaxAttention`` & co. (made on demand) in a fresh process."""
+    if name.startswith("Eva"):
+        from .. import registry
+        for cls in registry._REGISTRY.values():
+            if cls.__name__ == name[3:]:
+                return eva_class(cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def is_eva(module: nn.Module) -> bool:
     return type(module).__name__ == "EvaAttention" and type(module).__module__.startswith("timm")
 
