@@ -293,6 +293,30 @@ def test_cpu_path_never_allocates_n_by_n(causal):
     assert control.largest >= B * H * N * N * 4
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_path_saves_o_n_for_backward(causal):
+    """Everything autograd keeps between forward and backward (deduplicated storages) is O(N):
+    q, k, v, plus for the non-causal call the output, the row lse and 2 n_iters + 1 potentials. The
+    causal prefix loop must not keep each prefix's outputs and potentials (that would be O(N^2))."""
+    B, H, D, n_iters = 1, 2, 4, 3
+    sizes = {}
+    for N in (16, 32):
+        q, k, v = (torch.randn(B, H, N, D).requires_grad_() for _ in range(3))
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = sk_cpu.sinkhorn_attention(q, k, v, is_causal=causal, scale=0.5, n_iters=n_iters, block_q=4, block_k=4)
+        out.sum().backward()
+        sizes[N] = sum(storages.values())
+        vec = B * H * N * 4
+        assert sizes[N] <= 4 * vec * D + (2 * n_iters + 2) * vec
+    assert sizes[32] <= 2 * sizes[16] + 64   # linear in N, not quadratic
+
+
 EXTREME_RUNS = [pytest.param(sk_cpu.sinkhorn_attention, torch.float32, id="cpu-f32"),
                 pytest.param(sk_cpu.sinkhorn_attention, torch.bfloat16, id="cpu-bf16")]
 if sk_triton is not None and INTERPRET:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 GRAD_MODES = ("unrolled", "implicit")
 # relative size of the Neumann term at which the implicit adjoint stops: about the accumulator's roundoff
@@ -177,18 +178,29 @@ def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters
 
 def causal_by_prefix(engine, q, k, v, keep, bias, **kw):
     """Causal Sinkhorn (paper 002 eq 2.6): row i is row i of Sinkhorn on queries 0..i and the keys
-    visible to query i (j <= i + Nk - Nq, bottom-right alignment), intersected with the mask."""
+    visible to query i (j <= i + Nk - Nq, bottom-right alignment), intersected with the mask.
+
+    Each prefix problem runs under activation checkpointing: what autograd keeps per row is then a
+    reference to the shared q, k, v and the output row, not the prefix's output and potentials
+    (O(N^2) over all rows); the backward recomputes each prefix's forward once.
+    """
     B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     keep = None if keep is None else keep.expand(B, H, nq, nk)
     bias = None if bias is None else bias.expand(B, H, nq, nk)
+
+    def last_row(i, m, q, k, v):
+        sub = lambda t: None if t is None else t[..., : i + 1, :m]
+        out = streaming_sinkhorn(engine, q[..., : i + 1, :], k[..., :m, :], v[..., :m, :], sub(keep), sub(bias), **kw)
+        return out[..., -1:, :]
+
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     rows = []
     for i in range(nq):
         m = i + nk - nq + 1  # keys visible to query i
         if m <= 0:  # no key visible: a zero row, as every variant returns for an empty row
             rows.append(v.new_zeros(B, H, 1, v.shape[-1]))
-            continue
-        sub = lambda t: None if t is None else t[..., : i + 1, :m]
-        out = streaming_sinkhorn(engine, q[..., : i + 1, :], k[..., :m, :], v[..., :m, :],
-                                 sub(keep), sub(bias), **kw)
-        rows.append(out[..., -1:, :])
+        elif grad:
+            rows.append(checkpoint(last_row, i, m, q, k, v, use_reentrant=False))
+        else:
+            rows.append(last_row(i, m, q, k, v))
     return torch.cat(rows, dim=-2)
