@@ -155,3 +155,10 @@ def test_dispatch_and_clear_refusals():
     allow, add = FM.allow_and_add(general, False, 2, 2, 6, 6)
     torch.testing.assert_close(out.double(), FM.linear(q.double(), k.double(), v.double(), allow, add),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_triton_refuses_what_it_cannot_hold():
+    q = torch.randn(1, 1, 4, 300)
+    expected = "registers" if INTERPRET else "TRITON_INTERPRET"
+    with pytest.raises(ValueError, match=expected):
+        AF.linear(q, q, q, backend="triton")
