@@ -34,6 +34,8 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.inner.exec_module(module)
+        for finder in [f for f in sys.meta_path if isinstance(f, _Finder)]:
+            sys.meta_path.remove(finder)  # one shot
         _register()
 
 
@@ -41,9 +43,8 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != WATCHED:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _Loader):
             spec.loader = _Loader(spec.loader)
         return spec
 
