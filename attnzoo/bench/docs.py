@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import OK
-from .report import fmt_bytes, fmt_time, markdown_summary, settings_line
+from .report import _md_escape, fmt_bytes, fmt_time, markdown_summary, settings_line
 
 HOW_TO = """\
 ```bash
@@ -57,7 +57,7 @@ def _methods(result: dict) -> str:
 def _flop_table(result: dict) -> str:
     conv = result["flop_conventions"]
     lines = ["| variant | forward FLOPs |", "|---|---|"]
-    lines += [f"| {v} | {f} |" for v, f in conv["forward"].items()]
+    lines += [f"| {v} | {_md_escape(f)} |" for v, f in conv["forward"].items()]
     lines += ["", f"{conv['backward']}. B batch, H heads, N/Nq/Nk sequence lengths, D and Dv head dims; only "
                   "multiply-adds of matrix products are counted (2 FLOPs each), so TFLOP/s is a rescaled "
                   "throughput, comparable between backends of one variant."]

@@ -55,6 +55,15 @@ def _nvidia_smi_clocks() -> dict:
     return dict(zip(("sm_mhz", "max_sm_mhz", "mem_mhz", "power_limit_w", "driver"), parts)) if len(parts) == 5 else {}
 
 
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: how busy the machine was (timings on a shared CPU are noisy)."""
+    raw = _read("/proc/loadavg")
+    try:
+        return [float(x) for x in raw.split()[:3]] if raw else None
+    except ValueError:
+        return None
+
+
 def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[2]
     try:
@@ -86,6 +95,7 @@ def collect(device) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_clocks": cpu_clock_mhz(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "load_average": load_average(),
         "attnzoo_commit": _git_commit(),
     }
     if device.type == "cuda":

@@ -13,6 +13,7 @@ this choice.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Callable
 
@@ -73,6 +74,17 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     with tracker:
         fn()
     return int(tracker.peak)
+
+
+def timed_peak_cpu(fn: Callable[[], object]) -> tuple[float, int]:
+    """(seconds, peak bytes) of one call run under the tracker: for calls so slow that the tracker's
+    per-op overhead (microseconds) is noise, one run gives both numbers."""
+    tracker = LiveTensorBytes()
+    with tracker:
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return seconds, int(tracker.peak)
 
 
 def memory_method(device: torch.device) -> str:

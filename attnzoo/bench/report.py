@@ -157,7 +157,10 @@ def markdown_summary(rows: list[dict]) -> str:
 
 def settings_line(result: dict) -> str:
     s, env = result["settings"], result["environment"]
-    return (f"{env.get('device_name')} ({env.get('torch_threads')} threads), torch {env.get('torch')}, "
+    load = env.get("load_average_at_start")
+    busy = f", load average {load[0]:.3g} at start / {env['load_average'][0]:.3g} at end" if load and env.get(
+        "load_average") else ""
+    return (f"{env.get('device_name')} ({env.get('torch_threads')} threads{busy}), torch {env.get('torch')}, "
             f"triton {env.get('triton')}, CUDA {env.get('cuda')}; batch_tokens={s.get('batch_tokens')} "
             f"(batch = batch_tokens / N), heads={s.get('heads')}, head_dim={s.get('head_dim')}, "
             f"causal={s.get('causal')}; run {result['created']}")

@@ -18,10 +18,10 @@ import torch
 from . import environment, errors
 from .baselines import anchor, baseline_targets
 from .flops import BACKWARD_RULE, FORMULAS, MODES, Shape, flops
-from .memory import estimate_reference_bytes, memory_method, peak_memory_bytes
+from .memory import estimate_reference_bytes, memory_method, peak_memory_bytes, timed_peak_cpu
 from .problem import Problem
 from .targets import attnzoo_targets, parse_variant
-from .timing import time_cpu, time_cuda
+from .timing import summarize, time_cpu, time_cuda
 
 SCHEMA = "attnzoo.bench/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -211,9 +211,15 @@ class Runner:
                 return {"status": errors.SKIPPED,
                         "reason": f"estimated peak {estimate / 2 ** 30:.3g} GiB for the materialising path exceeds "
                                   f"the host memory limit {self.memory_limit / 2 ** 30:.3g} GiB (max_memory_gb)"}
+        once = (self.device.type == "cpu" and c.measure_memory and predicted is not None
+                and predicted > c.once_above_seconds)
         try:
-            stats = self._time(prepared.step)
-            peak = peak_memory_bytes(prepared.step, self.device) if c.measure_memory else None
+            if once:
+                seconds, peak = timed_peak_cpu(prepared.step)
+                stats = summarize([seconds])
+            else:
+                stats = self._time(prepared.step)
+                peak = peak_memory_bytes(prepared.step, self.device) if c.measure_memory else None
         except Exception as e:  # noqa: BLE001 - recorded, never fatal
             status, reason = errors.classify(e)
             errors.free_cached_memory(self.device)
@@ -222,7 +228,10 @@ class Runner:
         out = {"status": errors.OK, "time_s": stats.to_dict(), "peak_memory_bytes": peak,
                "tflops": n_flops / stats.median / 1e12 if stats.median > 0 else None,
                "tokens_per_s": s.batch * s.seq_q / stats.median if stats.median > 0 else None}
-        if stats.n == 1 and self.device.type == "cpu":
+        if once:
+            out["reason"] = (f"run once (predicted {predicted:.3g} s per call > once_above_seconds="
+                             f"{c.once_above_seconds:g}): time and peak memory from that one call")
+        elif stats.n == 1 and self.device.type == "cpu":
             out["reason"] = (f"timed once: the warm-up call took {stats.median:.3g} s, more than "
                              f"once_above_seconds={c.once_above_seconds:g}")
         return out
@@ -249,6 +258,7 @@ def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[d
     """Run the grid; returns the JSON-ready result (schema ``attnzoo.bench/1``)."""
     runner = Runner(config)
     todo = plan(config)
+    load_before = environment.load_average()
     rows = []
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     columns = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -269,7 +279,7 @@ def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[d
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment.collect(device),
+        "environment": {**environment.collect(device), "load_average_at_start": load_before},
         "settings": {**asdict(config), "memory_limit_bytes": None if math.isinf(runner.memory_limit)
                      else int(runner.memory_limit)},
         "methods": {

@@ -8,8 +8,8 @@ HELP = "benchmark every attention variant and backend (time, TFLOP/s, tokens/s, 
 
 # CPU defaults are sized so the default run takes about a minute on a small machine; the GPU ones
 # follow FlashAttention's benchmarks (batch * N = 16k tokens, hidden 2048, bf16).
-CPU_DEFAULTS = {"seq_lens": [256, 1024], "dtypes": ["float32"], "heads": None, "max_call_seconds": 5.0}
-GPU_DEFAULTS = {"seq_lens": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["bfloat16"], "heads": None,
+CPU_DEFAULTS = {"seq_lens": [256, 1024], "dtypes": ["float32"], "batch_tokens": 1024, "max_call_seconds": 5.0}
+GPU_DEFAULTS = {"seq_lens": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["bfloat16"], "batch_tokens": 16384,
                 "max_call_seconds": 30.0}
 
 
@@ -29,7 +29,9 @@ def add_arguments(parser) -> None:
                    help="dtypes (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--mode", nargs="+", default=["fwd", "fwd+bwd"], choices=list(MODES), dest="modes",
                    help="fwd (inference, no_grad) and/or fwd+bwd (default: both)")
-    g.add_argument("--batch-tokens", type=int, default=16384, help="batch * N, fixed across N (default 16384)")
+    g.add_argument("--batch-tokens", type=int, default=None,
+                   help="batch * N, fixed across N (batch = max(1, batch_tokens // N)); default 16384 on GPU, "
+                        "1024 on CPU")
     g.add_argument("--head-dim", type=int, default=64)
     g.add_argument("--heads", nargs="+", type=int, default=None,
                    help="head counts (default: 1 on CPU; 2048 / head_dim on GPU, i.e. hidden 2048)")
@@ -71,7 +73,8 @@ def _config(args):
     heads = args.heads or ([max(1, 2048 // args.head_dim)] if torch.device(device).type == "cuda" else [1])
     return BenchConfig(
         variants=args.variants, backends=args.backends, seq_lens=args.seq_lens or defaults["seq_lens"],
-        dtypes=args.dtypes or defaults["dtypes"], modes=args.modes, batch_tokens=args.batch_tokens,
+        dtypes=args.dtypes or defaults["dtypes"], modes=args.modes,
+        batch_tokens=args.batch_tokens or defaults["batch_tokens"],
         head_dim=args.head_dim, heads=heads, causal=args.causal, device=device, warmup=args.warmup,
         min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
         max_call_seconds=args.max_call_seconds or defaults["max_call_seconds"], max_memory_gb=args.max_memory_gb,
