@@ -1,10 +1,9 @@
 """Fused Sinkhorn backends register here (imported by attnzoo.functional after the references).
 
 - "cpu": blockwise PyTorch (ops/sinkhorn/cpu.py), O(N) memory, unrolled backward; auto on CPU from
-  Nq * Nk >= 2^21 on (and for every causal call). benchmarks/fused_sinkhorn.py --sweep measured the
-  forward + backward time against the reference's (1 thread): about equal at N=128, 2-3.5x slower at
-  N=512-1024 (its 2 n_iters + 3 passes recompute the logits), faster from N=2048 on, while its memory
-  is always lower (1/10 at N=2048, 1/29 at N=4096).
+  Nq * Nk >= 2^21 on, and for every causal call. benchmarks/fused_sinkhorn.py --steady (warm, 1 thread,
+  B*H = 4): about the reference's time up to N = 1024 (the reference reuses its N x N buffers there),
+  clearly faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
 - "triton": the same passes as Triton kernels (ops/sinkhorn/triton.py); auto on CUDA only.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
