@@ -59,10 +59,11 @@ class _CausalProduct(torch.autograd.Function):
         return unchunk(dq), unchunk(dk), unchunk(dv), total, None
 
 
-def causal_product(q, k, v, s0, chunk: int = DEFAULT_CHUNK):
-    """q_i^T (s0 + sum_{j <= i} k_j v_j^T) for q, k (..., N, D), v (..., N, Dv), s0 (..., D, Dv)."""
+def causal_product(q, k, v, s0, chunk=None):
+    """q_i^T (s0 + sum_{j <= i} k_j v_j^T) for q, k (..., N, D), v (..., N, Dv), s0 (..., D, Dv).
+    ``chunk`` rows per chunk (default: the module's DEFAULT_CHUNK, read per call)."""
     s0 = s0.expand(q.shape[:-2] + s0.shape[-2:])
-    return _CausalProduct.apply(q, k, v, s0, chunk)
+    return _CausalProduct.apply(q, k, v, s0, DEFAULT_CHUNK if chunk is None else int(chunk))
 
 
 def linear_attention_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, feature_map="elu",
