@@ -2,8 +2,10 @@
 
 Every variant (the ten registry names) x every registered backend + "auto" + the baselines,
 N in {256, 1024, 4096}, fwd and fwd+bwd, float32, one head of dim 64 and batch * N = 1024 tokens
-(batch 4 at N = 256, a single sequence from N = 1024 on), 2 threads. Sized to finish in about 20
-minutes on a shared 2-core machine:
+(batch 4 at N = 256, a single sequence from N = 1024 on), 1 thread. One thread, not two: on the
+shared, oversubscribed 2-core machine two threads made a small call ~100x slower (every op waits at
+a barrier for a descheduled thread) and a large one only ~1.2x faster. Sized to finish in about 20
+minutes there:
 - rows predicted (from the same row at the previous N, scaled by FLOPs) slower than
   --max-call-seconds are recorded as skipped with the prediction; rows predicted slower than
   --once-above-seconds run once, time and peak memory from that one call;
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-tokens", type=int, default=1024)
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-call-seconds", type=float, default=75.0)
     p.add_argument("--once-above-seconds", type=float, default=3.0)
     p.add_argument("--budget-seconds", type=float, default=1200.0)
@@ -51,10 +53,10 @@ def main(argv=None) -> int:
     config = BenchConfig(
         variants=args.variants, seq_lens=args.seq_lens, dtypes=["float32"], modes=["fwd", "fwd+bwd"],
         batch_tokens=args.batch_tokens, head_dim=args.head_dim, heads=[args.heads], device="cpu",
-        warmup=1, min_repeats=3, max_repeats=5, target_seconds=1.0, max_call_seconds=args.max_call_seconds,
+        warmup=1, min_repeats=3, max_repeats=15, target_seconds=0.5, max_call_seconds=args.max_call_seconds,
         once_above_seconds=args.once_above_seconds, budget_seconds=args.budget_seconds,
-        notes=(f"benchmarks/sweep_cpu.py on a machine shared with other jobs, {args.threads} threads; "
-               f"TRITON_INTERPRET unset (Triton backends are recorded as unsupported on CPU)"))
+        notes=(f"benchmarks/sweep_cpu.py on a machine shared with other jobs (see the load averages), "
+               f"{args.threads} thread(s); TRITON_INTERPRET unset (Triton backends are recorded as unsupported on CPU)"))
     start = time.perf_counter()
 
     def progress_line(row):

@@ -336,6 +336,12 @@ def test_config_rejects_bad_values(kw, match):
         tiny(**kw).validate()
 
 
+def test_dtype_aliases():
+    assert tiny(dtypes=["bf16", "fp32", "Float16"]).validate().dtypes == ["bfloat16", "float32", "float16"]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dtype", "int8", "--compare", "x.json", "y.json"])
+
+
 def test_summarize_quantiles():
     t = summarize([5.0, 1.0, 4.0, 2.0, 3.0])
     assert (t.median, t.min, t.max, t.n) == (3.0, 1.0, 5.0, 5)

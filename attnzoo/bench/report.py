@@ -160,7 +160,8 @@ def settings_line(result: dict) -> str:
     load = env.get("load_average_at_start")
     busy = f", load average {load[0]:.3g} at start / {env['load_average'][0]:.3g} at end" if load and env.get(
         "load_average") else ""
-    return (f"{env.get('device_name')} ({env.get('torch_threads')} threads{busy}), torch {env.get('torch')}, "
+    threads = env.get("torch_threads")
+    return (f"{env.get('device_name')} ({threads} thread{'' if threads == 1 else 's'}{busy}), torch {env.get('torch')}, "
             f"triton {env.get('triton')}, CUDA {env.get('cuda')}; batch_tokens={s.get('batch_tokens')} "
             f"(batch = batch_tokens / N), heads={s.get('heads')}, head_dim={s.get('head_dim')}, "
             f"causal={s.get('causal')}; run {result['created']}")

@@ -25,6 +25,16 @@ from .timing import summarize, time_cpu, time_cuda
 
 SCHEMA = "attnzoo.bench/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                 "fp64": "float64", "double": "float64"}
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name ("bf16" -> "bfloat16"); ValueError naming the choices otherwise."""
+    canonical = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if canonical not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {name!r}")
+    return canonical
 ALL_VARIANTS = ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "masked", "multihead", "fenchel", "ot")
 
 
@@ -62,9 +72,9 @@ class BenchConfig:
         for name, values in (("seq_lens", self.seq_lens), ("heads", self.heads)):
             if not values or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in values):
                 raise ValueError(f"{name} must be a non-empty list of ints >= 1, got {values!r}")
-        for d in self.dtypes:
-            if d not in DTYPES:
-                raise ValueError(f"dtype must be one of {list(DTYPES)}, got {d!r}")
+        if not self.dtypes:
+            raise ValueError("dtypes must name at least one dtype")
+        self.dtypes = [dtype_name(d) for d in self.dtypes]
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {m!r}")

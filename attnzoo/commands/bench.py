@@ -13,6 +13,16 @@ GPU_DEFAULTS = {"seq_lens": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["bf
                 "max_call_seconds": 30.0}
 
 
+def _dtype(text: str) -> str:
+    import argparse
+
+    from ..bench.runner import dtype_name
+    try:
+        return dtype_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(parser) -> None:
     from ..bench.flops import MODES
     from ..bench.runner import ALL_VARIANTS, DTYPES
@@ -25,8 +35,8 @@ def add_arguments(parser) -> None:
                         "SDPA with default dispatch is always measured: it is the anchor of the ratios")
     g.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
                    help="sequence lengths (default: 256 1024 on CPU; 512 ... 16384 on GPU)")
-    g.add_argument("--dtype", nargs="+", default=None, choices=list(DTYPES), dest="dtypes",
-                   help="dtypes (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--dtype", nargs="+", default=None, type=_dtype, dest="dtypes", metavar="DTYPE",
+                   help=f"{', '.join(DTYPES)} or bf16/fp16/fp32 (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--mode", nargs="+", default=["fwd", "fwd+bwd"], choices=list(MODES), dest="modes",
                    help="fwd (inference, no_grad) and/or fwd+bwd (default: both)")
     g.add_argument("--batch-tokens", type=int, default=None,
