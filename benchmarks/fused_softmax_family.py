@@ -156,8 +156,8 @@ def run_crossover(args):
     import torch
     torch.set_num_threads(args.threads)
     rows = []
-    for B, H in ((1, 4), (8, 4)):
-        for N in (16, 64, 128, 256, 512, 1024):
+    for B, H, sizes in ((1, 4, (16, 64, 128, 256, 512, 1024)), (8, 4, (16, 64, 128, 256, 512))):
+        for N in sizes:
             for variant in args.variants:
                 qkv, kw = _inputs(variant, B, H, N, 64)
                 for backend in VARIANTS[variant]:
