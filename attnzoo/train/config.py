@@ -1,0 +1,175 @@
+"""Training configuration: YAML (yaml.safe_load) -> typed dataclasses, with ``--set a.b=value``
+overrides. Unknown keys and ill-typed values are ValueErrors naming the key."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit"                 # vit | otvit
+    attention: str = "softmax"        # attnzoo spec string for every layer (OT-ViT: all but the last)
+    patch_size: int = 4
+    embed_dim: int = 256
+    depth: int = 6
+    num_heads: int = 8
+    mlp_ratio: float = 2.0
+    dropout: float = 0.2              # embedding, projection and MLP dropout
+    attn_dropout: float = 0.0         # dropout on the attention weights
+    qkv_bias: bool = True
+    ot_alpha: float = 1.0
+    ot_gamma: Union[float, str] = "sqrt_embed_dim"  # or sqrt_head_dim, or a number
+    template_tokens: str = "all"      # all | patches: which partner tokens become templates
+    template_grad: bool = True        # gradients through the partner's pass
+    ot_backend: Optional[str] = None  # OT kernel (attnzoo.explain("ot", ...)); null = auto
+    ot_queries: str = "cls"           # cls | all: last layer computed for the class token only (same logits)
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fashion_mnist"    # fashion_mnist | cifar10 | cifar100
+    data_dir: Optional[str] = None    # local copy; default ./data (CIFAR) or the Debian files (Fashion-MNIST)
+    download: bool = True             # let torchvision download when the files are missing
+    augment: bool = True              # CIFAR: random crop (pad 4) + horizontal flip; Fashion-MNIST: none
+    partner_prob: float = 0.5         # OT-ViT: probability a training image also gets a same-class partner
+    train_subset: Optional[int] = None  # use a fixed random subset of the training set (reduced runs)
+    test_subset: Optional[int] = None
+    num_workers: int = 0
+    synthetic: bool = False           # generated images of the dataset's shape (tests, smoke runs)
+    synthetic_train_size: int = 64
+    synthetic_test_size: int = 32
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.05
+    betas: tuple = (0.9, 0.999)
+    warmup_epochs: float = 1.0        # linear warmup from 0, then cosine to min_lr
+    min_lr: float = 0.0
+    label_smoothing: float = 0.0
+    grad_clip: Optional[float] = 1.0  # max global gradient norm; null = off
+
+
+@dataclass
+class RunConfig:
+    epochs: int = 100
+    batch_size: int = 128             # global batch: split across DDP processes
+    eval_batch_size: int = 256
+    seed: int = 0
+    device: str = "auto"              # auto | cpu | cuda | cuda:N
+    amp: bool = True                  # bf16 autocast on CUDA (ignored on CPU)
+    threads: Optional[int] = None     # torch.set_num_threads; null = torch's default
+    out_dir: str = "runs/default"
+    progress: bool = True             # tqdm bar with loss / accuracy / images per second
+    plot: bool = True                 # curves.png after every epoch
+    max_steps_per_epoch: Optional[int] = None  # cut epochs short (smoke tests)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["optim"]["betas"] = list(d["optim"]["betas"])
+        return d
+
+
+def _check_value(key: str, hint: Any, value: Any) -> Any:
+    """Coerce/validate one value against its annotation; ValueError naming the key."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_value(key, a, value)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{key}: expected {' or '.join(getattr(a, '__name__', str(a)) for a in args)}, got {value!r}")
+    if hint is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {value!r}")
+        return tuple(float(v) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[f'{prefix}{k}' for k in unknown]}; "
+                         f"known under {prefix or 'top level'}: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_value(f"{prefix}{name}", hint, value)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> TrainConfig:
+    return _build(TrainConfig, data, "")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``["model.attention=sigmoid", "train.epochs=3"]``; values are parsed as YAML scalars."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value (e.g. model.attention=sigmoid), got {item!r}")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {key}: {p!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} not found (see configs/*.yaml)")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return from_dict(apply_overrides(data, overrides))

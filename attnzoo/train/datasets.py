@@ -1,0 +1,124 @@
+"""Image datasets as uint8 tensors (N, C, H, W) + int64 labels: Fashion-MNIST (Debian package files,
+a local copy, or torchvision's download), CIFAR-10/100 (torchvision), or generated look-alikes."""
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+FASHION_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+                 False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    img_size: int
+    channels: int
+    num_classes: int
+    mean: tuple
+    std: tuple     # per-channel statistics of the training images (pixel values in [0, 1])
+
+
+DATASETS = {
+    "fashion_mnist": DatasetInfo(28, 1, 10, (0.2860,), (0.3530,)),
+    "cifar10": DatasetInfo(32, 3, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": DatasetInfo(32, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+class DataNotFoundError(FileNotFoundError):
+    """The dataset's files are missing and could not be downloaded; the message says how to get them."""
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    if name not in DATASETS:
+        raise ValueError(f"data.dataset must be one of {sorted(DATASETS)}, got {name!r}")
+    return DATASETS[name]
+
+
+def load_split(name: str, train: bool, data_dir: Optional[str] = None, download: bool = True):
+    """(images uint8 (N, C, H, W), labels int64 (N,)) for one split of a named dataset."""
+    dataset_info(name)
+    if name == "fashion_mnist":
+        return _fashion_mnist(train, data_dir, download)
+    return _cifar(name, train, data_dir, download)
+
+
+# ---- Fashion-MNIST ---------------------------------------------------------------------------
+def read_idx_gz(path: Path) -> np.ndarray:
+    """An idx file (LeCun's MNIST format), gzipped: big-endian magic (0, 0, dtype 0x08, ndim), dims, uint8 data."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ValueError(f"{path} is not an idx file of unsigned bytes")
+    ndim = raw[3]
+    dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path} is truncated: header says {dims}, found {data.size} bytes")
+    return data.reshape(dims)
+
+
+def fashion_mnist_dirs(data_dir: Optional[str]) -> list[Path]:
+    dirs = []
+    if data_dir:
+        root = Path(data_dir)
+        dirs += [root, root / "fashion-mnist", root / "FashionMNIST" / "raw"]
+    return dirs + [DEBIAN_FASHION_MNIST]
+
+
+def _fashion_mnist(train: bool, data_dir, download):
+    image_file, label_file = FASHION_FILES[train]
+    for d in fashion_mnist_dirs(data_dir):
+        if (d / image_file).is_file() and (d / label_file).is_file():
+            images = read_idx_gz(d / image_file)
+            labels = read_idx_gz(d / label_file)
+            return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+    how = ("install the Debian package (sudo apt-get install dataset-fashion-mnist, files in "
+           f"{DEBIAN_FASHION_MNIST}), or put {image_file} and {label_file} in a folder passed as --data-dir")
+    if not download:
+        raise DataNotFoundError(f"Fashion-MNIST files not found in {[str(d) for d in fashion_mnist_dirs(data_dir)]}; {how}")
+    from torchvision.datasets import FashionMNIST
+    root = data_dir or "data"
+    try:
+        ds = FashionMNIST(root=root, train=train, download=True)
+    except Exception as e:  # no network, proxy, disk...
+        raise DataNotFoundError(f"Fashion-MNIST not found locally and the download failed ({e}); {how}") from None
+    return ds.data.unsqueeze(1).clone(), ds.targets.to(torch.int64).clone()
+
+
+# ---- CIFAR -----------------------------------------------------------------------------------
+def _cifar(name, train, data_dir, download):
+    from torchvision import datasets
+    cls = {"cifar10": datasets.CIFAR10, "cifar100": datasets.CIFAR100}[name]
+    root = data_dir or "data"
+    folder = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}[name]
+    how = (f"download it where the network allows (torchvision fetches it into {root}/{folder} with "
+           f"data.download: true), or copy that folder and pass its parent as --data-dir")
+    try:
+        ds = cls(root=root, train=train, download=download)
+    except Exception as e:
+        raise DataNotFoundError(f"{name} not available under {root!r} ({e}); {how}") from None
+    images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
+    return images, torch.as_tensor(ds.targets, dtype=torch.int64)
+
+
+# ---- generated look-alikes -------------------------------------------------------------------
+def synthetic_split(name: str, train: bool, size: int, seed: int = 0):
+    """Images of the dataset's shape: a fixed random pattern per class plus noise, so the classes
+    are learnable; labels cycle through the classes so every class has members."""
+    info = dataset_info(name)
+    g = torch.Generator().manual_seed(1000 + seed)
+    patterns = torch.rand(info.num_classes, info.channels, info.img_size, info.img_size, generator=g)
+    g.manual_seed(2000 + seed + (0 if train else 1))
+    labels = torch.arange(size) % info.num_classes
+    labels = labels[torch.randperm(size, generator=g)]
+    noise = torch.rand(size, info.channels, info.img_size, info.img_size, generator=g)
+    images = (0.6 * patterns[labels] + 0.4 * noise) * 255
+    return images.round().to(torch.uint8), labels.to(torch.int64)

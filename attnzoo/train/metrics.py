@@ -1,0 +1,73 @@
+"""Per-epoch metrics: CSV and JSON files and a PNG of the curves."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .checkpoint import _atomic_write
+
+
+def write_metrics(out_dir: Path, history: list[dict], summary: dict) -> None:
+    out_dir = Path(out_dir)
+    if not history:
+        return
+    fields = list(history[0])
+
+    def write_csv(p):
+        with open(p, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(history)
+
+    _atomic_write(out_dir / "metrics.csv", write_csv)
+    _atomic_write(out_dir / "metrics.json",
+                  lambda p: Path(p).write_text(json.dumps({**summary, "epochs": history}, indent=2)))
+
+
+def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
+    """Loss (train/test) and accuracy (train/test) against epoch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("train_loss", "train"), ("test_loss", "test")):
+        ax_loss.plot(epochs, [h[key] for h in history], marker="o", label=label)
+    for key, label in (("train_acc", "train"), ("test_acc", "test")):
+        ax_acc.plot(epochs, [h[key] for h in history], marker="o", label=label)
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    _atomic_write(Path(path), lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str = "") -> None:
+    """Test accuracy and train loss of several runs on one figure (e.g. ViT vs OT-ViT)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, history in runs.items():
+        epochs = [h["epoch"] for h in history]
+        ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label=f"{name} train")
+        ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="x", ls="--", label=f"{name} test")
+        ax_acc.plot(epochs, [h["test_acc"] for h in history], marker="o", label=f"{name} test")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    _atomic_write(Path(path), lambda p: fig.savefig(p, dpi=120, format="png"))
+    plt.close(fig)
