@@ -26,6 +26,15 @@ except ImportError:  # pragma: no cover
     sk_triton = None
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tests run many tiny ops: extra intra-op threads only contend on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- float64 math from the formulas
 def _lse(x, keep, dim):
     """logsumexp over the kept entries of x along dim (keepdim); 0 where none is kept."""
@@ -300,7 +309,7 @@ def test_cpu_path_saves_o_n_for_backward(causal):
     causal prefix loop must not keep each prefix's outputs and potentials (that would be O(N^2))."""
     B, H, D, n_iters = 1, 2, 4, 3
     sizes = {}
-    for N in (16, 32):
+    for N in (12, 24):
         q, k, v = (torch.randn(B, H, N, D).requires_grad_() for _ in range(3))
         storages = {}
 
@@ -309,12 +318,12 @@ def test_cpu_path_saves_o_n_for_backward(causal):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = sk_cpu.sinkhorn_attention(q, k, v, is_causal=causal, scale=0.5, n_iters=n_iters, block_q=4, block_k=4)
+            out = sk_cpu.sinkhorn_attention(q, k, v, is_causal=causal, scale=0.5, n_iters=n_iters, block_q=8, block_k=8)
         out.sum().backward()
         sizes[N] = sum(storages.values())
         vec = B * H * N * 4
         assert sizes[N] <= 4 * vec * D + (2 * n_iters + 2) * vec
-    assert sizes[32] <= 2 * sizes[16] + 64   # linear in N, not quadratic
+    assert sizes[24] <= 2 * sizes[12] + 64   # linear in N, not quadratic
 
 
 EXTREME_RUNS = [pytest.param(sk_cpu.sinkhorn_attention, torch.float32, id="cpu-f32"),
