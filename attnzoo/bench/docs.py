@@ -38,8 +38,13 @@ WHAT = """\
   others are recorded as not expressible), flash-attn and flash-linear-attention (recorded as
   not installed when absent).
 - **Status**: `ok`, `oom`, `n/a` (unsupported, with the dispatcher's reason), `not installed`,
-  `skipped` (predicted slower than `--max-call-seconds` from the previous N, or an eager
-  reference estimated larger than the host memory limit) or `error` - never a crash.
+  `skipped` (predicted slower than `--max-call-seconds` from the same row at the previous N
+  scaled by FLOPs, an eager reference estimated larger than the host memory limit, or
+  `--budget-seconds` used up) or `error` - never a crash. Every reason is kept in the JSON and
+  listed under the tables.
+- **Timing**: median and spread (p20-p80) of repeated calls after a warm-up. On CPU a call
+  predicted slower than `--once-above-seconds` runs once, giving both its time and its peak
+  memory ("1 run" in the tables): with seconds per call the spread of a few runs tells little.
 - **x SDPA**: time (and peak memory) divided by torch SDPA softmax with default dispatch on the same
   problem and causality, measured in the same run.
 """

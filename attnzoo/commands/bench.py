@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
                    help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: all ten)")
     g.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                    help="only these backends: attnzoo ones (reference, cpu, torch, triton, auto, ...) and baselines "
-                        "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, flex, flash-attn, fla, torch-mha). "
+                        "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, torch-flex, flash-attn, fla, torch-mha). "
                         "SDPA with default dispatch is always measured: it is the anchor of the ratios")
     g.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
                    help="sequence lengths (default: 256 1024 on CPU; 512 ... 16384 on GPU)")
