@@ -72,15 +72,16 @@ def sample_ball(shape, radius, *, dtype=torch.float64, generator=None):
 
 
 def maximise_spectral_norm(make_fn, inputs, *, radius, n_samples=16, ascent_steps=60, lr=0.05,
-                           n_iter=60, seed=0, project=None):
+                           n_iter=60, seed=0, project=None, candidates=()):
     """sup over inputs of sigma_max(J). ``make_fn(*inputs) -> (fn, x)``: the map whose Jacobian in x
     is measured, built from the inputs (x may be one of them); ``inputs`` is a tuple of shapes.
+    ``candidates``: extra input tuples tried besides the n_samples uniform draws.
     Returns dict(estimate, trials (every sigma computed), worst (the maximising inputs))."""
     gen = torch.Generator().manual_seed(seed)
     project = project or (lambda t: project_ball(t, radius))
     trials, best, best_inputs = [], -1.0, None
-    for _ in range(n_samples):
-        ins = tuple(sample_ball(s, radius, generator=gen) for s in inputs)
+    draws = [tuple(sample_ball(s, radius, generator=gen) for s in inputs) for _ in range(n_samples)]
+    for ins in draws + [tuple(project(t.double()) for t in c) for c in candidates]:
         fn, x = make_fn(*ins)
         s, _ = jacobian_spectral_norm(fn, x, n_iter=n_iter, generator=gen)
         trials.append(s)
@@ -105,25 +106,47 @@ def maximise_spectral_norm(make_fn, inputs, *, radius, n_samples=16, ascent_step
     return {"estimate": best, "trials": trials, "worst": best_inputs}
 
 
+def antipodal_candidates(Q, K, V, n_tokens, radius, *, n_random=4, seed=0):
+    """Two-point measures +-R u (the extremal measures of Lemma B.1: Var = R^2 u u^T), query x = 0,
+    with u the top singular directions of A = K^T Q, A^T and V, and a few random directions."""
+    d = Q.shape[-1]
+    Qh, Kh, Vh = (t if t.dim() == 3 else t.unsqueeze(0) for t in (Q, K, V))
+    dirs = []
+    for q, k, v in zip(Qh, Kh, Vh):
+        for M in (k.T @ q, v):
+            U, _, Vt = torch.linalg.svd(M)
+            dirs += [U[:, 0], Vt[0]]
+    g = torch.Generator().manual_seed(seed)
+    dirs += [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(n_random)]
+    signs = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n_tokens)], dtype=torch.float64)
+    return [(torch.zeros(d, dtype=torch.float64), radius * signs[:, None] * (u / u.norm())[None, :]) for u in dirs]
+
+
 def query_lipschitz(variant, Q, K, V, *, n_tokens, radius, n_samples=16, ascent_steps=60, seed=0, **kw):
-    """sup over x in B_R and X in B_R^n of ||D_x Gamma_X(x)||_2 (the map paper 002 bounds)."""
+    """sup over x in B_R and X in B_R^n of ||D_x Gamma_X(x)||_2 (the map paper 002 bounds). Besides
+    uniform draws in the ball, the search starts from ``antipodal_candidates`` (n_tokens >= 2)."""
     d = Q.shape[-1]
     Q, K, V = (t.double() for t in (Q, K, V))
+    kw.setdefault("backend", "reference")   # forward-mode AD: fused kernels (SDPA) do not support jvp
 
     def make(x, X):
         def fn(xq):
             return query_velocity(variant, xq.unsqueeze(0), X, Q, K, V, **kw)[0]
         return fn, x
 
+    cands = antipodal_candidates(Q, K, V, n_tokens, radius, seed=seed) if n_tokens >= 2 else []
     return maximise_spectral_norm(make, ((d,), (n_tokens, d)), radius=radius, n_samples=n_samples,
-                                  ascent_steps=ascent_steps, seed=seed)
+                                  ascent_steps=ascent_steps, seed=seed, candidates=cands)
 
 
 def layer_lipschitz(layer, *, n_tokens, radius, n_samples=8, ascent_steps=30, seed=0):
     """sup over X in B_R^n (each token in B_R) of ||D_X layer(X)||_2 for an nn.Module (B=1, N, dim)."""
     dim = next(p for p in layer.parameters()).shape[-1]
-    params = next(layer.parameters())
+    dtype = next(layer.parameters()).dtype
     layer = layer.double().eval()
+    saved = {m: m.backend for m in layer.modules() if hasattr(m, "backend")}
+    for m in saved:   # forward-mode AD needs the eager reference kernels
+        m.backend = "reference"
 
     def make(X):
         def fn(Y):
@@ -134,7 +157,9 @@ def layer_lipschitz(layer, *, n_tokens, radius, n_samples=8, ascent_steps=30, se
         return maximise_spectral_norm(make, ((n_tokens, dim),), radius=radius, n_samples=n_samples,
                                       ascent_steps=ascent_steps, seed=seed)
     finally:
-        layer.to(params.dtype)
+        layer.to(dtype)
+        for m, b in saved.items():
+            m.backend = b
 
 
 def _op(M):
