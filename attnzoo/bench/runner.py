@@ -192,6 +192,8 @@ class Runner:
         row["resolved_backend"] = prepared.resolved
         if prepared.cache_key in self.cache:
             shared = self.cache[prepared.cache_key]
+            if shared.get("time_s"):  # this row's own history too: it predicts this row at the next N
+                self.history[self._history_key(problem, target, causal)] = (row["flops"], shared["time_s"]["median"])
             return {**row, **{k: v for k, v in shared.items() if k != "label"}, "shared_with": shared["label"]}
         measured = self._measure_prepared(problem, target, prepared, row["flops"], causal)
         measured["label"] = f"{target.variant}/{target.backend}"
