@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 import attnzoo.functional as AF
@@ -263,13 +264,29 @@ def _qkv(nq=7, nk=9, d=16, dtype=torch.float32):
     return torch.randn(1, 2, nq, d, dtype=dtype), torch.randn(1, 2, nk, d, dtype=dtype), torch.randn(1, 2, nk, d, dtype=dtype)
 
 
+class _OpLog(TorchDispatchMode):
+    """Records every op that reaches the dispatcher (the custom ops included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @NEEDS_KERNELS
-@pytest.mark.parametrize("variant", ["softmax", "l2", "fenchel", "sigmoid", "relu"])
-def test_named_triton_backend_runs_the_kernel(variant):
+@pytest.mark.parametrize("variant,op", [("softmax", "softmax_family_fwd"), ("l2", "softmax_family_fwd"),
+                                        ("fenchel", "softmax_family_fwd"), ("sigmoid", "pointwise_fwd"),
+                                        ("relu", "pointwise_fwd")])
+def test_named_triton_backend_runs_the_kernel(variant, op):
     q, k, v = _qkv()
-    choice = attnzoo.explain(variant, q, k, v, backend="triton")
-    assert choice.backend.name == "triton" and choice.backend.fn.__module__.endswith(".triton")
+    assert attnzoo.explain(variant, q, k, v, backend="triton").backend.name == "triton"
     assert attnzoo.explain(variant, q, k, v).backend.name != "triton"  # auto never interprets on CPU
+    with _OpLog() as log:
+        getattr(AF, variant)(q, k, v, backend="triton")
+    assert any(f"attnzoo.{op}" in name for name in log.names), log.names
 
 
 @pytest.mark.parametrize("variant,kwargs,expect", [

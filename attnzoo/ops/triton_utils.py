@@ -76,18 +76,20 @@ def tracing_only(t: torch.Tensor) -> bool:
     return INTERPRETED and is_fake(t)
 
 
-def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str):
+def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str, dtype=torch.bfloat16):
     """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps).
 
     Interpreted runs use 16 x 16 tiles, so the tiny CI shapes still cross several blocks (partial
-    blocks, causal block skipping); on a GPU 64 x 64 tiles, 8 warps for the widest heads.
+    blocks, causal block skipping); on a GPU 64 x 64 tiles, 8 warps for the widest heads, and
+    32 x 32 tiles for fp32 heads wider than 64 (twice the registers per element). Untuned.
     """
     bd = max(16, triton.next_power_of_2(d))
     bdv = max(16, triton.next_power_of_2(dv))
     if device_type == "cpu":
         return 16, 16, bd, bdv, 1
-    warps = 8 if max(bd, bdv) >= 128 else 4
-    return 64, 64, bd, bdv, warps
+    wide = max(bd, bdv) >= 128
+    tile = 32 if (wide and dtype == torch.float32) else 64
+    return tile, tile, bd, bdv, 8 if wide else 4
 
 
 def dot_precision(dtype: torch.dtype) -> str:

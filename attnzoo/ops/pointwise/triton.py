@@ -35,7 +35,7 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode):
         rows, bias_strides = torch.zeros(1, dtype=torch.float32, device=q.device), (0, 0, 0)
     else:
         bias_strides = tuple(rows.stride())
-    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type)
+    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), BIAS_MODE=int(bias_mode),
                 MASK_KIND=mask_kind, CAUSAL=bool(is_causal), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
     if q.device.type != "cpu":

@@ -62,7 +62,7 @@ def _prepare(q, k, mask, pref, table, lut):
 def _launch_config(q, k, v, is_causal, l2):
     B, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
-    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type)
+    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal),
                 UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
     launch = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": 2}
