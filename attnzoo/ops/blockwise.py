@@ -31,8 +31,9 @@ import torch
 from torch import Tensor
 
 KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
-# Chosen by measurement (benchmarks/fused_softmax_family.py --blocks, docs/kernels_cpu_torch.md): on
-# one core, blocks of 256 x 1024 were within a few percent of the best time at N = 1024..4096.
+# Chosen by measurement (benchmarks/fused_softmax_family.py --mode blocks, docs/kernels_cpu_torch.md):
+# on one core at N = 2048, 256 x 512 .. 1024 x 1024 were within noise of each other (0.78-0.98 s
+# fwd+bwd); 128-row blocks were ~2x slower (Python overhead per block).
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 1024
 
