@@ -88,6 +88,7 @@ CASES = [
 B, H = 2, 3
 BACKENDS = [("cpu", v) for v in ("softmax", "l2", "fenchel", "sigmoid", "relu")] + \
            [("torch", v) for v in ("softmax", "l2", "fenchel")]
+ALIASES = [("torch", "sigmoid"), ("torch", "relu")]  # the blockwise path under the name
 
 
 def _make_mask(case, g, dtype=torch.float64):
@@ -141,7 +142,7 @@ def _leaves(qkv, mask, kw):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
-@pytest.mark.parametrize("backend,variant", BACKENDS, ids=[f"{b}-{v}" for b, v in BACKENDS])
+@pytest.mark.parametrize("backend,variant", BACKENDS + ALIASES, ids=[f"{b}-{v}" for b, v in BACKENDS + ALIASES])
 def test_matches_float64_formula(backend, variant, case, small_blocks):
     g = torch.Generator().manual_seed(hash((variant, case["id"])) % 2**31)
     qkv = _inputs(case, g)

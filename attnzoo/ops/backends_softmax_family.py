@@ -7,7 +7,8 @@ Backends (see docs/kernels_cpu_torch.md for the measurements behind the prioriti
            every fused softmax kernel is measured against, so it also wins over Triton on CUDA) and
            15 for l2 / fenchel (below Triton's 20 on CUDA; on CPU above the blockwise path).
   "cpu"    blockwise PyTorch with recomputation in the backward (ops/blockwise.py): all five
-           variants, no (Nq, Nk) tensor per head. Priority 10, picked by auto on CPU only.
+           variants, no (Nq, Nk) tensor per head. Priority 10, picked by auto on CPU only. For
+           sigmoid and relu the same path is also registered as "torch" (priority 9).
   "flex"   FlexAttention (CUDA only, compiled): l2 and fenchel. Priority 5 so auto picks it only when
            Triton and SDPA decline; untested here (no GPU in this project's CI).
   "reference" (priority 0) stays the ground truth, and auto keeps it for small calls where it was
@@ -43,7 +44,8 @@ def _first_order_only(q, k, v, **kw):
 def _no_dropout(q, k, v, **kw):
     if kw.get("dropout_p", 0.0) > 0:
         return ("dropout_p > 0 is not supported: the backward recomputes the weights block by block and "
-                "would need each block's dropout mask; 'torch' (softmax family) or 'reference' support it")
+                "would need each block's dropout mask; 'reference' supports it (and SDPA's 'torch' for "
+                "softmax, l2 and fenchel)")
     return None
 
 
@@ -107,6 +109,13 @@ for _variant, _fn, _extra in (("softmax", softmax_cpu, ()), ("l2", l2_cpu, ()),
                               ("sigmoid", sigmoid_cpu, ()), ("relu", relu_cpu, ())):
     dispatch.register_backend(_variant, "cpu", _fn, supports=_cpu_supports(*_extra), priority=10,
                               description=_CPU_DESC, auto_devices=("cpu",), auto_prefers=_small_call)
+
+# The issue names the non-Triton path "torch" for every variant: for sigmoid and relu, where SDPA does
+# not apply, "torch" is the same blockwise path as "cpu" (one priority lower, so auto shows "cpu").
+for _variant, _fn in (("sigmoid", sigmoid_cpu), ("relu", relu_cpu)):
+    dispatch.register_backend(_variant, "torch", _fn, supports=_cpu_supports(), priority=9,
+                              description=_CPU_DESC + " (the 'cpu' path under the issue's name 'torch')",
+                              auto_devices=("cpu",), auto_prefers=_small_call)
 
 dispatch.register_backend("l2", "flex", l2_flex, supports=_flex_supports, priority=5,
                           description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))
