@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     p.add_argument("--rank-points", type=int, default=30)
     p = sub.add_parser("fenchel", help="paper 004 Fig 4: ||lambda* - alpha z|| / ||lambda*|| per layer and head")
     p.add_argument("--checkpoint", help="an `attnzoo train` run dir / .safetensors (needs --config)")
-    p.add_argument("--config", help="the YAML config the checkpoint was trained with")
+    p.add_argument("--config", help="the YAML config the checkpoint was trained with, or the run's metrics.json")
     p.add_argument("--train-seconds", type=float, default=60.0, help="without --checkpoint: train a tiny ViT this long")
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--alpha", type=float, default=1.0)
@@ -210,7 +210,9 @@ def _load_checkpoint(args):
 
     from ..models.factory import build_model
     from ..train.checkpoint import load_checkpoint
-    cfg = yaml.safe_load(Path(args.config).read_text())
+    text = Path(args.config).read_text()
+    # a YAML config, or a run's metrics.json (which records the resolved config, overrides included)
+    cfg = json.loads(text)["config"] if args.config.endswith(".json") else yaml.safe_load(text)
     m = dict(cfg["model"])
     model = build_model(m.pop("name"), img_size=28, in_chans=1, num_classes=10, **m)
     weights, _ = load_checkpoint(args.checkpoint)
