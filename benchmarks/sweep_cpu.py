@@ -1,8 +1,8 @@
 """The standard CPU sweep committed under benchmarks/results/cpu/ (bench_cpu.json, .md, .png).
 
 Every variant (the ten registry names) x every registered backend + "auto" + the baselines,
-N in {256, 1024, 4096}, fwd and fwd+bwd, float32, one head of dim 64 and batch * N = 1024 tokens
-(batch 4 at N = 256, a single sequence from N = 1024 on), 1 thread. One thread, not two: on the
+N in {256, 1024, 4096}, fwd and fwd+bwd, float32, one head of dim 64 and batch * N = 4096 tokens
+(batch 16 at N = 256, 4 at N = 1024, a single sequence at N = 4096), 1 thread. One thread, not two: on the
 shared, oversubscribed 2-core machine two threads made a small call ~100x slower (every op waits at
 a barrier for a descheduled thread) and a large one only ~1.2x faster. Sized to finish in about 20
 minutes there:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", nargs="+", type=int, default=[256, 1024, 4096])
     p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS))
-    p.add_argument("--batch-tokens", type=int, default=1024)
+    p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)

@@ -130,9 +130,11 @@ def markdown_summary(rows: list[dict]) -> str:
         cells: OrderedDict = OrderedDict()
         reasons: OrderedDict = OrderedDict()
         for r in members:
-            key = (r["variant"] + (" (causal)" if r["causal"] and r["variant"] != "masked" else ""), backend_label(r))
+            key = (r["variant"] + (" (causal)" if r["causal"] and r["variant"] != "masked" else ""), r["backend"])
             if r["status"] == OK:
-                text = fmt_time(r["time_s"]["median"])
+                # auto may pick different backends at different N: named in each cell
+                picked = f"-> {r['resolved_backend']}: " if r["backend"] == "auto" and r.get("resolved_backend") else ""
+                text = picked + fmt_time(r["time_s"]["median"])
                 if r.get("ratio_time_vs_sdpa") is not None:
                     text += f" ({r['ratio_time_vs_sdpa']:.3g}x)"
                 if r.get("peak_memory_bytes") is not None:

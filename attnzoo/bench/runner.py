@@ -206,6 +206,15 @@ class Runner:
 
     def _measure_prepared(self, problem, target, prepared, n_flops: int, causal: bool) -> dict:
         c, s = self.config, problem.shape
+        # memory first: it is the harder limit (the OS kills the process, no exception to record)
+        if self.device.type == "cpu" and prepared.materialises:
+            itemsize = 8 if problem.dtype == torch.float64 else 4
+            estimate = estimate_reference_bytes(target.spec.name, s, problem.mode, causal, itemsize,
+                                                **target.spec.flop_kwargs())
+            if estimate > self.memory_limit:
+                return {"status": errors.SKIPPED,
+                        "reason": f"estimated peak {estimate / 2 ** 30:.3g} GiB for the materialising path exceeds "
+                                  f"the host memory limit {self.memory_limit / 2 ** 30:.3g} GiB (max_memory_gb)"}
         hkey = self._history_key(problem, target, causal)
         predicted = None
         if hkey in self.history:
@@ -215,14 +224,6 @@ class Runner:
                 return {"status": errors.SKIPPED,
                         "reason": f"predicted {predicted:.3g} s per call (scaled by FLOPs from the previous N) "
                                   f"exceeds max_call_seconds={c.max_call_seconds:g}"}
-        if self.device.type == "cpu" and prepared.materialises:
-            itemsize = 8 if problem.dtype == torch.float64 else 4
-            estimate = estimate_reference_bytes(target.spec.name, s, problem.mode, causal, itemsize,
-                                                **target.spec.flop_kwargs())
-            if estimate > self.memory_limit:
-                return {"status": errors.SKIPPED,
-                        "reason": f"estimated peak {estimate / 2 ** 30:.3g} GiB for the materialising path exceeds "
-                                  f"the host memory limit {self.memory_limit / 2 ** 30:.3g} GiB (max_memory_gb)"}
         once = (self.device.type == "cpu" and c.measure_memory and predicted is not None
                 and predicted > c.once_above_seconds)
         try:
