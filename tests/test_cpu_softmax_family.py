@@ -290,3 +290,26 @@ def test_blockwise_never_allocates_n_by_n(variant, extra):
         o = AF.VARIANT_FUNCTIONS[variant](q, k, v, attn_mask=pad, is_causal=True, backend="cpu", **kw)
         torch.autograd.grad(o.sum(), leaves)
     assert outer.largest < n * n // 8, outer.largest
+
+
+# --- FlexAttention: forward only, opt-in (it compiles a CPU kernel: ~1 min here; no backward on CPU) ---
+
+FLEX_CASES = [c for c in CASES if c["id"] in ("plain", "causal_nq<nk", "causal_nq>nk_empty_rows", "bool_empty_rows")]
+
+
+@pytest.mark.skipif(__import__("os").environ.get("ATTNZOO_FLEX_CPU") != "1",
+                    reason="opt-in (ATTNZOO_FLEX_CPU=1): compiles FlexAttention for CPU, ~1 min")
+@pytest.mark.parametrize("case", FLEX_CASES, ids=[c["id"] for c in FLEX_CASES])
+@pytest.mark.parametrize("variant", ["l2", "fenchel"])
+def test_flex_forward_matches_formula_on_cpu(variant, case):
+    from attnzoo.ops.softmax.flex import fenchel_flex, l2_flex
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (t.detach() for t in _inputs(case, g))
+    mask = _make_mask(case, g)
+    kw = {k_: (v_.detach() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in _variant_kwargs(variant, case, g).items()}
+    want = expected(variant, q, k, v, case, mask, 0.35, **kw)
+    fn = l2_flex if variant == "l2" else fenchel_flex
+    f32 = {k_: (v_.float() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in kw.items()}
+    with torch.no_grad():
+        got = fn(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=case["causal"], scale=0.35, **f32)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
