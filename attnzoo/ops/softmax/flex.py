@@ -4,7 +4,8 @@ FlexAttention compiles a score modifier into a fused kernel: L2 becomes 2 * scal
 scale * ||k_j||^2 (the ||q_i||^2 term cancels in the softmax), Fenchel adds log u_ij. Masks use
 the same preparation as the SDPA path (``torch.sdpa_mask``): bottom-right causal, rows with no
 key opened and then zeroed. FlexAttention has no backward on CPU, and this project's CI has no
-GPU: this file is imported everywhere but only runs on CUDA tensors, untested here.
+GPU: the backend only accepts CUDA tensors. Its forward logic is checked on CPU under no_grad by an
+opt-in test (ATTNZOO_FLEX_CPU=1, tests/test_cpu_softmax_family.py); CUDA and backward are untested.
 """
 from __future__ import annotations
 
