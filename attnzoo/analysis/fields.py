@@ -85,8 +85,7 @@ def query_velocity(variant, x, X, Q, K, V, *, eps=1.0, n_iters=SINKHORN_ITERS, a
     elif variant == "ot":
         out = AF.ot(q, k, v, scale=1.0, alpha=alpha, backend=backend)
     else:  # sinkhorn with the measure fixed: softmax_j(g_j - c_eps(x, x_j)), g from X's own plan
-        _, kk, _ = _qkv(X, X, Q, K, V)
-        qq = _qkv(X, X, Q, K, V)[0]
+        qq, kk, _ = _qkv(X, X, Q, K, V)
         g = sinkhorn_potential(sinkhorn_logits(qq, kk, scale=1.0, eps=eps, cost="l2"), None, n_iters)
         out = AF.l2(q, k, v, attn_mask=g, scale=1.0 / (2.0 * eps), backend=backend) / eps
     return out[0].sum(0)
