@@ -205,3 +205,26 @@ def test_limit_rank_bounded_for_identity_V(d):
     h = dynamics.rank_histogram(d, n_points=4, v_mode="identity", t_end=1e3, seed=d)
     assert h["blowups"] == 0 and len(h["ranks"]) == 4
     assert max(h["ranks"]) <= d - d // 2
+
+
+@pytest.mark.parametrize("variant", ["softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "fenchel", "ot",
+                                     "multihead"])
+def test_every_variant_moves_particles(variant):
+    """One RK4 step of the functional field equals the RK4 formula applied by hand to self_velocity."""
+    heads = variant == "multihead"
+    shape = (2, 2, 3) if heads else (2, 3)
+    Q, K, V = _rand(shape, 1, 0.5), _rand(shape, 2, 0.5), _rand((2, 3, 3) if heads else (3, 3), 3, 0.5)
+    base = "softmax" if heads else variant
+    X = _rand((6, 3), 4)
+    kw = {"n_iters": 20} if variant == "sinkhorn" else {}
+    f = particles.make_field(base, Q, K, V, **kw)
+    _, states = particles.rk4(f, X, t_end=0.1, n_steps=1)
+
+    def g(Z):
+        return self_velocity(base, Z, Q, K, V, **kw)
+    k1 = g(X)
+    k2 = g(X + 0.05 * k1)
+    k3 = g(X + 0.05 * k2)
+    k4 = g(X + 0.1 * k3)
+    torch.testing.assert_close(states[-1], X + 0.1 / 6 * (k1 + 2 * k2 + 2 * k3 + k4), rtol=1e-12, atol=1e-12)
+    assert float((states[-1] - X).abs().max()) > 0
