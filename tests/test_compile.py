@@ -99,7 +99,8 @@ def test_no_graph_breaks():
     assert explanation.graph_break_count == 0, [str(r.reason)[:200] for r in explanation.break_reasons]
 
 
-@pytest.mark.parametrize("name,kw", LAYERS, ids=[n + ("-" + kw["backend"] if "backend" in kw else "") for n, kw in LAYERS])
+@pytest.mark.parametrize("name,kw", LAYERS,
+                         ids=[n + ("-" + kw["backend"] if "backend" in kw else "") for n, kw in LAYERS])
 def test_autocast_bf16_no_nan(name, kw):
     torch.manual_seed(1)
     model = Zoo([(name, kw)])
