@@ -14,6 +14,8 @@ channel vector), so both are clouds of "tokens" in feature space. ``max_points``
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -36,7 +38,9 @@ def diagrams(cloud, *, maxdim=1, max_points=None):
         raise ValueError(f"cloud must be (n, dim), got shape {X.shape}")
     if max_points is not None and len(X) > max_points:
         X = X[np.linspace(0, len(X) - 1, max_points).round().astype(int)]
-    dgms = ripser(X, maxdim=maxdim)["dgms"]
+    with warnings.catch_warnings():   # ripser warns when a cloud has fewer points than dimensions: expected here
+        warnings.simplefilter("ignore", UserWarning)
+        dgms = ripser(X, maxdim=maxdim)["dgms"]
     return [d[np.isfinite(d).all(axis=1)] if len(d) else np.zeros((0, 2)) for d in dgms]
 
 

@@ -156,7 +156,7 @@ def _dynamics(args, out):
     plots.particles_plot(records, out / "particles.png")
     studies = {name: dynamics.d2_study(name, n_grid=5, n_steps=1500) for name in ("convergence", "divergence", "blowup")}
     plots.cone_plot(studies, out / "cone.png")
-    hists = [dynamics.rank_histogram(d, n_points=args.rank_points, v_mode=m, seed=args.seed, t_end=1e3, progress=True)
+    hists = [dynamics.rank_histogram(d, n_points=args.rank_points, v_mode=m, seed=args.seed, t_end=1e5, progress=True)
              for m in ("identity", "random") for d in (3, 4, 5)]
     plots.rank_plot(hists, out / "ranks.png")
     return {"particles": summary, "sampling_scale": (2 / args.particles) ** 0.5,
@@ -254,11 +254,14 @@ def _topolip(args, out):
         models[f"vit-{v}"], info[f"vit-{v}"] = _train_vit(v, args.train_seconds, args.seed)
     torch.manual_seed(args.seed)
     resnet = timm.create_model("resnet18", pretrained=False, num_classes=10, in_chans=1)
-    models["resnet18"], info["resnet18"] = _train(resnet, args.train_seconds, args.seed)
+    # the same images, upsampled x2 (56 x 56) so that the last stage is a 2 x 2 map, not a single point
+    wrapped = torch.nn.Sequential(torch.nn.Upsample(scale_factor=2, mode="bilinear"), resnet)
+    models["resnet18"], info["resnet18"] = _train(wrapped, args.train_seconds, args.seed)
     results = {}
     g = torch.Generator().manual_seed(args.seed)
     for name, m in tqdm(models.items(), desc="topolip"):
-        mods = list(m.blocks) if hasattr(m, "blocks") else [m.conv1, m.layer1, m.layer2, m.layer3, m.layer4]
+        r = m[1] if isinstance(m, torch.nn.Sequential) else m
+        mods = list(m.blocks) if hasattr(m, "blocks") else [r.conv1, r.layer1, r.layer2, r.layer3, r.layer4]
         results[name] = {c: topolip.model_topolip(m, topolip.corrupt(x, c, generator=g), mods,
                                                   max_points=args.max_points)
                          for c in topolip.CORRUPTIONS}
@@ -266,4 +269,5 @@ def _topolip(args, out):
     strip = {m: {c: {k: r[k] for k in ("topolip", "wd", "rates", "wd_depth", "rate_depth")} for c, r in rs.items()}
              for m, rs in results.items()}
     return {"models": info, "clouds": "ViT: block outputs, tokens as points; ResNet-18: conv1 and stage outputs, "
-            "each spatial position's channel vector as a point", "results": strip}
+            "each spatial position's channel vector as a point; the ResNet sees the images upsampled to 56 x 56",
+            "results": strip}
