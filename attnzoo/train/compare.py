@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 from .metrics import plot_comparison
@@ -23,6 +24,12 @@ def collect(out_dir: Path, runs: dict[str, Path], title: str = "") -> dict:
         summary[name] = {"final_test_acc": last["test_acc"], "best_test_acc": metrics["best_test_acc"],
                          "epochs": metrics["epochs_done"], "parameters": metrics["parameters"],
                          "train_images_per_s": round(sum(h["images_per_s"] for h in metrics["epochs"]) / len(metrics["epochs"]), 1)}
+    groups: dict[str, list[float]] = {}
+    for name, row in summary.items():  # "vit_seed1" -> "vit"
+        groups.setdefault(name.split("_seed")[0], []).append(row["final_test_acc"])
+    summary["by_model"] = {g: {"runs": len(a), "mean_final_test_acc": statistics.fmean(a),
+                               "std_final_test_acc": statistics.stdev(a) if len(a) > 1 else None}
+                           for g, a in groups.items()}
     plot_comparison(histories, out_dir / "comparison.png", title=title)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

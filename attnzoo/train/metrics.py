@@ -58,10 +58,10 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str = "") ->
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for name, history in runs.items():
         epochs = [h["epoch"] for h in history]
-        ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label=f"{name} train")
-        ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="x", ls="--", label=f"{name} test")
-        ax_acc.plot(epochs, [h["test_acc"] for h in history], marker="o", label=f"{name} test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+        style = dict(marker="o", ls="-" if name.startswith(("vit", "ViT")) else "--")
+        ax_loss.plot(epochs, [h["test_loss"] for h in history], label=name, **style)
+        ax_acc.plot(epochs, [h["test_acc"] for h in history], label=name, **style)
+    ax_loss.set(xlabel="epoch", ylabel="test cross-entropy", title="test loss")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
