@@ -44,17 +44,17 @@ def jacobian_spectral_norm(fn, x, *, n_iter=100, tol=1e-7, generator=None):
     for _ in range(n_iter):
         _, jv = jvp(fn, (x,), (v,))
         (jtjv,) = vjp_fn(jv)
-        new_sigma = float(jv.norm())
+        new_sigma = float(jv.detach().norm())
         nrm = jtjv.norm()
         if nrm == 0:
             return 0.0, v
-        v = jtjv / nrm
+        v = (jtjv / nrm).detach()
         if abs(new_sigma - sigma) <= tol * max(new_sigma, 1e-30):
             sigma = new_sigma
             break
         sigma = new_sigma
     _, jv = jvp(fn, (x,), (v,))
-    return float(jv.norm()), v
+    return float(jv.detach().norm()), v.detach()
 
 
 def project_ball(t, radius):
