@@ -1,7 +1,8 @@
-"""Generate docs/bench.md (the README's benchmark section) from the committed result JSONs:
-benchmarks/results/cpu/bench_cpu.json and the newest GPU sweep under benchmarks/results/gpu/.
+"""Generate the benchmark section from the committed result JSONs (benchmarks/results/cpu/bench_cpu.json
+and the newest GPU sweep under benchmarks/results/gpu/): docs/bench.md, and the same text between the
+`<!-- bench:begin -->` / `<!-- bench:end -->` markers of README.md.
 
-    .venv/bin/python benchmarks/render_readme.py [--cpu JSON] [--gpu-dir DIR] [--out docs/bench.md]
+    .venv/bin/python benchmarks/render_readme.py [--cpu JSON] [--gpu-dir DIR] [--out docs/bench.md] [--readme README.md]
 """
 from __future__ import annotations
 
@@ -32,15 +33,31 @@ def newest_gpu_sweep(gpu_dir: Path) -> list[tuple[dict, Path]]:
     return sorted([rp for rp in found if rp[0]["settings"].get("notes") == sweep], key=lambda rp: str(rp[1]))
 
 
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def replace_between_markers(path: Path, section: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers to fill")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    write_text(f"{head}{BEGIN}\n{section}{END}{tail}", path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json")
     p.add_argument("--gpu-dir", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench.md")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md",
+                   help="file whose bench markers get the section too (paths made relative to it)")
     args = p.parse_args(argv)
     cpu = (load(args.cpu), args.cpu) if args.cpu.exists() else None
     gpu = newest_gpu_sweep(args.gpu_dir) if args.gpu_dir.exists() else []
     write_text(render(cpu, gpu, args.out), args.out)
+    if args.readme.exists():
+        replace_between_markers(args.readme, render(cpu, gpu, args.readme))
     print(f"wrote {args.out} from {'CPU ' + str(args.cpu) if cpu else 'no CPU results'} and {len(gpu)} GPU file(s)")
     return 0
 

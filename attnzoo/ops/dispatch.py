@@ -62,6 +62,11 @@ def backends(variant: str) -> list[str]:
     return sorted(_TABLE.get(variant, {}), key=lambda n: -_TABLE[variant][n].priority)
 
 
+def default_backend() -> str:
+    """The backend a call without ``backend=`` asks for: "auto" unless ``use_backend`` set another."""
+    return _default_backend.get()
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Set the default backend for every attnzoo call inside the block (explicit args still win)."""

@@ -243,7 +243,7 @@ def t5_wanted(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0) -> bool:
     triton backend is requested by name (it then runs or raises, never falls back) or by ``auto`` on a
     CUDA tensor the kernel supports."""
     from .. import dispatch
-    requested = backend or dispatch._default_backend.get()
+    requested = backend or dispatch.default_backend()
     if requested not in ("triton", dispatch.AUTO):
         return False
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
