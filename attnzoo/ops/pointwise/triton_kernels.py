@@ -72,6 +72,9 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
+        bias_scalar = tl.cast(bias_scalar, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -116,6 +119,9 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
+        bias_scalar = tl.cast(bias_scalar, tl.float32)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -167,6 +173,9 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
+        bias_scalar = tl.cast(bias_scalar, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H

@@ -58,6 +58,8 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -115,6 +117,8 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -194,6 +198,8 @@ if HAVE_TRITON:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+        scale = tl.cast(scale, tl.float32)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
