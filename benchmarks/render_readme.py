@@ -1,8 +1,8 @@
 """Generate the benchmark section from the committed result JSONs (benchmarks/results/cpu/bench_cpu.json
-and the newest GPU sweep under benchmarks/results/gpu/): docs/bench.md, and the same text between the
-`<!-- bench:begin -->` / `<!-- bench:end -->` markers of README.md.
+and the newest GPU sweep under benchmarks/results/gpu/), written between the `<!-- bench:begin -->` /
+`<!-- bench:end -->` markers of README.md (and to --out as a page of its own if asked).
 
-    .venv/bin/python benchmarks/render_readme.py [--cpu JSON] [--gpu-dir DIR] [--out docs/bench.md] [--readme README.md]
+    .venv/bin/python benchmarks/render_readme.py [--cpu JSON] [--gpu-dir DIR] [--readme README.md] [--out PAGE.md]
 """
 from __future__ import annotations
 
@@ -49,16 +49,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json")
     p.add_argument("--gpu-dir", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench.md")
+    p.add_argument("--out", type=Path, default=None, help="also write the section as a page of its own")
     p.add_argument("--readme", type=Path, default=ROOT / "README.md",
                    help="file whose bench markers get the section too (paths made relative to it)")
     args = p.parse_args(argv)
     cpu = (load(args.cpu), args.cpu) if args.cpu.exists() else None
     gpu = newest_gpu_sweep(args.gpu_dir) if args.gpu_dir.exists() else []
-    write_text(render(cpu, gpu, args.out), args.out)
-    if args.readme.exists():
-        replace_between_markers(args.readme, render(cpu, gpu, args.readme))
-    print(f"wrote {args.out} from {'CPU ' + str(args.cpu) if cpu else 'no CPU results'} and {len(gpu)} GPU file(s)")
+    if args.out is not None:
+        write_text(render(cpu, gpu, args.out), args.out)
+    replace_between_markers(args.readme, render(cpu, gpu, args.readme))
+    print(f"wrote {args.readme}{' and ' + str(args.out) if args.out else ''} from {'CPU ' + str(args.cpu) if cpu else 'no CPU results'} and {len(gpu)} GPU file(s)")
     return 0
 
 

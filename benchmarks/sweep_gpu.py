@@ -2,10 +2,11 @@
 (head dim 64 -> 32 heads, 128 -> 16 heads), bf16, N from 512 to 16k, fwd and fwd+bwd, non-causal
 and causal; every variant, backend and baseline (SDPA's backends, FlexAttention, flash-attn and
 flash-linear-attention when installed). Results go to benchmarks/results/gpu/<device>/ and
-benchmarks/render_readme.py puts the newest sweep in docs/bench.md.
+benchmarks/render_readme.py puts the newest sweep in README.md.
 
-NOT RUN YET: no GPU was available when this was written; the CUDA code paths of the harness
-(do_bench timing, allocator peaks, FlexAttention/flash-attn/fla baselines) are untested.
+NOT COMPLETED YET: on the H100 lent briefly on 2026-11-25 it wrote nothing within 150-230 s per
+configuration (benchmarks/results/gpu/h100_tests.md); the CUDA code paths of the harness (do_bench
+timing, allocator peaks, FlexAttention/flash-attn/fla baselines) have not finished a run.
 
     .venv/bin/python benchmarks/sweep_gpu.py [--head-dims 64 128] [--seq-lens ...] [--variants ...]
 """

@@ -7,7 +7,7 @@ Prop 4.15 for Sinkhorn and Prop 4.9 for multi-head (sum over heads). A = K^T Q t
 Sinkhorn (Lemma 4.14): M = (1/eps) V A^-T Sigma^-1 C with
     C = Sigma^1/2 (Sigma^1/2 B Sigma^1/2 + eps^2/4 I)^1/2 Sigma^-1/2 - eps/2 I,
 where Lemma 4.14 writes B = A^T Sigma A and Prop 4.15 writes B = A Sigma A^T. ``sinkhorn_form``
-picks one ("lemma" by default). Settled numerically (tests/test_analysis_dynamics.py, docs/analysis.md):
+picks one ("lemma" by default). Settled numerically (tests/test_analysis_dynamics.py, README's analysis section):
 the field of discrete Sinkhorn (bistochastic limit) on Gaussian samples, regressed on x, matches
 Lemma 4.14's B = A^T Sigma A to sampling error, and Prop 4.15's B = A Sigma A^T is off by a factor
 of several for a non-symmetric A; Prop 4.15's C is a misprint (the two agree when A is symmetric,
