@@ -138,9 +138,20 @@ def layer(spec: str) -> type:
     def __init__(self, *args, **kw):
         cls.__init__(self, *args, **{**spec_kwargs, **kw})
 
+    def __reduce_ex__(self, protocol):
+        # the class is made at run time, so pickle (torch.save(model), deepcopy) cannot find it by
+        # name: rebuild it from the spec instead, then restore the instance's state
+        return _new_bound_instance, (spec,), self.__dict__
+
     bound = type(f"{cls.__name__}_{name}", (cls,), {"__init__": __init__, "__module__": cls.__module__,
-                                                     "spec": spec, "__doc__": cls.__doc__})
+                                                     "spec": spec, "__doc__": cls.__doc__,
+                                                     "__reduce_ex__": __reduce_ex__})
     return bound
+
+
+def _new_bound_instance(spec: str):
+    cls = layer(spec)
+    return cls.__new__(cls)
 
 
 _CAPS = {

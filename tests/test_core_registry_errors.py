@@ -68,6 +68,17 @@ def test_layer_binds_spec_for_timm():
     assert isinstance(m, attnzoo.SinkhornAttention) and m.n_iters == 4
 
 
+def test_layer_classes_pickle_with_the_model(tmp_path):
+    import copy
+    m = attnzoo.layer("sinkhorn(n_iters=4)")(32, num_heads=4)
+    x = torch.randn(2, 5, 32)
+    torch.save(m, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)  # our own file, written just above
+    for other in (loaded, copy.deepcopy(m)):
+        assert isinstance(other, attnzoo.SinkhornAttention) and other.n_iters == 4
+        torch.testing.assert_close(other(x), m(x))
+
+
 # ---- bad input --------------------------------------------------------------------------------------
 
 def t(*shape, dtype=torch.float32):
