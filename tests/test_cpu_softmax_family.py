@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops import blockwise
+from tests.memory_probe import LargestOutput
 
 # --- float64 ground truth, straight from the formulas ---------------------------------------------
 
@@ -255,19 +255,6 @@ def test_auto_choice_on_cpu(variant, n, kw, grad, want):
 
 # --- memory: the blockwise path never allocates an (Nq, Nk) tensor --------------------------------
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 MEMORY = [("softmax", {}), ("l2", {}), ("fenchel", {"log_u": True}), ("sigmoid", {}), ("relu", {})]
@@ -287,13 +274,13 @@ def test_blockwise_never_allocates_n_by_n(variant, extra):
     block = 2 * bq * bk
     kind = {"softmax": "softmax", "l2": "softmax", "fenchel": "softmax", "sigmoid": "sigmoid_default",
             "relu": "relu"}[variant]
-    with _LargestOutput() as inner:
+    with LargestOutput() as inner:
         out, stat = blockwise.forward_impl(q, k, v, pad, None, log_u, kind, 0.25, True, bq, bk)
         blockwise.backward_impl(torch.ones_like(out), q, k, v, out, stat, pad, None, log_u, kind, 0.25, True, bq, bk)
     assert 0 < inner.largest <= block < n * n
     leaves = [t.requires_grad_() for t in (q, k, v)] + ([log_u.requires_grad_()] if log_u is not None else [])
     kw = {"log_u": log_u} if log_u is not None else {}
-    with _LargestOutput() as outer:
+    with LargestOutput() as outer:
         o = AF.VARIANT_FUNCTIONS[variant](q, k, v, attn_mask=pad, is_causal=True, backend="cpu", **kw)
         torch.autograd.grad(o.sum(), leaves)
     assert outer.largest < n * n // 8, outer.largest

@@ -13,12 +13,12 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo.functional as AF
 from attnzoo.ops.linear import cpu as lin_cpu
 
 from . import formulas as FM
+from tests.memory_probe import LargestOutput
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -120,24 +120,12 @@ def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
         torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten op returns (the memory property, not a timing)."""
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_cpu_causal_never_builds_prefix_sums_or_n_by_n():
     n, d = 512, 16
     q, k, v = (torch.randn(1, 1, n, d, requires_grad=True) for _ in range(3))
-    with _LargestTensor() as mode:
+    with LargestOutput() as mode:
         out = AF.linear(q, k, v, is_causal=True, backend="cpu")
         out.sum().backward()
     # the reference's prefix sums hold n * d * (d + 1) numbers, the weights n * n; chunks hold n * 64

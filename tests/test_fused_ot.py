@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo.functional as AF
 from attnzoo.ops.ot import cpu as ot_cpu
@@ -21,6 +20,7 @@ from attnzoo.ops.ot import tiles as ot_tiles
 from attnzoo.ops.ot.factorised import ot_terms
 
 from . import formulas as FM
+from tests.memory_probe import LargestOutput
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 B, H, D, DV = 2, 2, 6, 3
@@ -167,18 +167,6 @@ def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
         torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten op returns (the memory property, not a timing)."""
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("causal,tiles", [(False, False), (True, False), (True, True)])
@@ -188,7 +176,7 @@ def test_cpu_never_allocates_the_cube(monkeypatch, causal, tiles):
     nq, nk, m = 16, 12, 20
     q, k, v, tk, tv, log_u = _inputs(nq, nk, m, True, torch.float32)
     mask = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-    with _LargestTensor() as mode:
+    with LargestOutput() as mode:
         out = AF.ot(q, k, v, attn_mask=mask, is_causal=causal, log_u=log_u, templates_k=tk, templates_v=tv,
                     backend="cpu")
         out.sum().backward()
