@@ -46,6 +46,17 @@ def replace_child(root: nn.Module, name: str, new: nn.Module) -> Callable[[], No
     return apply
 
 
+def exchange(root: nn.Module, name: str, old: nn.Module, new: nn.Module,
+             move: Callable[[nn.Module, nn.Module], None]) -> Callable[[], None]:
+    """A closure that moves ``old``'s weights into ``new`` (``move``), gives ``new`` the train/eval mode
+    of ``old`` and puts it where ``old`` is."""
+    def apply() -> None:
+        move(old, new)
+        new.train(old.training)
+        replace_child(root, name, new)()
+    return apply
+
+
 def describe_new_parameters(layer: nn.Module, skip: set[str]) -> list[str]:
     """'name (init)' for each parameter of ``layer`` the host did not provide."""
     out = []

@@ -13,7 +13,8 @@ from torch import nn
 
 from ..layers.base import AttentionLayer
 from . import timm_eva
-from .common import Change, describe_new_parameters, get_origin, param_names, replace_child, set_origin
+from .common import (Change, describe_new_parameters, exchange, get_origin, param_names, replace_child,
+                     set_origin)
 from .spec import Target
 
 MOVED = ("qkv", "q_norm", "k_norm", "norm", "proj", "gate")
@@ -115,10 +116,5 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
     dropped = [n for n, _ in module.named_parameters() if n not in kept]
     change = Change(name=name, source=type(module).__name__, target=cls.__name__, carried=sorted(kept),
                     dropped=dropped)
-
-    def apply() -> None:
-        _move(module, old)
-        old.train(module.training)
-        replace_child(root, name, old)()
-    change.apply = apply
+    change.apply = exchange(root, name, module, old, _move)
     return change

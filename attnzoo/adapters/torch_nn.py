@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..layers.multihead import MultiheadAttention
-from .common import Change, describe_new_parameters, get_origin, param_names, replace_child, set_origin
+from .common import Change, describe_new_parameters, exchange, get_origin, param_names, set_origin
 from .kernel import kernel_layer, run_kernel
 from .spec import Target
 
@@ -94,12 +94,7 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
     carried = [n for n in _PROJ if getattr(module, n, None) is not None] + param_names(module.out_proj, "out_proj.")
     change = Change(name=name, source=type(module).__name__, target=type(new).__name__, carried=carried,
                     added=added)
-
-    def apply() -> None:
-        _move(module, new)
-        new.train(module.training)
-        replace_child(root, name, new)()
-    change.apply = apply
+    change.apply = exchange(root, name, module, new, _move)
     return change
 
 
@@ -112,12 +107,7 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
     dropped = [n for n, _ in module.named_parameters() if n not in kept]
     change = Change(name=name, source=type(module).__name__, target=cls.__name__,
                     carried=[n for n, _ in module.named_parameters() if n in kept], dropped=dropped)
-
-    def apply() -> None:
-        _move(module, old)
-        old.train(module.training)
-        replace_child(root, name, old)()
-    change.apply = apply
+    change.apply = exchange(root, name, module, old, _move)
     return change
 
 

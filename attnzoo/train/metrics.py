@@ -37,16 +37,7 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
         ax_loss.plot(epochs, [h[key] for h in history], marker="o", label=label)
     for key, label in (("train_acc", "train"), ("test_acc", "test")):
         ax_acc.plot(epochs, [h[key] for h in history], marker="o", label=label)
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    _atomic_write(Path(path), lambda p: fig.savefig(p, dpi=120, format="png"))
-    plt.close(fig)
+    _finish_two_panels(fig, ax_loss, ax_acc, "", title, path)
 
 
 def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str = "") -> None:
@@ -61,8 +52,15 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str = "") ->
         style = dict(marker="o", ls="-" if name.startswith(("vit", "ViT")) else "--")
         ax_loss.plot(epochs, [h["test_loss"] for h in history], label=name, **style)
         ax_acc.plot(epochs, [h["test_acc"] for h in history], label=name, **style)
-    ax_loss.set(xlabel="epoch", ylabel="test cross-entropy", title="test loss")
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy")
+    _finish_two_panels(fig, ax_loss, ax_acc, "test ", title, path)
+
+
+def _finish_two_panels(fig, ax_loss, ax_acc, prefix: str, title: str, path) -> None:
+    """Labels, grid and legend of the loss/accuracy pair, then an atomic PNG write."""
+    import matplotlib.pyplot as plt
+
+    ax_loss.set(xlabel="epoch", ylabel=f"{prefix}cross-entropy", title=f"{prefix}loss")
+    ax_acc.set(xlabel="epoch", ylabel=f"{prefix}accuracy", title=f"{prefix}accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
