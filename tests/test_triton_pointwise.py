@@ -16,6 +16,7 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.triton_utils import INTERPRETED
+from tests.flash_rule import assert_flash_rule, max_error
 
 NEEDS_KERNELS = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 set before import "
                                    "(the GPU run is tests/test_triton_gpu.py)")
@@ -134,9 +135,6 @@ def expected(case: Case, inp, dtype=torch.float64):
     return w @ v, leaves
 
 
-def _err(a, b):
-    return float((a.detach().double() - b.detach().double()).abs().max())
-
 
 def check_case(case: Case, device="cpu", dtype=torch.float32):
     inp = make_inputs(case, device, dtype)
@@ -152,11 +150,8 @@ def check_case(case: Case, device="cpu", dtype=torch.float32):
     # FlashAttention's rule: at most ~2x the error of the same math run in `dtype`, plus a small floor
     low, low_leaves = expected(case, inp, dtype)
     low_grads = torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out)
-    eps = torch.finfo(dtype).eps
-    floor = max(2e-5 if dtype == torch.float32 else eps, eps * case.logit_size)
-    for name, got, lo, want in [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)):
-        bound = 2 * _err(lo, want) + floor * max(1.0, float(want.detach().abs().max()))
-        assert _err(got, want) <= bound, f"{case.name} {dtype}: {name} error {_err(got, want):.3g} > {bound:.3g}"
+    assert_flash_rule(case.name, dtype, case.logit_size,
+                      [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)))
 
 
 @NEEDS_KERNELS
@@ -182,7 +177,7 @@ def test_learnable_bias_layer_matches_reference_backend():
     layer.backend = "reference"
     ref = layer(x, is_causal=True)
     (g_ref,) = torch.autograd.grad(ref.square().sum(), layer.bias_shift)
-    assert _err(out, ref) < 1e-5 and _err(g_fused, g_ref) < 1e-4 * max(1.0, float(g_ref.abs().max()))
+    assert max_error(out, ref) < 1e-5 and max_error(g_fused, g_ref) < 1e-4 * max(1.0, float(g_ref.abs().max()))
 
 
 @NEEDS_KERNELS
