@@ -182,13 +182,22 @@ def test_unavailable_libraries_recorded():
             assert row["status"] in ("ok", "unsupported")
 
 
-def test_slow_rows_are_predicted_and_skipped():
+def test_slow_rows_are_measured_then_predicted_and_skipped():
     res = run(tiny(variants=["softmax"], backends=["reference"], seq_lens=[8, 64], modes=["fwd"],
-                   max_call_seconds=1e-9, once_above_seconds=1e-9), progress=False)
+                   max_call_seconds=1e-9), progress=False)
     (first,) = _rows(res, backend="reference", seq_len=8)
     (second,) = _rows(res, backend="reference", seq_len=64)
-    assert first["status"] == "ok" and "timed once" in first["reason"] and first["time_s"]["n"] == 1
+    assert first["status"] == "skipped" and "measured" in first["reason"] and first["time_s"] is None
+    assert first["first_call_s"] > 0
     assert second["status"] == "skipped" and "predicted" in second["reason"]
+
+
+def test_rows_slower_than_once_above_are_timed_once():
+    res = run(tiny(variants=["softmax"], backends=["reference"], seq_lens=[8], modes=["fwd"],
+                   once_above_seconds=1e-9), progress=False)
+    (row,) = _rows(res, backend="reference")
+    assert row["status"] == "ok" and "timed once" in row["reason"] and row["time_s"]["n"] == 1
+    assert row["first_call_s"] > 0 and row["peak_memory_bytes"] > 0
 
 
 def test_slow_rows_run_once_with_time_and_memory_from_one_call():

@@ -107,6 +107,14 @@ def collect(device) -> dict:
     return env
 
 
+def device_name(device) -> str:
+    """The name ``collect`` records, without collecting the rest."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).name
+    return cpu_model()
+
+
 def slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for result folders)."""
     out = "".join(c.lower() if c.isalnum() else "-" for c in name)

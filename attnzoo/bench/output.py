@@ -14,5 +14,10 @@ def write_outputs(result: dict, out_dir, name: str = "bench") -> dict:
     validate(result)
     files = {"json": write_json(result, out_dir / f"{name}.json"),
              "markdown": write_text(markdown_report(result), out_dir / f"{name}.md")}
-    files["plots"] = plot_results(result, out_dir, prefix=f"{name}_")
+    try:
+        files["plots"] = plot_results(result, out_dir, prefix=f"{name}_")
+    except ImportError as e:  # matplotlib missing (a bare GPU box): the JSON and Markdown still count
+        print(f"no plots written ({e}); rebuild them elsewhere with `attnzoo bench --from-jsonl` or from the JSON",
+              flush=True)
+        files["plots"] = []
     return files

@@ -56,6 +56,27 @@ def time_cell(row: dict) -> str:
     return fmt_time(t["median"]) + (f" +-{spread:.0f}%" if spread is not None else " (1 run)")
 
 
+def row_line(row: dict, elapsed: float | None = None) -> str:
+    """One plain line per finished row, for logs and captured output where a progress bar is invisible:
+    [elapsed] variant backend(->resolved) N mode dtype status median ratio first-call (reason)."""
+    parts = [] if elapsed is None else [f"[{elapsed:7.1f}s]"]
+    parts += [f"{row['variant'] + (' (causal)' if row['causal'] and row['variant'] != 'masked' else ''):<14}",
+              f"{backend_label(row):<22}", f"N={row['seq_len']:<6}", f"{row['mode']:<8}", f"{row['dtype']:<9}",
+              f"{row['status']:<11}"]
+    if row["status"] == OK:
+        parts.append(f"{fmt_time(row['time_s']['median']):>10}")
+        ratio = row.get("ratio_time_vs_sdpa")
+        parts.append(f"{fmt_ratio(ratio) + ' SDPA' if ratio is not None else '':>12}")
+        if row.get("first_call_s") is not None:
+            parts.append(f"first call {fmt_time(row['first_call_s'])}")
+        if row.get("shared_with"):
+            parts.append(f"(= {row['shared_with']})")
+    else:
+        reason = " ".join(str(row.get("reason") or "").split())
+        parts.append(reason if len(reason) <= 160 else reason[:157] + "...")
+    return " ".join(parts).rstrip()
+
+
 COLUMNS = ("variant", "backend", "N", "B x H", "mode", "dtype", "time (median +-spread)", "TFLOP/s", "tokens/s",
            "peak mem", "time x SDPA", "mem x SDPA", "note")
 

@@ -17,11 +17,13 @@ import torch
 
 from . import environment, errors
 from .baselines import anchor, baseline_targets
+from .dynamo import raised_recompile_limits
 from .flops import BACKWARD_RULE, FORMULAS, MODES, Shape, flops
 from .memory import estimate_reference_bytes, memory_method, peak_memory_bytes, timed_peak_cpu
 from .problem import Problem
 from .targets import attnzoo_targets, parse_variant
-from .timing import summarize, time_cpu, time_cuda
+from .guard import CallInterrupted, interrupt_after
+from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
 
 SCHEMA = "attnzoo.bench/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -57,10 +59,14 @@ class BenchConfig:
     warmup: int = 1
     min_repeats: int = 3
     max_repeats: int = 10
-    target_seconds: float = 1.0               # CPU: repeats chosen to fill about this long per row
-    max_call_seconds: float = 10.0            # predicted slower than this per call: skipped
-    once_above_seconds: float = 2.0           # CPU: a call slower than this is timed once (its warm-up)
-    budget_seconds: Optional[float] = None    # once the run has taken this long, the remaining rows are skipped
+    target_seconds: float = 1.0               # repeats (timed one by one) chosen to fill about this long per row
+    max_call_seconds: float = 10.0            # predicted or measured (second call) slower than this: skipped
+    once_above_seconds: float = 2.0           # a second call slower than this is the row's only sample
+    slow_call_seconds: float = 0.2            # CUDA: slower than this, CUDA-event repeats instead of do_bench
+    call_timeout_seconds: Optional[float] = None  # any single call (compile included) interrupted past this
+    budget_seconds: Optional[float] = None    # the run stops measuring after this long: the rest is skipped
+    skip_backends: list[str] = field(default_factory=list)  # these backends / baselines are left out
+    label: str = ""                           # a name for this run (sweep configuration), shown in the docs
     max_memory_gb: Optional[float] = None     # CPU reference calls estimated above this: skipped
     measure_memory: bool = True
     seed: int = 0
@@ -78,10 +84,16 @@ class BenchConfig:
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"mode must be one of {MODES}, got {m!r}")
-        for name in ("max_call_seconds", "once_above_seconds", "target_seconds"):
+        for name in ("max_call_seconds", "once_above_seconds", "target_seconds", "slow_call_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        for name in ("call_timeout_seconds", "budget_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
+        if isinstance(self.skip_backends, str) or any(not isinstance(b, str) for b in self.skip_backends):
+            raise ValueError(f"skip_backends must be a list of backend names, got {self.skip_backends!r}")
         for name in ("batch_tokens", "head_dim", "warmup", "min_repeats", "max_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -131,6 +143,9 @@ def plan(config: BenchConfig) -> list:
     for spec in specs:
         targets += attnzoo_targets(spec, config.backends) + baseline_targets(spec, device, config.backends)
     anchors = [anchor(c) for c in sorted({s.causal(config.causal) for s in specs} | {config.causal})]
+    skip = set(config.skip_backends)
+    anchors = [t for t in anchors if t.backend not in skip]
+    targets = [t for t in targets if t.backend not in skip]
     first = anchors + [t for t in targets if t.backend == "auto"]
     second = [t for t in targets if t.backend != "auto"]
     out = []
@@ -153,13 +168,33 @@ class Runner:
         self.memory_limit = _memory_limit(config)
         self.cache: dict[tuple, dict] = {}       # cache_key -> measured fields (shared by "auto")
         self.history: dict[tuple, tuple] = {}    # same row at the previous N -> (flops, median s)
-
-    def _time(self, step: Callable[[], None]):
+        self.deadline: Optional[float] = None    # time.perf_counter() at which the budget runs out
         c = self.config
+        self.rule = TimingRule(warmup=c.warmup, min_repeats=c.min_repeats, max_repeats=c.max_repeats,
+                               target_seconds=c.target_seconds, max_call_seconds=c.max_call_seconds,
+                               once_above_seconds=c.once_above_seconds, slow_call_seconds=c.slow_call_seconds)
+
+    def start_clock(self, start: float) -> None:
+        if self.config.budget_seconds is not None:
+            self.deadline = start + self.config.budget_seconds
+
+    def call_limit(self) -> Optional[float]:
+        """Seconds the next call may take: call_timeout_seconds, cut to what is left of the budget."""
+        limits = [x for x in (self.config.call_timeout_seconds,
+                              None if self.deadline is None else self.deadline - time.perf_counter()) if x is not None]
+        return min(limits) if limits else None
+
+    def _interrupted_reason(self, e: CallInterrupted) -> str:
+        c = self.config
+        if self.deadline is not None and time.perf_counter() >= self.deadline - 1e-3:
+            why = f"the run's time budget (budget_seconds={c.budget_seconds:g}) ran out during this row"
+        else:
+            why = f"a single call ran past call_timeout_seconds={c.call_timeout_seconds:g}"
+        return f"interrupted after {e.seconds:.3g} s: {why}"
+
+    def _synchronize(self) -> None:
         if self.device.type == "cuda":
-            return time_cuda(step)
-        return time_cpu(step, warmup=c.warmup, min_repeats=c.min_repeats, max_repeats=c.max_repeats,
-                        target_seconds=c.target_seconds, once_above_seconds=c.once_above_seconds)
+            torch.cuda.synchronize(self.device)
 
     def measure(self, problem: Problem, target, elapsed: float = 0.0) -> dict:
         spec, s = target.spec, problem.shape
@@ -171,7 +206,7 @@ class Runner:
             "status": errors.OK, "reason": None, "resolved_backend": None, "shared_with": None,
             "flops": flops(spec.name, s, problem.mode, causal=causal, **spec.flop_kwargs()),
             "time_s": None, "tflops": None, "tokens_per_s": None, "peak_memory_bytes": None,
-            "ratio_time_vs_sdpa": None, "ratio_memory_vs_sdpa": None,
+            "ratio_time_vs_sdpa": None, "ratio_memory_vs_sdpa": None, "first_call_s": None,
         }
         budget = self.config.budget_seconds
         if budget is not None and elapsed > budget:
@@ -190,6 +225,9 @@ class Runner:
             errors.free_cached_memory(self.device)
             return {**row, "status": status, "reason": reason}
         row["resolved_backend"] = prepared.resolved
+        if target.backend == "auto" and prepared.resolved in self.config.skip_backends:
+            return {**row, "status": errors.SKIPPED,
+                    "reason": f"auto picks '{prepared.resolved}', which skip_backends leaves out"}
         if prepared.cache_key in self.cache:
             shared = self.cache[prepared.cache_key]
             if shared.get("time_s"):  # this row's own history too: it predicts this row at the next N
@@ -224,88 +262,192 @@ class Runner:
                 return {"status": errors.SKIPPED,
                         "reason": f"predicted {predicted:.3g} s per call (scaled by FLOPs from the previous N) "
                                   f"exceeds max_call_seconds={c.max_call_seconds:g}"}
+        # CPU, predicted slow: one call gives both time and peak memory (the tracker's overhead is noise)
         once = (self.device.type == "cpu" and c.measure_memory and predicted is not None
                 and predicted > c.once_above_seconds)
         try:
             if once:
-                seconds, peak = timed_peak_cpu(prepared.step)
-                stats = summarize([seconds])
+                with interrupt_after(self.call_limit()):
+                    seconds, peak = timed_peak_cpu(prepared.step)
+                timing = Timing(summarize([seconds]), seconds, seconds, "once-predicted")
             else:
-                stats = self._time(prepared.step)
-                peak = peak_memory_bytes(prepared.step, self.device) if c.measure_memory else None
+                timing = time_call(prepared.step, self.device, self.rule, limit=self.call_limit,
+                                   probe=self._memory_probe(prepared.step) if c.measure_memory else None)
+                peak = timing.probed
+                if c.measure_memory and peak is None:
+                    with interrupt_after(self.call_limit()):
+                        peak = peak_memory_bytes(prepared.step, self.device)
+        except CallTooSlow as e:
+            self.history[hkey] = (n_flops, e.seconds)
+            return {"status": errors.SKIPPED, "first_call_s": e.first_call_s,
+                    "reason": f"measured {e.seconds:.3g} s per call (second call, after a first call of "
+                              f"{e.first_call_s:.3g} s) exceeds max_call_seconds={c.max_call_seconds:g}"}
+        except CallInterrupted as e:
+            self._recover()
+            return {"status": errors.SKIPPED, "reason": self._interrupted_reason(e)}
         except Exception as e:  # noqa: BLE001 - recorded, never fatal
             status, reason = errors.classify(e)
-            errors.free_cached_memory(self.device)
+            self._recover()
             return {"status": status, "reason": reason}
+        stats = timing.stats
         self.history[hkey] = (n_flops, stats.median)
         out = {"status": errors.OK, "time_s": stats.to_dict(), "peak_memory_bytes": peak,
+               "first_call_s": timing.first_call_s,
                "tflops": n_flops / stats.median / 1e12 if stats.median > 0 else None,
                "tokens_per_s": s.batch * s.seq_q / stats.median if stats.median > 0 else None}
         if once:
             out["reason"] = (f"run once (predicted {predicted:.3g} s per call > once_above_seconds="
                              f"{c.once_above_seconds:g}): time and peak memory from that one call")
-        elif stats.n == 1 and self.device.type == "cpu":
-            out["reason"] = (f"timed once: the warm-up call took {stats.median:.3g} s, more than "
-                             f"once_above_seconds={c.once_above_seconds:g}")
+        elif timing.method == "once":
+            out["reason"] = (f"timed once: the second call (after a first of {timing.first_call_s:.3g} s) took "
+                             f"{stats.median:.3g} s, more than once_above_seconds={c.once_above_seconds:g}")
         return out
+
+    def _memory_probe(self, step: Callable[[], None]):
+        """What runs as the second call: on CUDA it also reads the allocator's peak (free); on CPU the
+        tracker's per-op overhead would distort the time, so only when the first call was already slow
+        enough that the second will be the only sample (saves one more slow call)."""
+        def probe(first_call_s: float):
+            if self.device.type == "cuda" or first_call_s > self.config.once_above_seconds:
+                return lambda: peak_memory_bytes(step, self.device)
+            return None
+        return probe
+
+    def _recover(self) -> None:
+        """After an interrupted or failed call: let queued GPU work finish and give its memory back."""
+        try:
+            self._synchronize()
+        except Exception:  # noqa: BLE001 - a broken context shows up in the next row's status
+            pass
+        errors.free_cached_memory(self.device)
 
 
 def _anchor_key(row: dict) -> tuple:
     return (row["seq_len"], row["batch"], row["heads"], row["head_dim"], row["dtype"], row["mode"], row["causal"])
 
 
+def _is_anchor(row: dict) -> bool:
+    return row["backend"] == "sdpa" and row["variant"] in ("softmax", "masked") and row["status"] == errors.OK
+
+
+def set_ratio(row: dict, anchor_row: Optional[dict]) -> None:
+    """time and memory of ``row`` / those of ``anchor_row`` (SDPA softmax on the same problem)."""
+    if anchor_row is None or row["status"] != errors.OK:
+        return
+    row["ratio_time_vs_sdpa"] = row["time_s"]["median"] / anchor_row["time_s"]["median"]
+    if row["peak_memory_bytes"] is not None and anchor_row["peak_memory_bytes"]:
+        row["ratio_memory_vs_sdpa"] = row["peak_memory_bytes"] / anchor_row["peak_memory_bytes"]
+
+
 def add_ratios(rows: list[dict]) -> None:
     """time and memory of each row / those of SDPA softmax (default dispatch, same problem and causality)."""
-    anchors = {_anchor_key(r): r for r in rows
-               if r["backend"] == "sdpa" and r["variant"] in ("softmax", "masked") and r["status"] == errors.OK}
+    anchors = {_anchor_key(r): r for r in rows if _is_anchor(r)}
     for r in rows:
-        a = anchors.get(_anchor_key(r))
-        if a is None or r["status"] != errors.OK:
-            continue
-        r["ratio_time_vs_sdpa"] = r["time_s"]["median"] / a["time_s"]["median"]
-        if r["peak_memory_bytes"] is not None and a["peak_memory_bytes"]:
-            r["ratio_memory_vs_sdpa"] = r["peak_memory_bytes"] / a["peak_memory_bytes"]
+        set_ratio(r, anchors.get(_anchor_key(r)))
 
 
-def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[dict], None]] = None) -> dict:
-    """Run the grid; returns the JSON-ready result (schema ``attnzoo.bench/1``)."""
-    runner = Runner(config)
-    todo = plan(config)
-    load_before = environment.load_average()
-    rows = []
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _methods(device: torch.device) -> dict:
+    return {
+        "timing": ("first call = warm-up (compile, autotune; kept as first_call_s); second call = steady cost: "
+                   "skipped above max_call_seconds, the only sample above once_above_seconds, "
+                   + ("CUDA-event repeats above slow_call_seconds, else triton.testing.do_bench (CUDA events, "
+                      "L2 flushed)" if device.type == "cuda" else
+                      "else time.perf_counter per call, repeats fill target_seconds")),
+        "memory": memory_method(device),
+        "fwd": "forward under torch.no_grad (inference)",
+        "fwd+bwd": "forward + torch.autograd.grad of a fixed random cotangent w.r.t. q, k, v (and parameters)",
+        "auto": "'auto' runs the backend the dispatcher picks (resolved_backend); when that backend was "
+                "already measured on the same problem the measurement is shared (shared_with)",
+        "ratios": "ratio_*_vs_sdpa = this row / torch SDPA softmax with default dispatch, same problem "
+                  "and causality, measured in the same run",
+    }
+
+
+def header(config: BenchConfig, runner: Optional[Runner] = None, planned_rows: Optional[int] = None) -> dict:
+    """Everything of a result but its rows (what a row log starts with)."""
+    runner = runner or Runner(config)
+    device = torch.device(config.device)
+    settings = {**asdict(config), "memory_limit_bytes": None if math.isinf(runner.memory_limit)
+                else int(runner.memory_limit)}
+    if planned_rows is not None:
+        settings["planned_rows"] = planned_rows
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": {**environment.collect(device), "load_average_at_start": environment.load_average()},
+        "settings": settings,
+        "methods": _methods(device),
+        "flop_conventions": {"forward": dict(FORMULAS), "backward": BACKWARD_RULE},
+    }
+
+
+def _progress_bar(enabled: bool):
+    """A rich progress bar, or a stand-in doing nothing (disabled, or rich not installed)."""
+    if enabled:
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            enabled = False
+    if not enabled:
+        from contextlib import nullcontext
+
+        class _Silent:
+            def add_task(self, *a, **k):
+                return 0
+
+            def update(self, *a, **k):
+                pass
+
+            def advance(self, *a, **k):
+                pass
+        return nullcontext(_Silent())
     columns = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
+    return Progress(*columns, transient=True)
+
+
+def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[dict], None]] = None,
+        on_start: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run the grid; returns the JSON-ready result (schema ``attnzoo.bench/1``).
+
+    ``on_start(header)`` gets the result without its rows before the first row runs, ``on_row(row)``
+    each row as it completes (its ratios to SDPA filled when the anchor already ran, which the plan
+    arranges): together they let a caller keep a row log that survives the process (``rowlog``)."""
+    runner = Runner(config)
+    todo = plan(config)
+    head = header(config, runner, planned_rows=len(todo))
+    if on_start is not None:
+        on_start(head)
+    rows: list[dict] = []
+    anchors: dict[tuple, dict] = {}
     start = time.perf_counter()
-    with Progress(*columns, transient=True, disable=not progress) as bar:
+    runner.start_clock(start)
+    with raised_recompile_limits(), _progress_bar(progress) as bar:
         task = bar.add_task("", total=len(todo))
         for problem, target in todo:
             bar.update(task, description=f"{target.variant} / {target.backend}  N={problem.shape.seq_q} "
                                          f"{problem.mode} {str(problem.dtype).replace('torch.', '')}")
             row = runner.measure(problem, target, time.perf_counter() - start)
+            if _is_anchor(row):
+                anchors.setdefault(_anchor_key(row), row)
+            set_ratio(row, anchors.get(_anchor_key(row)))
             rows.append(row)
             if on_row is not None:
                 on_row(row)
             bar.advance(task)
+    return finish(head, rows, wall_seconds=time.perf_counter() - start)
+
+
+def finish(head: dict, rows: list[dict], wall_seconds: Optional[float] = None, refresh_environment: bool = True
+           ) -> dict:
+    """The result from its header and rows: ratios recomputed over every row; with ``refresh_environment``
+    (same process as the header) the environment's end-of-run fields (load average, clocks) are read again."""
     add_ratios(rows)
-    device = torch.device(config.device)
-    return {
-        "schema": SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {**environment.collect(device), "load_average_at_start": load_before},
-        "settings": {**asdict(config), "memory_limit_bytes": None if math.isinf(runner.memory_limit)
-                     else int(runner.memory_limit)},
-        "methods": {
-            "timing": ("triton.testing.do_bench (CUDA events)" if device.type == "cuda" else
-                       "time.perf_counter per call after warm-up; repeats fill target_seconds"),
-            "memory": memory_method(device),
-            "fwd": "forward under torch.no_grad (inference)",
-            "fwd+bwd": "forward + torch.autograd.grad of a fixed random cotangent w.r.t. q, k, v (and parameters)",
-            "auto": "'auto' runs the backend the dispatcher picks (resolved_backend); when that backend was "
-                    "already measured on the same problem the measurement is shared (shared_with)",
-            "ratios": "ratio_*_vs_sdpa = this row / torch SDPA softmax with default dispatch, same problem "
-                      "and causality, measured in the same run",
-        },
-        "flop_conventions": {"forward": dict(FORMULAS), "backward": BACKWARD_RULE},
-        "results": rows,
-    }
+    env = head["environment"]
+    if refresh_environment:
+        device = torch.device(head["settings"].get("device", "cpu"))
+        env = {**environment.collect(device), "load_average_at_start": env.get("load_average_at_start")}
+    settings = dict(head["settings"])
+    if wall_seconds is not None:
+        settings["run_seconds"] = round(wall_seconds, 1)
+    return {**head, "environment": env, "settings": settings, "results": rows}

@@ -16,7 +16,7 @@ ROW = {"variant": str, "backend": str, "kind": str, "seq_len": int, "batch": int
        "dtype": str, "mode": str, "causal": bool, "status": str, "flops": int}
 ROW_OPTIONAL = {"reason": str, "resolved_backend": str, "shared_with": str, "time_s": dict, "tflops": float,
                 "tokens_per_s": float, "peak_memory_bytes": int, "ratio_time_vs_sdpa": float,
-                "ratio_memory_vs_sdpa": float}
+                "ratio_memory_vs_sdpa": float, "first_call_s": float}
 TIME_FIELDS = ("median", "p20", "p80", "min", "max", "mean", "std", "n")
 ENVIRONMENT = ("date", "device_type", "device_name", "torch", "triton", "cuda", "cpu_model", "torch_threads")
 

@@ -8,9 +8,10 @@ HELP = "benchmark every attention variant and backend (time, TFLOP/s, tokens/s, 
 
 # CPU defaults are sized so the default run takes about a minute on a small machine; the GPU ones
 # follow FlashAttention's benchmarks (batch * N = 16k tokens, hidden 2048, bf16).
-CPU_DEFAULTS = {"seq_lens": [256, 1024], "dtypes": ["float32"], "batch_tokens": 1024, "max_call_seconds": 5.0}
+CPU_DEFAULTS = {"seq_lens": [256, 1024], "dtypes": ["float32"], "batch_tokens": 1024, "max_call_seconds": 5.0,
+                "call_timeout_seconds": None}
 GPU_DEFAULTS = {"seq_lens": [512, 1024, 2048, 4096, 8192, 16384], "dtypes": ["bfloat16"], "batch_tokens": 16384,
-                "max_call_seconds": 30.0}
+                "max_call_seconds": 30.0, "call_timeout_seconds": 120.0}
 
 
 def _dtype(text: str) -> str:
@@ -23,6 +24,10 @@ def _dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _names(text: str) -> list[str]:
+    return [n for n in text.split(",") if n]
+
+
 def add_arguments(parser) -> None:
     from ..bench.flops import MODES
     from ..bench.runner import ALL_VARIANTS, DTYPES
@@ -33,6 +38,9 @@ def add_arguments(parser) -> None:
                    help="only these backends: attnzoo ones (reference, cpu, torch, triton, auto, ...) and baselines "
                         "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, torch-flex, flash-attn, fla, torch-mha). "
                         "SDPA with default dispatch is always measured: it is the anchor of the ratios")
+    g.add_argument("--skip-backends", nargs="+", default=[], type=_names, metavar="NAME",
+                   help="leave these backends / baselines out (space- or comma-separated, e.g. torch-flex,flex); "
+                        "an 'auto' row whose pick is left out is recorded as skipped")
     g.add_argument("--seq-lens", nargs="+", type=int, default=None, metavar="N",
                    help="sequence lengths (default: 256 1024 on CPU; 512 ... 16384 on GPU)")
     g.add_argument("--dtype", nargs="+", default=None, type=_dtype, dest="dtypes", metavar="DTYPE",
@@ -57,8 +65,15 @@ def add_arguments(parser) -> None:
                    help="skip a row whose predicted time per call exceeds this (default 5 on CPU, 30 on GPU)")
     t.add_argument("--once-above-seconds", type=float, default=2.0,
                    help="CPU: a call slower than this is timed once, its warm-up run (default 2)")
+    t.add_argument("--slow-call-seconds", type=float, default=0.2,
+                   help="CUDA: a call slower than this is timed with a few CUDA-event repeats instead of "
+                        "triton.testing.do_bench (default 0.2)")
+    t.add_argument("--call-timeout-seconds", type=float, default=None,
+                   help="interrupt any single call (its first, compiling one included) after this long and record "
+                        "the row as skipped (default: no limit on CPU, 120 on GPU)")
     t.add_argument("--budget-seconds", type=float, default=None,
-                   help="stop measuring after this long: the remaining rows are recorded as skipped")
+                   help="stop measuring after this long: a call still running is interrupted and the remaining "
+                        "rows are recorded as skipped; the outputs are written as usual")
     t.add_argument("--max-memory-gb", type=float, default=None,
                    help="CPU: skip eager-reference rows estimated above this (default: half the available memory)")
     t.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
@@ -67,11 +82,15 @@ def add_arguments(parser) -> None:
     o.add_argument("--out", type=Path, default=None,
                    help="folder for NAME.json, NAME.md and NAME_{time,memory}_*.png (default: runs/bench/<device>-<time>)")
     o.add_argument("--name", default="bench", help="file stem of the outputs (default: bench)")
+    o.add_argument("--from-jsonl", type=Path, default=None, metavar="JSONL",
+                   help="rebuild the result of a run from its row log (NAME.jsonl, written as rows finish, kept even "
+                        "if the run was killed) and write NAME.json, .md and plots to --out (default: its folder)")
     o.add_argument("--compare", nargs="+", type=Path, default=None, metavar="JSON",
                    help="OLD.json: print speed-ups/regressions of this run against it; OLD.json NEW.json: compare "
                         "two saved runs without benchmarking")
     o.add_argument("--threshold", type=float, default=0.1, help="--compare: flag changes beyond this (default 0.1)")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--quiet", action="store_true",
+                   help="no progress bar (on a terminal) and no line per row (when output is not a terminal)")
 
 
 def _config(args):
@@ -89,6 +108,9 @@ def _config(args):
         min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
         max_call_seconds=args.max_call_seconds or defaults["max_call_seconds"], max_memory_gb=args.max_memory_gb,
         once_above_seconds=args.once_above_seconds, budget_seconds=args.budget_seconds,
+        slow_call_seconds=args.slow_call_seconds, skip_backends=[n for names in args.skip_backends for n in names],
+        call_timeout_seconds=(args.call_timeout_seconds if args.call_timeout_seconds is not None
+                              else defaults["call_timeout_seconds"]),
         measure_memory=not args.no_memory, seed=args.seed).validate()
 
 
@@ -103,31 +125,83 @@ def _compare_only(args, console) -> int:
     return 0
 
 
-def run(args) -> int:
-    from rich.console import Console
+def _print_table(console, result) -> None:
+    try:
+        from ..bench import rich_table
+        console.print(rich_table(result))
+    except ImportError:  # rich missing (a bare GPU box): the Markdown table says the same
+        from ..bench.report import markdown_summary
+        print(markdown_summary(result["results"]))
+
+
+def _console():
+    try:
+        from rich.console import Console
+    except ImportError:
+        class Console:  # the few calls made here, as plain prints
+            is_terminal = False
+
+            def __init__(self, **_):
+                pass
+
+            def print(self, *objects):
+                print(*objects, flush=True)
+        return Console()
     console = Console()
-    if not console.is_terminal:  # logs and pipes: wide enough for the table without folding
-        console = Console(width=160)
+    return console if console.is_terminal else Console(width=160)  # logs and pipes: wide, no folding
+
+
+def _from_rowlog(args, console) -> int:
+    from ..bench import write_outputs
+    from ..bench.rowlog import load_rowlog
+    result = load_rowlog(args.from_jsonl)
+    name = args.name if args.name != "bench" else args.from_jsonl.stem
+    out = args.out or args.from_jsonl.parent
+    files = write_outputs(result, out, name)
+    _print_table(console, result)
+    s = result["settings"]
+    console.print(f"rebuilt {s['rows_logged']} rows ({'complete' if s['complete'] else 'partial'} run) from "
+                  f"{args.from_jsonl}; wrote {files['json']}, {files['markdown']} and {len(files['plots'])} plots")
+    return 0
+
+
+def run(args) -> int:
+    import sys
+    import time
+    console = _console()
     if args.compare is not None and len(args.compare) > 2:
         raise SystemExit("--compare takes OLD.json, or OLD.json NEW.json")
     if args.compare is not None and len(args.compare) == 2:
         return _compare_only(args, console)
+    if args.from_jsonl is not None:
+        return _from_rowlog(args, console)
     import torch
 
-    from ..bench import load, markdown_compare, rich_compare, rich_table, run as run_bench, write_outputs
-    from ..bench.environment import slug
+    from ..bench import load, markdown_compare, rich_compare, run as run_bench, write_outputs
+    from ..bench.environment import device_name, slug
+    from ..bench.report import row_line
+    from ..bench.rowlog import RowLog
     old = load(args.compare[0]) if args.compare else None   # fail before a long run, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
     config = _config(args)
-    result = run_bench(config, progress=not args.quiet)
-    console.print(rich_table(result))
     out = args.out
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / "bench" / f"{slug(result['environment']['device_name'])}-{stamp}"
+        out = Path("runs") / "bench" / f"{slug(device_name(config.device))}-{stamp}"
+    tty = sys.stdout.isatty()
+    start = time.perf_counter()
+
+    def on_row(row):
+        log.row(row)
+        if not tty and not args.quiet:
+            print(row_line(row, time.perf_counter() - start), flush=True)
+
+    with RowLog(Path(out) / f"{args.name}.jsonl") as log:
+        result = run_bench(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
+    _print_table(console, result)
     files = write_outputs(result, out, args.name)
-    console.print(f"wrote {files['json']}, {files['markdown']} and {len(files['plots'])} plots in {out}")
+    console.print(f"wrote {files['json']}, {files['markdown']}, {log.path.name} and {len(files['plots'])} plots in {out}")
     if old is not None:
         console.print(rich_compare(old, result, args.threshold))
         from ..bench.schema import write_text

@@ -1,0 +1,81 @@
+"""A benchmark run as a JSON-lines log written while it runs, and the result rebuilt from it.
+
+Line 1 is the header (the result without its rows: schema, environment, settings, methods, FLOP
+conventions); every further line is one finished row, written and flushed as soon as it completes.
+A run killed half-way (device time ran out, OOM killer, Ctrl-C) leaves every finished row on disk;
+``load_rowlog`` turns the file into a normal result (``schema.validate`` passes) that ``write_outputs``,
+``--compare`` and the docs renderer take like any other.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .runner import finish
+from .schema import validate
+
+
+class RowLog:
+    """``run(config, on_start=log.start, on_row=log.row)`` writes ``path`` as the run goes."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.rows = 0
+        self._file = None
+
+    def start(self, header: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w")
+        self._write(header)
+
+    def row(self, row: dict) -> None:
+        if self._file is None:
+            raise RuntimeError("RowLog.row called before RowLog.start (pass on_start=log.start to run)")
+        self._write(row)
+        self.rows += 1
+
+    def _write(self, obj: dict) -> None:
+        # one line, flushed: the OS keeps it even if this process dies right after
+        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "RowLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_rowlog(path, planned: Optional[int] = None) -> dict:
+    """The result of the run logged in ``path``. A last line cut off mid-write (the process was killed
+    while writing it) is dropped; any other unreadable line is a ValueError naming it. The settings
+    record where the rows came from and how many of the planned rows the log holds."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"row log {str(path)!r} does not exist") from None
+    objects = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            objects.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break  # cut off mid-write
+            raise ValueError(f"row log {str(path)!r}, line {i + 1}: not valid JSON ({e})") from None
+    if not objects or not isinstance(objects[0], dict) or "schema" not in objects[0]:
+        raise ValueError(f"row log {str(path)!r} does not start with a benchmark header line")
+    head, rows = objects[0], objects[1:]
+    result = finish(head, rows, refresh_environment=False)
+    planned = planned if planned is not None else head["settings"].get("planned_rows")
+    result["settings"] = {**result["settings"], "rebuilt_from_rowlog": path.name, "rows_logged": len(rows),
+                          "complete": planned is not None and len(rows) >= planned}
+    return validate(result)
