@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-seconds", type=float, default=None, help="time budget of each configuration")
     p.add_argument("--total-budget-seconds", type=float, default=None,
                    help="time budget of the whole sweep: no configuration starts after it, each gets at most what is left")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: 1 on CPU, where a busy machine makes tiny ops wait at "
+                        "thread barriers; untouched on CUDA)")
     p.add_argument("--out", type=Path, default=None,
                    help="default: benchmarks/results/gpu/<device> on CUDA, runs/sweep_gpu/<device> on CPU")
     args = p.parse_args(argv)
@@ -95,8 +98,22 @@ def main(argv=None) -> int:
         print("sweep_gpu.py: --device cuda but torch.cuda.is_available() is False (use --device cpu to check "
               "the sweep itself)", file=sys.stderr)
         return 2
-    if device.type == "cpu":  # timing the Triton interpreter would be meaningless
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if device.type == "cpu":  # timing the Triton interpreter would be meaningless: its rows are left out
         os.environ.pop("TRITON_INTERPRET", None)
+    threads = args.threads or (1 if device.type == "cpu" else None)
+    before_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _sweep(args, device)
+    finally:  # called in-process (tests): leave the caller's settings as they were
+        torch.set_num_threads(before_threads)
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+
+
+def _sweep(args, device: torch.device) -> int:
     name_of_device = device_name(device)
     out = args.out or (ROOT / "benchmarks" / "results" / "gpu" if device.type == "cuda" else
                        ROOT / "runs" / "sweep_gpu") / slug(name_of_device)

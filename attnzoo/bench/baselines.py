@@ -77,6 +77,7 @@ class FlexTarget(Baseline):
     without a preference tensor are expressible."""
 
     EXPRESSIBLE = ("softmax", "l2", "fenchel")
+    compiles = True   # each new shape / score_mod / mode costs a torch.compile: planned last
 
     def prepare(self, problem: Problem) -> Prepared:
         kernel, kw = self.spec.kernel, self.spec.kernel_kwargs

@@ -100,8 +100,8 @@ def headline(result: dict) -> str:
 
 
 def _plots(result_path: Path, doc_dir: Path) -> str:
-    stem = result_path.stem
-    pngs = sorted(result_path.parent.glob(f"{stem}_*.png"))
+    stem = result_path.stem  # time_/memory_ after the stem: "d64" must not pick up "d64_causal"'s plots
+    pngs = sorted(p for metric in ("time", "memory") for p in result_path.parent.glob(f"{stem}_{metric}_*.png"))
     return "\n".join(f"![{p.stem}]({_relative(p, doc_dir)})" for p in pngs)
 
 
@@ -110,6 +110,10 @@ def _result_section(title: str, result: dict, path: Path, doc_dir: Path) -> str:
     notes = result["settings"].get("notes")
     if notes:
         parts += [f"Notes: {notes}", ""]
+    if result["settings"].get("rebuilt_from_rowlog") and not result["settings"].get("complete"):
+        s = result["settings"]
+        parts += [f"Partial run: rebuilt from its row log `{s['rebuilt_from_rowlog']}` with {s.get('rows_logged')} of "
+                  f"{s.get('planned_rows', '?')} planned rows (the process stopped before the end).", ""]
     parts += [f"Source: [`{_relative(path, doc_dir)}`]({_relative(path, doc_dir)}) "
               f"(wall time {result['settings'].get('wall_seconds', '?')} s)", "",
               "Fastest attnzoo backend per variant at the largest N:", "", headline(result), "",
@@ -135,8 +139,10 @@ def render(cpu: Optional[tuple[dict, Path]], gpu: list[tuple[dict, Path]], doc_p
         parts += [f"### Latest GPU results: {env.get('device_name')} ({gpu[0][0]['created'][:10]})", ""]
         for result, path in gpu:
             s = result["settings"]
-            title = (f"{result['environment'].get('device_name')}, head dim {s.get('head_dim')}, "
-                     f"{'causal' if s.get('causal') else 'non-causal'}, {', '.join(s.get('dtypes', []))}")
+            title = (f"{result['environment'].get('device_name')}, "
+                     + (f"{s['label']}" if s.get("label") else
+                        f"head dim {s.get('head_dim')}, {'causal' if s.get('causal') else 'non-causal'}")
+                     + f", {', '.join(s.get('dtypes', []))}")
             parts.append(_result_section(title, result, Path(path).resolve(), doc_dir))
     else:
         parts += ["### GPU results", "",

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .runner import finish
+from .result import finish
 from .schema import validate
 
 

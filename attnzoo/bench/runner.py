@@ -6,26 +6,24 @@ errors are all recorded as rows with a status and a reason.
 """
 from __future__ import annotations
 
-import datetime
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from . import environment, errors
+from . import errors
 from .baselines import anchor, baseline_targets
 from .dynamo import raised_recompile_limits
-from .flops import BACKWARD_RULE, FORMULAS, MODES, Shape, flops
-from .memory import estimate_reference_bytes, memory_method, peak_memory_bytes, timed_peak_cpu
-from .problem import Problem
-from .targets import attnzoo_targets, parse_variant
+from .flops import MODES, Shape, flops
 from .guard import CallInterrupted, interrupt_after
+from .memory import estimate_reference_bytes, peak_memory_bytes, timed_peak_cpu
+from .problem import Problem
+from .result import SCHEMA, add_ratios, anchor_key, finish, header, is_anchor, set_ratio  # noqa: F401 (re-exported)
+from .targets import attnzoo_targets, parse_variant
 from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
-
-SCHEMA = "attnzoo.bench/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
                  "fp64": "float64", "double": "float64"}
@@ -135,7 +133,7 @@ def _problems(config: BenchConfig):
 def plan(config: BenchConfig) -> list:
     """[(problem, target)] in run order. First pass: per problem the SDPA anchors and every variant's
     "auto" (what a user gets; its backend's row later reuses the measurement); second pass: every other
-    backend and baseline. Within a pass N grows (a row's time at N is predicted from the previous N),
+    backend and baseline; third pass: the compiling ones (FlexAttention). Within a pass N grows (a row's time at N is predicted from the previous N),
     so when a time budget runs out it is the alternatives at the largest N that are lost first."""
     specs = [parse_variant(v) for v in config.variants]
     device = torch.device(config.device)
@@ -147,11 +145,14 @@ def plan(config: BenchConfig) -> list:
     anchors = [t for t in anchors if t.backend not in skip]
     targets = [t for t in targets if t.backend not in skip]
     first = anchors + [t for t in targets if t.backend == "auto"]
-    second = [t for t in targets if t.backend != "auto"]
+    second = [t for t in targets if t.backend != "auto" and not getattr(t, "compiles", False)]
+    # compiling targets (FlexAttention: one torch.compile per shape, score_mod and mode) in a third pass,
+    # so that under a time budget they are what gets cut, not the other alternatives
+    third = [t for t in targets if t.backend != "auto" and getattr(t, "compiles", False)]
     out = []
     problems = list(_problems(config))
     seen = set()
-    for group in (first, second):
+    for group in (first, second, third):
         for problem in problems:
             for t in group:
                 key = (problem.key(), t.variant, t.backend)
@@ -322,65 +323,6 @@ class Runner:
         errors.free_cached_memory(self.device)
 
 
-def _anchor_key(row: dict) -> tuple:
-    return (row["seq_len"], row["batch"], row["heads"], row["head_dim"], row["dtype"], row["mode"], row["causal"])
-
-
-def _is_anchor(row: dict) -> bool:
-    return row["backend"] == "sdpa" and row["variant"] in ("softmax", "masked") and row["status"] == errors.OK
-
-
-def set_ratio(row: dict, anchor_row: Optional[dict]) -> None:
-    """time and memory of ``row`` / those of ``anchor_row`` (SDPA softmax on the same problem)."""
-    if anchor_row is None or row["status"] != errors.OK:
-        return
-    row["ratio_time_vs_sdpa"] = row["time_s"]["median"] / anchor_row["time_s"]["median"]
-    if row["peak_memory_bytes"] is not None and anchor_row["peak_memory_bytes"]:
-        row["ratio_memory_vs_sdpa"] = row["peak_memory_bytes"] / anchor_row["peak_memory_bytes"]
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """time and memory of each row / those of SDPA softmax (default dispatch, same problem and causality)."""
-    anchors = {_anchor_key(r): r for r in rows if _is_anchor(r)}
-    for r in rows:
-        set_ratio(r, anchors.get(_anchor_key(r)))
-
-
-def _methods(device: torch.device) -> dict:
-    return {
-        "timing": ("first call = warm-up (compile, autotune; kept as first_call_s); second call = steady cost: "
-                   "skipped above max_call_seconds, the only sample above once_above_seconds, "
-                   + ("CUDA-event repeats above slow_call_seconds, else triton.testing.do_bench (CUDA events, "
-                      "L2 flushed)" if device.type == "cuda" else
-                      "else time.perf_counter per call, repeats fill target_seconds")),
-        "memory": memory_method(device),
-        "fwd": "forward under torch.no_grad (inference)",
-        "fwd+bwd": "forward + torch.autograd.grad of a fixed random cotangent w.r.t. q, k, v (and parameters)",
-        "auto": "'auto' runs the backend the dispatcher picks (resolved_backend); when that backend was "
-                "already measured on the same problem the measurement is shared (shared_with)",
-        "ratios": "ratio_*_vs_sdpa = this row / torch SDPA softmax with default dispatch, same problem "
-                  "and causality, measured in the same run",
-    }
-
-
-def header(config: BenchConfig, runner: Optional[Runner] = None, planned_rows: Optional[int] = None) -> dict:
-    """Everything of a result but its rows (what a row log starts with)."""
-    runner = runner or Runner(config)
-    device = torch.device(config.device)
-    settings = {**asdict(config), "memory_limit_bytes": None if math.isinf(runner.memory_limit)
-                else int(runner.memory_limit)}
-    if planned_rows is not None:
-        settings["planned_rows"] = planned_rows
-    return {
-        "schema": SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {**environment.collect(device), "load_average_at_start": environment.load_average()},
-        "settings": settings,
-        "methods": _methods(device),
-        "flop_conventions": {"forward": dict(FORMULAS), "backward": BACKWARD_RULE},
-    }
-
-
 def _progress_bar(enabled: bool):
     """A rich progress bar, or a stand-in doing nothing (disabled, or rich not installed)."""
     if enabled:
@@ -415,7 +357,7 @@ def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[d
     arranges): together they let a caller keep a row log that survives the process (``rowlog``)."""
     runner = Runner(config)
     todo = plan(config)
-    head = header(config, runner, planned_rows=len(todo))
+    head = header(config, runner.memory_limit, planned_rows=len(todo))
     if on_start is not None:
         on_start(head)
     rows: list[dict] = []
@@ -428,26 +370,11 @@ def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[d
             bar.update(task, description=f"{target.variant} / {target.backend}  N={problem.shape.seq_q} "
                                          f"{problem.mode} {str(problem.dtype).replace('torch.', '')}")
             row = runner.measure(problem, target, time.perf_counter() - start)
-            if _is_anchor(row):
-                anchors.setdefault(_anchor_key(row), row)
-            set_ratio(row, anchors.get(_anchor_key(row)))
+            if is_anchor(row):
+                anchors.setdefault(anchor_key(row), row)
+            set_ratio(row, anchors.get(anchor_key(row)))
             rows.append(row)
             if on_row is not None:
                 on_row(row)
             bar.advance(task)
     return finish(head, rows, wall_seconds=time.perf_counter() - start)
-
-
-def finish(head: dict, rows: list[dict], wall_seconds: Optional[float] = None, refresh_environment: bool = True
-           ) -> dict:
-    """The result from its header and rows: ratios recomputed over every row; with ``refresh_environment``
-    (same process as the header) the environment's end-of-run fields (load average, clocks) are read again."""
-    add_ratios(rows)
-    env = head["environment"]
-    if refresh_environment:
-        device = torch.device(head["settings"].get("device", "cpu"))
-        env = {**environment.collect(device), "load_average_at_start": env.get("load_average_at_start")}
-    settings = dict(head["settings"])
-    if wall_seconds is not None:
-        settings["run_seconds"] = round(wall_seconds, 1)
-    return {**head, "environment": env, "settings": settings, "results": rows}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import OK, STATUSES
 from .flops import MODES
-from .runner import SCHEMA
+from .result import SCHEMA
 
 TOP_LEVEL = {"schema": str, "created": str, "environment": dict, "settings": dict, "methods": dict,
              "flop_conventions": dict, "results": list}

@@ -79,6 +79,11 @@ class AttnzooTarget:
         self.variant = spec.label
         self.backend = backend
 
+    @property
+    def compiles(self) -> bool:
+        """attnzoo's FlexAttention backends compile per shape / mode: planned last (see runner.plan)."""
+        return "flex" in self.backend
+
     def _resolve(self, q, k, v, causal: bool) -> str:
         """Ask the dispatcher (through attnzoo.explain) who runs this call; its reason if nobody can."""
         try:
