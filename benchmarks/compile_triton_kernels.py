@@ -20,15 +20,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from attnzoo.ops import triton_dropout as dropout  # noqa: E402
 from attnzoo.ops.pointwise import triton_kernels as pointwise  # noqa: E402
 from attnzoo.ops.softmax import triton_kernels as softmax  # noqa: E402
 
 INT_ARGS = {"H", "Nq", "Nk", "D", "DV"}
-FLOAT_ARGS = {"scale", "bias_scalar"}
+FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
 SOFTMAX_FLAGS = [
-    dict(L2=False, MASK_KIND=0, HAS_PREF=False, HAS_T5=False, CAUSAL=False),
-    dict(L2=True, MASK_KIND=1, HAS_PREF=True, HAS_T5=False, CAUSAL=True),
-    dict(L2=False, MASK_KIND=2, HAS_PREF=False, HAS_T5=True, CAUSAL=True),
+    dict(L2=False, MASK_KIND=0, HAS_PREF=False, HAS_T5=False, CAUSAL=False, DROPOUT=False),
+    dict(L2=True, MASK_KIND=1, HAS_PREF=True, HAS_T5=False, CAUSAL=True, DROPOUT=True),
+    dict(L2=False, MASK_KIND=2, HAS_PREF=False, HAS_T5=True, CAUSAL=True, DROPOUT=True),
 ]
 
 
@@ -62,17 +63,18 @@ def jobs(dtype):
             meta = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=head_dim, BLOCK_DV=head_dim, UPCAST=False,
                         PRECISION=precision, **flags)
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
-                        "TABLE": "*fp32", "LUT": "*i32", "MASK": "*fp32" if flags["MASK_KIND"] == 2 else "*u8"}
+                        "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64", "MASK": "*fp32" if flags["MASK_KIND"] == 2 else "*u8"}
             for fn in (softmax.softmax_fwd_kernel, softmax.softmax_bwd_dkdv_kernel, softmax.softmax_bwd_dq_kernel):
                 yield fn, pointers, meta, 8 if head_dim >= 128 else 4, f"{flags} D={head_dim}"
     for sigmoid, modes in ((True, (0, 1, 2)), (False, (0,))):
         for mode in modes:
             meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, SIGMOID=sigmoid, BIAS_MODE=mode, MASK_KIND=1,
-                        CAUSAL=True, UPCAST=False, PRECISION=precision)
-            pointers = {"N_ROWS": "*fp32", "MASK": "*u8", "BIAS": "*fp32", "DBIAS": "*fp32"}
+                        CAUSAL=True, UPCAST=False, PRECISION=precision, DROPOUT=mode != 1)
+            pointers = {"N_ROWS": "*fp32", "MASK": "*u8", "BIAS": "*fp32", "DBIAS": "*fp32", "SEED": "*i64"}
             for fn in (pointwise.pointwise_fwd_kernel, pointwise.pointwise_bwd_dkdv_kernel,
                        pointwise.pointwise_bwd_dq_kernel):
-                yield fn, pointers, meta, 4, f"sigmoid={sigmoid} bias_mode={mode}"
+                yield fn, pointers, meta, 4, f"sigmoid={sigmoid} bias_mode={mode} dropout={mode != 1}"
+    yield dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64), 4, "keep-mask"
 
 
 def main(argv=None):

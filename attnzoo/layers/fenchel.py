@@ -81,7 +81,8 @@ class FenchelAttention(AttentionLayer):
             if fused.t5_wanted(q, k, v, backend=self.backend, attn_mask=attn_mask, dropout_p=dropout_p):
                 return fused.t5_bias_attention(q, k, v, self.relative_bias.weight, self.num_buckets,
                                                self.max_distance, self.bidirectional, attn_mask=attn_mask,
-                                               is_causal=is_causal, scale=self.scale, alpha=self.alpha)
+                                               is_causal=is_causal, scale=self.scale, alpha=self.alpha,
+                                               dropout_p=dropout_p)
         log_u = self.log_preference(x, q.shape[-2], k.shape[-2])
         return AF.fenchel(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale, log_u=log_u,
                           alpha=self.alpha, solve=self.solve,

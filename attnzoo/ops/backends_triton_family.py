@@ -2,7 +2,8 @@
 
 ``auto`` picks them on CUDA tensors only (priority 20); on CPU they run when asked for by name with
 TRITON_INTERPRET=1 set before import (that is how CI runs the real kernels). Each ``supports`` returns
-a sentence saying why a call is refused, which ``attnzoo.explain`` prints.
+a sentence saying why a call is refused, which ``attnzoo.explain`` prints. ``dropout_p > 0`` is not a
+reason: these kernels drop weights themselves (ops/triton_dropout.py).
 """
 from __future__ import annotations
 
@@ -41,15 +42,15 @@ def _sigmoid_reason(q, k, v, **kw):
 
 _BACKENDS = {
     "softmax": (softmax_triton.softmax_attention, _base_reason,
-                "Triton FlashAttention-2-style fused softmax, fwd+bwd, no N x N tensor"),
+                "Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor"),
     "l2": (softmax_triton.l2_attention, _base_reason,
-           "Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd"),
+           "Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout"),
     "fenchel": (softmax_triton.fenchel_attention, _fenchel_reason,
-                "Triton fused softmax(alpha s + log u) with a per-key log u and its gradient (first order)"),
+                "Triton fused softmax(alpha s + log u) with a per-key log u and its gradient (first order), in-kernel dropout"),
     "sigmoid": (pointwise_triton.sigmoid_attention, _sigmoid_reason,
-                "Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient"),
+                "Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, in-kernel dropout"),
     "relu": (pointwise_triton.relu_attention, _base_reason,
-             "Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd"),
+             "Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout"),
 }
 
 for _variant, (_fn, _supports, _description) in _BACKENDS.items():

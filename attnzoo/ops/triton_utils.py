@@ -50,7 +50,9 @@ def device_reason(q: torch.Tensor):
 
 
 def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
-    """Reasons shared by every Triton backend (device, dtype, head dims, dropout, mask)."""
+    """Reasons shared by the softmax-family and pointwise Triton backends (device, dtype, head dims,
+    dropout_p range, mask). Dropout is done in those kernels (ops/triton_dropout.py); the Sinkhorn,
+    linear and OT Triton backends refuse dropout with reasons of their own."""
     why = device_reason(q)
     if why is not None:
         return why
@@ -58,8 +60,8 @@ def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
         return f"the Triton kernels take float16, bfloat16 or float32 inputs, got {q.dtype}"
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims above {MAX_HEAD_DIM} are not supported (q D={q.shape[-1]}, v Dv={v.shape[-1]})"
-    if dropout_p and dropout_p > 0:
-        return "dropout_p > 0: the Triton kernels have no in-kernel dropout; use the reference backend"
+    if not 0.0 <= float(dropout_p) < 1.0:
+        return f"dropout_p must be in [0, 1), got {dropout_p}"
     if attn_mask is not None:
         if attn_mask.dim() > 4:
             return f"attn_mask has {attn_mask.dim()} dims; at most 4 (broadcastable to (B, H, Nq, Nk))"

@@ -92,7 +92,10 @@ def check_choice(name: str, value, choices) -> str:
 
 
 def check_dropout(p) -> float:
-    p = float(p)
+    try:
+        p = float(p)
+    except (TypeError, ValueError):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__} {p!r}") from None
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p

@@ -4,7 +4,9 @@
 and are registered as the ``triton`` backend of the ``sigmoid`` and ``relu`` variants. The sigmoid
 bias is the default -log n_i, a Python float, or a tensor broadcastable to (B, H, Nq, 1) (one value per
 head and/or row, e.g. SigmoidAttention's -log n + learned per-head shift), which gets its gradient.
-A bias that varies with the key is refused (``bias_reason``).
+A bias that varies with the key is refused (``bias_reason``). ``dropout_p > 0`` drops weights in the
+kernels (ops/triton_dropout.py): one seed per forward call from torch's generator of q's device, the
+same keep-mask regenerated in the backward; ``dropout_p == 0`` launches the kernels without dropout code.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..triton_dropout import draw_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
                             kernel_mask, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
@@ -24,7 +27,7 @@ if HAVE_TRITON:
     from .triton_kernels import pointwise_bwd_dkdv_kernel, pointwise_bwd_dq_kernel, pointwise_fwd_kernel
 
 
-def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode):
+def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
     B, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
     m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
@@ -37,7 +40,8 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode):
         bias_strides = tuple(rows.stride())
     bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), BIAS_MODE=int(bias_mode),
-                MASK_KIND=mask_kind, CAUSAL=bool(is_causal), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
+                MASK_KIND=mask_kind, CAUSAL=bool(is_causal), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype),
+                DROPOUT=bool(dropout))
     if q.device.type != "cpu":
         meta.update(num_warps=warps, num_stages=2)
     return m, mask_strides, rows, bias_strides, meta
@@ -46,25 +50,29 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode):
 if HAVE_TRITON:
     @triton_op("attnzoo::pointwise_fwd", mutates_args=())
     def pointwise_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
-                      bias_scalar: float, bias_mode: int, scale: float, is_causal: bool,
-                      sigmoid: bool) -> tuple[Tensor, Tensor]:
-        """(out (B, H, Nq, Dv), n (B, H, Nq) fp32: keys taking part per row)."""
+                      bias_scalar: float, bias_mode: int, scale: float, is_causal: bool, sigmoid: bool,
+                      dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """(out (B, H, Nq, Dv), n (B, H, Nq) fp32: keys taking part per row).
+        With dropout_p > 0, ``seed`` (1-element int64) picks the keep-mask."""
         B, H, Nq, D = q.shape
         Nk, DV = k.shape[2], v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         n_rows = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        dropout = dropout_flag(dropout_p, seed)
+        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
         if tracing_only(q):
             return out, n_rows
         wrap_triton(pointwise_fwd_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-            q, k, v, out, n_rows, m, rows, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
-            H, Nq, Nk, D, DV, scale, bias_scalar, **meta)
+            q, k, v, out, n_rows, m, rows, seed if dropout else m,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
+            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p, **meta)
         return out, n_rows
 
     @triton_op("attnzoo::pointwise_bwd", mutates_args=())
     def pointwise_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, n_rows: Tensor, mask: Optional[Tensor],
                       bias: Optional[Tensor], bias_scalar: float, bias_mode: int, scale: float, is_causal: bool,
-                      sigmoid: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      sigmoid: bool, dropout_p: float = 0.0,
+                      seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dbias (B, H, Nq) fp32, empty unless the bias is a tensor)."""
         B, H, Nq, D = q.shape
         Nk, DV = k.shape[2], v.shape[3]
@@ -73,27 +81,29 @@ if HAVE_TRITON:
         dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
         has_bias = bias_mode == BIAS_ROWS
         dbias = torch.empty((B, H, Nq) if has_bias else (0,), dtype=torch.float32, device=q.device)
-        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode)
+        dropout = dropout_flag(dropout_p, seed)
+        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
         if tracing_only(q):
             return dq, dk, dv, dbias
+        seed_ptr = seed if dropout else m
         strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
-        sizes = (H, Nq, Nk, D, DV, scale, bias_scalar)
+        sizes = (H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p)
         wrap_triton(pointwise_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dk, dv, *strides, *sizes, **meta)
+            q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, **meta)
         wrap_triton(pointwise_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, *strides, *sizes, **meta)
+            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes, **meta)
         return dq, dk, dv, dbias
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, mask, bias, bias_scalar, bias_mode, scale, is_causal, sigmoid = inputs
-        ctx.save_for_backward(q, k, v, output[1], mask, bias)
-        ctx.args = (bias_scalar, bias_mode, scale, is_causal, sigmoid)
+        q, k, v, mask, bias, bias_scalar, bias_mode, scale, is_causal, sigmoid, dropout_p, seed = inputs
+        ctx.save_for_backward(q, k, v, output[1], mask, bias, seed)  # the seed regenerates Z
+        ctx.args = (bias_scalar, bias_mode, scale, is_causal, sigmoid, dropout_p)
 
     def _backward(ctx, grad_out, grad_n):
-        q, k, v, n_rows, mask, bias = ctx.saved_tensors
-        dq, dk, dv, dbias = pointwise_bwd(grad_out, q, k, v, n_rows, mask, bias, *ctx.args)
+        q, k, v, n_rows, mask, bias, seed = ctx.saved_tensors
+        dq, dk, dv, dbias = pointwise_bwd(grad_out, q, k, v, n_rows, mask, bias, *ctx.args, seed)
         g_bias = reduce_to_shape(dbias, bias.shape).to(bias.dtype) if bias is not None else None
-        return dq, dk, dv, None, g_bias, None, None, None, None, None
+        return dq, dk, dv, None, g_bias, None, None, None, None, None, None, None
 
     pointwise_fwd.register_autograd(_backward, setup_context=_setup_context)
 
@@ -120,6 +130,11 @@ def _check(q, k, v, attn_mask, dropout_p):
         raise ValueError(f"the Triton pointwise kernel cannot run this call: {why}")
 
 
+def _seed(q, dropout_p):
+    """The call's Philox seed: the only random number it draws, so torch.manual_seed(s) before it fixes Z."""
+    return draw_seed(q.device) if dropout_p > 0 else None
+
+
 def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
     """Backend ``triton`` of ``sigmoid``: sum_j sigmoid(s_ij + b) v_j (b = -log n_i by default)."""
     _check(q, k, v, attn_mask, dropout_p)
@@ -132,12 +147,14 @@ def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=N
         rows, scalar, mode = bias_rows(bias, q), 0.0, BIAS_ROWS
     else:
         rows, scalar, mode = None, float(bias), BIAS_SCALAR
-    out, _ = pointwise_fwd(q, k, v, attn_mask, rows, scalar, mode, float(scale), bool(is_causal), True)
+    out, _ = pointwise_fwd(q, k, v, attn_mask, rows, scalar, mode, float(scale), bool(is_causal), True,
+                           float(dropout_p), _seed(q, dropout_p))
     return out
 
 
 def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
     """Backend ``triton`` of ``relu``: sum_j relu(s_ij) v_j / n_i."""
     _check(q, k, v, attn_mask, dropout_p)
-    out, _ = pointwise_fwd(q, k, v, attn_mask, None, 0.0, BIAS_DEFAULT, float(scale), bool(is_causal), False)
+    out, _ = pointwise_fwd(q, k, v, attn_mask, None, 0.0, BIAS_DEFAULT, float(scale), bool(is_causal), False,
+                           float(dropout_p), _seed(q, dropout_p))
     return out

@@ -6,6 +6,10 @@ out_i = sum_j w_ij v_j with, for the keys taking part (mask, causal) and s_ij = 
     relu:    w_ij = relu(s_ij) / max(n_i, 1),
 and n_i the number of keys taking part in row i (counted in the kernel; stored for the backward).
 Backward: dV = W^T dO, dW = dO V^T, dS = dW * f'(s), dq = scale dS K, dk = scale dS^T Q.
+Dropout (DROPOUT flag): W becomes Z * W / (1 - p) with Z regenerated per tile from (seed, offset) by
+ops/triton_dropout.py in every kernel, so dV = (Z * W / (1 - p))^T dO and dS = Z * (dO V^T) f'(s) / (1 - p)
+(the bias gradient db_i = sum_j dS_ij included); n_i and b_i do not depend on Z. With DROPOUT False no
+random number is drawn.
 The eager version is ops/pointwise/reference.py.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ..triton_dropout import dropout_scale
     from ..triton_utils import causal_end, causal_start, mask_tile, mm
 
     @triton.jit
@@ -65,16 +70,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def pointwise_fwd_kernel(
-            Q, K, V, O, N_ROWS, MASK, BIAS,
+            Q, K, V, O, N_ROWS, MASK, BIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar,
+            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -105,6 +113,8 @@ if HAVE_TRITON:
             s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
             s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
             w, _ = weights_tile(s, keep, bias, inv_n, SIGMOID)
+            if DROPOUT:
+                w = w * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
             acc += mm(w.to(v.dtype), v, UPCAST, PRECISION)
         O += b * sob + h * soh
         tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, acc.to(O.dtype.element_ty),
@@ -112,16 +122,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def pointwise_bwd_dkdv_kernel(
-            Q, K, V, DO, N_ROWS, MASK, BIAS, DK, DV_OUT,
+            Q, K, V, DO, N_ROWS, MASK, BIAS, DK, DV_OUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar,
+            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -153,6 +166,10 @@ if HAVE_TRITON:
             s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
             s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
             w, dw = weights_tile(s, keep, bias, inv_n, SIGMOID)
+            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
+                z = dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
+                w = w * z
+                dw = dw * z
             dv += mm(tl.trans(w.to(do.dtype)), do, UPCAST, PRECISION)
             ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
             dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
@@ -166,16 +183,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def pointwise_bwd_dq_kernel(
-            Q, K, V, DO, N_ROWS, MASK, BIAS, DQ, DBIAS,
+            Q, K, V, DO, N_ROWS, MASK, BIAS, DQ, DBIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar,
+            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -207,6 +227,8 @@ if HAVE_TRITON:
             s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
             s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
             _, dw = weights_tile(s, keep, bias, inv_n, SIGMOID)
+            if DROPOUT:
+                dw = dw * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
             ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
             dq += mm(ds.to(k.dtype), k, UPCAST, PRECISION)
             dbias += tl.sum(ds, 1)

@@ -13,6 +13,10 @@ The kernels live in triton_kernels.py; the ops ``attnzoo::softmax_family_fwd`` /
 ``torch.library.triton_op``s, so torch.compile sees through them on a GPU and autograd uses the fused
 backward. No (Nq, Nk) tensor is allocated: masks are passed broadcast (stride 0), the T5 bias as an
 (Nq + Nk - 1) offset -> bucket vector plus the table.
+
+Dropout on the weights (``dropout_p > 0``) happens in the kernels (see ops/triton_dropout.py): each
+forward call draws one seed from torch's generator of q's device and the backward regenerates the
+same keep-mask from it; ``dropout_p == 0`` launches the kernels without any dropout code.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import validate as V
+from ..triton_dropout import draw_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
                             dot_precision, kernel_mask, reduce_to_shape, tracing_only)
 
@@ -59,12 +64,12 @@ def _prepare(q, k, mask, pref, table, lut):
     return m, mask_strides, p, pref_strides, table, table_strides, lut, flags
 
 
-def _launch_config(q, k, v, is_causal, l2):
+def _launch_config(q, k, v, is_causal, l2, dropout):
     B, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
     bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal),
-                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
+                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), DROPOUT=bool(dropout))
     launch = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": 2}
     return meta, launch
 
@@ -73,32 +78,36 @@ if HAVE_TRITON:
     @triton_op("attnzoo::softmax_family_fwd", mutates_args=())
     def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
                            table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
-                           l2: bool) -> tuple[Tensor, Tensor]:
-        """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32; +inf for rows with no key)."""
+                           l2: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32; +inf for rows with no key).
+        With dropout_p > 0, ``seed`` (1-element int64) picks the keep-mask; lse is the undropped one."""
         B, H, Nq, D = q.shape
         Nk, DV = k.shape[2], v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
-        meta, launch = _launch_config(q, k, v, is_causal, l2)
+        dropout = dropout_flag(dropout_p, seed)
+        meta, launch = _launch_config(q, k, v, is_causal, l2, dropout)
         if tracing_only(q):
             return out, lse
         grid = (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
         wrap_triton(softmax_fwd_kernel)[grid](
-            q, k, v, out, lse, m, p, t, lut,
+            q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts,
-            H, Nq, Nk, D, DV, scale, **meta, **flags, **launch)
+            H, Nq, Nk, D, DV, scale, dropout_p, **meta, **flags, **launch)
         return out, lse
 
     @triton_op("attnzoo::softmax_family_bwd", mutates_args=())
     def softmax_family_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
-                           lut: Optional[Tensor], scale: float, is_causal: bool,
-                           l2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           lut: Optional[Tensor], scale: float, is_causal: bool, l2: bool,
+                           dropout_p: float = 0.0,
+                           seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty)."""
         B, H, Nq, D = q.shape
         Nk, DV = k.shape[2], v.shape[3]
-        delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # delta_i = dO_i . O_i
+        # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
+        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
         dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=q.device)
         dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
@@ -107,30 +116,33 @@ if HAVE_TRITON:
                  else torch.empty(0, dtype=torch.float32, device=q.device))
         dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
-        meta, launch = _launch_config(q, k, v, is_causal, l2)
+        dropout = dropout_flag(dropout_p, seed)
+        meta, launch = _launch_config(q, k, v, is_causal, l2, dropout)
         if tracing_only(q):
             return dq, dk, dv, dpref, dtable
-        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, H, Nq, Nk, D, DV, scale)
+        seed_ptr = seed if dropout else lut
+        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, H, Nq, Nk, D, DV, scale,
+                  dropout_p)
         wrap_triton(softmax_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
             q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
-            dtable if flags["HAS_T5"] else t, m, p, t, lut, *common, **meta, **flags, **launch)
+            dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common, **meta, **flags, **launch)
         wrap_triton(softmax_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, *common, **meta, **flags, **launch)
+            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common, **meta, **flags, **launch)
         return dq, dk, dv, dpref, dtable
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, mask, pref, table, lut, scale, is_causal, l2 = inputs
+        q, k, v, mask, pref, table, lut, scale, is_causal, l2, dropout_p, seed = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, mask, pref, table, lut)
-        ctx.scale, ctx.is_causal, ctx.l2 = scale, is_causal, l2
+        ctx.save_for_backward(q, k, v, out, lse, mask, pref, table, lut, seed)  # the seed regenerates Z
+        ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p = scale, is_causal, l2, dropout_p
 
     def _backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, mask, pref, table, lut = ctx.saved_tensors
+        q, k, v, out, lse, mask, pref, table, lut, seed = ctx.saved_tensors
         dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, mask, pref, table, lut,
-                                                       ctx.scale, ctx.is_causal, ctx.l2)
+                                                       ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p, seed)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
         g_table = dtable.reshape(table.shape).to(table.dtype) if table is not None else None
-        return dq, dk, dv, None, g_pref, g_table, None, None, None, None
+        return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None
 
     softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
 
@@ -143,8 +155,11 @@ def _check_runnable(q, k, v, attn_mask, dropout_p=0.0):
         raise ValueError(f"the Triton softmax kernel cannot run this call: {why}")
 
 
-def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None):
-    out, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2))
+def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None, dropout_p=0.0):
+    # the seed is the only random number the call draws: torch.manual_seed(s) before the call fixes Z
+    seed = draw_seed(q.device) if dropout_p > 0 else None
+    out, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2),
+                                float(dropout_p), seed)
     return out
 
 
@@ -162,13 +177,13 @@ def key_preference(log_u, q, k):
 def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
     """Backend ``triton`` of the ``softmax`` variant."""
     _check_runnable(q, k, v, attn_mask, dropout_p)
-    return _run(q, k, v, attn_mask, is_causal, scale)
+    return _run(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p)
 
 
 def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
     """Backend ``triton`` of the ``l2`` variant: softmax_j(-scale ||q_i - k_j||^2 + mask) v_j."""
     _check_runnable(q, k, v, attn_mask, dropout_p)
-    return _run(q, k, v, attn_mask, is_causal, scale, l2=True)
+    return _run(q, k, v, attn_mask, is_causal, scale, l2=True, dropout_p=dropout_p)
 
 
 def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
@@ -181,13 +196,15 @@ def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=
     if log_u is not None and pref is None:
         raise ValueError(f"log_u of shape {tuple(log_u.shape)} varies with the query; the Triton kernel takes "
                          "a per-key preference (B|1, H|1, 1, Nk) (T5 tables: use t5_bias_attention)")
-    return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref)
+    return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref, dropout_p=dropout_p)
 
 
-def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, scale=None, l2=False):
+def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, scale=None, l2=False,
+                         dropout_p=0.0):
     """out_i = sum_j softmax_j(l_ij + g_j) v_j, with l_ij = scale q_i.k_j (or -scale ||q_i - k_j||^2 when
     ``l2``) plus the mask, and g = ``log_pref`` broadcastable to (B, H, Nk) (-inf removes a key).
-    Differentiable in q, k, v and log_pref; no (Nq, Nk) tensor is stored."""
+    Differentiable in q, k, v and log_pref; no (Nq, Nk) tensor is stored. ``dropout_p`` drops weights
+    in the kernel (the kept ones scaled by 1 / (1 - dropout_p))."""
     V.check_qkv(q, k, v)
     V.check_mask(attn_mask, q, k)
     scale = V.resolve_scale(scale, q)
@@ -195,8 +212,9 @@ def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, 
     V.check_broadcast("log_pref", log_pref, (B, H, k.shape[2]), q, allow_bool=False)
     if log_pref is None:
         raise ValueError("log_pref must be a float tensor broadcastable to (B, H, Nk), got None")
-    _check_runnable(q, k, v, attn_mask)
-    return _run(q, k, v, attn_mask, is_causal, scale, l2=l2, pref=log_pref)
+    dropout_p = V.check_dropout(dropout_p)
+    _check_runnable(q, k, v, attn_mask, dropout_p)
+    return _run(q, k, v, attn_mask, is_causal, scale, l2=l2, pref=log_pref, dropout_p=dropout_p)
 
 
 def t5_bucket_lut(nq: int, nk: int, num_buckets: int, max_distance: int, bidirectional: bool, device):
@@ -222,8 +240,9 @@ def _check_t5_args(table, num_buckets, max_distance, q):
 
 
 def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, attn_mask=None,
-                      is_causal=False, scale=None, *, alpha=1.0):
-    """softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j (paper 004 eqs 16-18).
+                      is_causal=False, scale=None, *, alpha=1.0, dropout_p=0.0):
+    """softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j (paper 004 eqs 16-18),
+    with dropout on those weights when ``dropout_p > 0`` (FenchelAttention passes attn_drop in training).
 
     ``table`` is (num_buckets, H), e.g. ``nn.Embedding(num_buckets, H).weight``; the bucket of the
     offset j - i (bottom-right aligned when Nq != Nk) is T5's, as in FenchelAttention. The kernel
@@ -233,9 +252,10 @@ def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, 
     scale = V.resolve_scale(scale, q)
     alpha = V.check_positive("alpha", alpha)
     _check_t5_args(table, num_buckets, max_distance, q)
-    _check_runnable(q, k, v, attn_mask)
+    dropout_p = V.check_dropout(dropout_p)
+    _check_runnable(q, k, v, attn_mask, dropout_p)
     lut = t5_bucket_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
-    return _run(q, k, v, attn_mask, is_causal, scale * alpha, table=table, lut=lut)
+    return _run(q, k, v, attn_mask, is_causal, scale * alpha, table=table, lut=lut, dropout_p=dropout_p)
 
 
 def t5_wanted(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0) -> bool:

@@ -14,6 +14,13 @@ dV = P^T dO, dS = P * (dO V^T - delta), and dS flows into
     dq_i = 2 scale (sum_j dS_ij k_j - q_i sum_j dS_ij)
     dk_j = 2 scale (sum_i dS_ij q_i - k_j sum_i dS_ij)                                (L2)
     dg_j = sum_i dS_ij,      dtable[b, h] = sum over (i, j) with bucket(j - i) = b of dS_ij.
+Dropout (DROPOUT flag, FlashAttention's way): P and lse are the undropped softmax; the forward
+accumulates out = sum_j Z_ij P_ij v_j / (1 - p) with Z regenerated per tile from (seed, offset) by
+ops/triton_dropout.py, and the backward regenerates the same Z:
+    dV = (Z * P / (1 - p))^T dO,   dP = Z * (dO V^T) / (1 - p),   dS = P * (dP - delta).
+delta_i = dO_i . O_i still holds: the softmax backward needs sum_k P_ik dP_ik, and
+    sum_k P_ik Z_ik (dO_i . v_k) / (1 - p) = dO_i . sum_k (Z_ik P_ik / (1 - p)) v_k = dO_i . O_i
+because O_i is exactly that dropped, rescaled sum. With DROPOUT False no random number is drawn.
 The readable eager version of each formula is ops/softmax/reference.py, ops/l2/reference.py,
 ops/fenchel/reference.py and ops/fenchel/t5_reference.py.
 """
@@ -25,6 +32,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from ..triton_dropout import dropout_scale
     from ..triton_utils import causal_end, causal_start, mask_tile, mm
 
     @triton.jit
@@ -51,15 +59,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_fwd_kernel(
-            Q, K, V, O, LSE, MASK, PREF, TABLE, LUT,
+            Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale,
+            H, Nq, Nk, D, DV, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -97,7 +108,9 @@ if HAVE_TRITON:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp(-inf) = 0
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums the undropped weights
+            if DROPOUT:
+                p = p * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
             acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST, PRECISION)
             m_i = m_new
         nonempty = l_i > 0.0
@@ -110,15 +123,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_bwd_dkdv_kernel(
-            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, TABLE, LUT,
+            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale,
+            H, Nq, Nk, D, DV, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -160,8 +176,13 @@ if HAVE_TRITON:
             s = logits_tile(qk, q_sq, k_sq, offs_m, offs_n, Nq, Nk, scale, MASK, smm, smn, PREF, spn,
                             TABLE, stb, LUT, L2, MASK_KIND, HAS_PREF, HAS_T5, CAUSAL)
             p = tl.exp(s - lse[:, None])  # -inf logits and +inf lse (empty rows) both give 0
-            dv += mm(tl.trans(p.to(do.dtype)), do, UPCAST, PRECISION)
             dp = mm(do, tl.trans(v), UPCAST, PRECISION)
+            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
+                z = dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
+                dv += mm(tl.trans((p * z).to(do.dtype)), do, UPCAST, PRECISION)
+                dp = dp * z
+            else:
+                dv += mm(tl.trans(p.to(do.dtype)), do, UPCAST, PRECISION)
             ds = p * (dp - delta[:, None])
             dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
             ds_colsum += tl.sum(ds, 0)
@@ -191,15 +212,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_bwd_dq_kernel(
-            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT,
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale,
+            H, Nq, Nk, D, DV, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+        if DROPOUT:
+            seed = tl.load(SEED)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -238,6 +262,8 @@ if HAVE_TRITON:
                             TABLE, stb, LUT, L2, MASK_KIND, HAS_PREF, HAS_T5, CAUSAL)
             p = tl.exp(s - lse[:, None])
             dp = mm(do, tl.trans(v), UPCAST, PRECISION)
+            if DROPOUT:
+                dp = dp * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
             ds = p * (dp - delta[:, None])
             dq += mm(ds.to(k.dtype), k, UPCAST, PRECISION)
             ds_rowsum += tl.sum(ds, 1)
