@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
-import math
 import os
 import re
 import signal
@@ -349,7 +347,7 @@ def test_sweep_gpu_on_cpu_writes_json_and_row_logs(tmp_path, capsys):
         assert {r["variant"] for r in result["results"]} == {variant, "softmax"}  # + the SDPA anchor
         assert result["settings"]["budget_seconds"] == 60 and "sweep" in result["settings"]["notes"]
         assert load_rowlog(tmp_path / f"{name}.jsonl")["results"] == result["results"]
-        assert f"N=16" in out
+        assert "N=16" in out
 
 
 def test_gpu_session_script_syntax():

@@ -16,10 +16,15 @@ attnzoo bench --variants softmax "sinkhorn(n_iters=5)" linear --seq-lens 1024 40
 attnzoo bench --causal --dtype bfloat16 --heads 16 --head-dim 128 --out runs/bench/mine
 attnzoo bench --compare benchmarks/results/cpu/bench_cpu.json   # this run against a saved one
 attnzoo bench --compare OLD.json NEW.json                       # two saved runs, no benchmarking
+attnzoo bench --budget-seconds 300 --call-timeout-seconds 60 --skip-backends torch-flex,flex   # bounded
+attnzoo bench --from-jsonl runs/bench/x/bench.jsonl             # the result of a run that was killed
 ```
-Each run writes `NAME.json` (every measurement and the environment), `NAME.md` (tables) and
-`NAME_time_*.png` / `NAME_memory_*.png` (log-log plots) to `--out`, and prints a table with a
-progress bar while it runs. Variants are names or spec strings; `--backends` filters attnzoo's
+Each run writes `NAME.jsonl` while it runs (a header line, then one line per finished row, flushed at
+once), then `NAME.json` (every measurement and the environment), `NAME.md` (tables) and
+`NAME_time_*.png` / `NAME_memory_*.png` (log-log plots) to `--out`, and prints a table. On a terminal
+a progress bar shows while it runs; when the output is a pipe or a log, one plain line per finished
+row instead (variant, backend, N, mode, status, median time, x SDPA, first-call time). If the run is
+killed, `--from-jsonl` rebuilds the JSON, Markdown and plots from the rows it finished. Variants are names or spec strings; `--backends` filters attnzoo's
 backends (`reference`, `torch`, `cpu`, `triton`, ..., `auto`) and the baselines (`sdpa`,
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`, `sdpa-math`, `torch-flex`, `flash-attn`, `fla`,
 `torch-mha`). Standard sweeps: `benchmarks/sweep_cpu.py`, `benchmarks/sweep_gpu.py`; this page:
@@ -38,13 +43,19 @@ WHAT = """\
   others are recorded as not expressible), flash-attn and flash-linear-attention (recorded as
   not installed when absent).
 - **Status**: `ok`, `oom`, `n/a` (unsupported, with the dispatcher's reason), `not installed`,
-  `skipped` (predicted slower than `--max-call-seconds` from the same row at the previous N
-  scaled by FLOPs, an eager reference estimated larger than the host memory limit, or
-  `--budget-seconds` used up) or `error` - never a crash. Every reason is kept in the JSON and
+  `skipped` (measured or predicted - from the same row at the previous N scaled by FLOPs - slower
+  than `--max-call-seconds`, an eager reference estimated larger than the host memory limit, a call
+  interrupted past `--call-timeout-seconds`, `--budget-seconds` used up, or a backend left out with
+  `--skip-backends`) or `error` - never a crash. Every reason is kept in the JSON and
   listed under the tables.
-- **Timing**: median and spread (p20-p80) of repeated calls after a warm-up. On CPU a call
-  predicted slower than `--once-above-seconds` runs once, giving both its time and its peak
-  memory ("1 run" in the tables): with seconds per call the spread of a few runs tells little.
+- **Timing**: one rule on every device. The first call is the warm-up (torch.compile, Triton JIT and
+  autotuning land there; its time is kept as `first_call_s`); the second call measures the steady
+  cost: slower than `--max-call-seconds` it is skipped with that time, slower than
+  `--once-above-seconds` it is the only sample ("1 run" in the tables: with seconds per call the
+  spread of a few runs tells little), slower than `--slow-call-seconds` on CUDA it is followed by a
+  few CUDA-event repeats; otherwise median and spread (p20-p80) of repeated calls
+  (`time.perf_counter` on CPU, `triton.testing.do_bench` on CUDA). On CPU a call predicted slower
+  than `--once-above-seconds` runs once, giving both its time and its peak memory.
 - **x SDPA**: time (and peak memory) divided by torch SDPA softmax with default dispatch on the same
   problem and causality, measured in the same run.
 """

@@ -21,9 +21,13 @@ from .flops import MODES, Shape, flops
 from .guard import CallInterrupted, interrupt_after
 from .memory import estimate_reference_bytes, peak_memory_bytes, timed_peak_cpu
 from .problem import Problem
-from .result import SCHEMA, add_ratios, anchor_key, finish, header, is_anchor, set_ratio  # noqa: F401 (re-exported)
+from .result import SCHEMA, add_ratios, anchor_key, finish, header, is_anchor, set_ratio
 from .targets import attnzoo_targets, parse_variant
 from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
+
+# SCHEMA and add_ratios now live in result.py; still importable from here, as before
+__all__ = ["ALL_VARIANTS", "SCHEMA", "BenchConfig", "Runner", "add_ratios", "plan", "run"]
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
                  "fp64": "float64", "double": "float64"}
@@ -284,12 +288,16 @@ class Runner:
                     "reason": f"measured {e.seconds:.3g} s per call (second call, after a first call of "
                               f"{e.first_call_s:.3g} s) exceeds max_call_seconds={c.max_call_seconds:g}"}
         except CallInterrupted as e:
-            self._recover()
-            return {"status": errors.SKIPPED, "reason": self._interrupted_reason(e)}
+            failed = {"status": errors.SKIPPED, "reason": self._interrupted_reason(e)}
         except Exception as e:  # noqa: BLE001 - recorded, never fatal
             status, reason = errors.classify(e)
+            failed = {"status": status, "reason": reason}
+        else:
+            failed = None
+        if failed is not None:
+            # outside the except block: the traceback (and the tensors its frames hold) is gone by now
             self._recover()
-            return {"status": status, "reason": reason}
+            return failed
         stats = timing.stats
         self.history[hkey] = (n_flops, stats.median)
         out = {"status": errors.OK, "time_s": stats.to_dict(), "peak_memory_bytes": peak,
