@@ -352,3 +352,18 @@ def test_compile_traces_dropout_without_graph_break():
     g_got = torch.autograd.grad(got.sum(), (q, k, v))
     assert torch.equal(got, want)
     assert all(max_error(a, b) < 1e-5 for a, b in zip(g_got, g_want))
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("op", ["softmax_family_fwd", "pointwise_fwd"])
+def test_ops_with_dropout_pass_opcheck(op):
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (3, 5, 5))
+    seed = torch.tensor([7])
+    if op == "softmax_family_fwd":
+        args = (q, k, v, None, torch.zeros(1, 2, 5, requires_grad=True), None, None, 0.25, True, False, 0.3, seed)
+    else:
+        args = (q, k, v, None, torch.zeros(1, 2, 1, requires_grad=True), 0.0, 2, 0.25, False, True, 0.3, seed)
+    torch.library.opcheck(getattr(torch.ops.attnzoo, op).default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with pytest.raises(ValueError, match="seed"):
+        getattr(torch.ops.attnzoo, op)(*args[:-1], None)
