@@ -57,14 +57,18 @@ def add_arguments(parser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when available)")
     g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     t = parser.add_argument_group("measurement")
-    t.add_argument("--warmup", type=int, default=1, help="CPU warm-up calls (default 1)")
+    t.add_argument("--warmup", type=int, default=1,
+                   help="warm-up calls, the first (compiling) call included; never timed (default 1)")
     t.add_argument("--min-repeats", type=int, default=3)
-    t.add_argument("--repeats", type=int, default=10, dest="max_repeats", help="at most this many timed calls (CPU)")
-    t.add_argument("--target-seconds", type=float, default=1.0, help="CPU: repeat until about this long per row")
+    t.add_argument("--repeats", type=int, default=10, dest="max_repeats",
+                   help="at most this many timed calls (CPU, and slow calls on CUDA)")
+    t.add_argument("--target-seconds", type=float, default=1.0,
+                   help="calls timed one by one repeat until about this long per row")
     t.add_argument("--max-call-seconds", type=float, default=None,
-                   help="skip a row whose predicted time per call exceeds this (default 5 on CPU, 30 on GPU)")
+                   help="skip a row whose time per call, measured (second call) or predicted from the previous N, "
+                        "exceeds this (default 5 on CPU, 30 on GPU)")
     t.add_argument("--once-above-seconds", type=float, default=2.0,
-                   help="CPU: a call slower than this is timed once, its warm-up run (default 2)")
+                   help="a second call slower than this is the row's only sample (default 2)")
     t.add_argument("--slow-call-seconds", type=float, default=0.2,
                    help="CUDA: a call slower than this is timed with a few CUDA-event repeats instead of "
                         "triton.testing.do_bench (default 0.2)")
