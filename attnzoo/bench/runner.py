@@ -173,6 +173,7 @@ class Runner:
         self.memory_limit = _memory_limit(config)
         self.cache: dict[tuple, dict] = {}       # cache_key -> measured fields (shared by "auto")
         self.history: dict[tuple, tuple] = {}    # same row at the previous N -> (flops, median s)
+        self.timed_out: dict[tuple, str] = {}    # same row at a smaller N hit call_timeout_seconds -> its reason
         self.deadline: Optional[float] = None    # time.perf_counter() at which the budget runs out
         c = self.config
         self.rule = TimingRule(warmup=c.warmup, min_repeats=c.min_repeats, max_repeats=c.max_repeats,
@@ -189,9 +190,12 @@ class Runner:
                               None if self.deadline is None else self.deadline - time.perf_counter()) if x is not None]
         return min(limits) if limits else None
 
+    def _budget_ran_out(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline - 1e-3
+
     def _interrupted_reason(self, e: CallInterrupted) -> str:
         c = self.config
-        if self.deadline is not None and time.perf_counter() >= self.deadline - 1e-3:
+        if self._budget_ran_out():
             why = f"the run's time budget (budget_seconds={c.budget_seconds:g}) ran out during this row"
         else:
             why = f"a single call ran past call_timeout_seconds={c.call_timeout_seconds:g}"
@@ -259,6 +263,9 @@ class Runner:
                         "reason": f"estimated peak {estimate / 2 ** 30:.3g} GiB for the materialising path exceeds "
                                   f"the host memory limit {self.memory_limit / 2 ** 30:.3g} GiB (max_memory_gb)"}
         hkey = self._history_key(problem, target, causal)
+        if hkey in self.timed_out:  # a larger N (or the same compile) would only hit the limit again
+            return {"status": errors.SKIPPED,
+                    "reason": f"the same row at a smaller N was {self.timed_out[hkey]}"}
         predicted = None
         if hkey in self.history:
             prev_flops, prev_median = self.history[hkey]
@@ -289,6 +296,8 @@ class Runner:
                               f"{e.first_call_s:.3g} s) exceeds max_call_seconds={c.max_call_seconds:g}"}
         except CallInterrupted as e:
             failed = {"status": errors.SKIPPED, "reason": self._interrupted_reason(e)}
+            if not self._budget_ran_out():
+                self.timed_out[hkey] = failed["reason"]
         except Exception as e:  # noqa: BLE001 - recorded, never fatal
             status, reason = errors.classify(e)
             failed = {"status": status, "reason": reason}
