@@ -101,6 +101,18 @@ def test_timing_rule_stops_at_a_slow_second_call():
     assert e.value.seconds >= 0.08 and e.value.first_call_s < 0.08  # stopped before the 10 s call
 
 
+def test_eager_call_stops_at_a_slow_first_call():
+    with pytest.raises(CallTooSlow) as e:
+        time_call(_sleeper([0.08, 10.0]), "cpu", TimingRule(max_call_seconds=0.04), eager=True)
+    assert e.value.from_first and e.value.seconds >= 0.08
+
+
+def test_slow_reference_rows_skipped_after_one_call():
+    res = run(tiny(variants=["softmax"], backends=["reference"], max_call_seconds=1e-9), progress=False)
+    (row,) = _rows(res, backend="reference")
+    assert row["status"] == "skipped" and "first call of the eager reference" in row["reason"]
+
+
 def test_probe_runs_as_second_call_and_is_not_a_sample():
     counts = []
 

@@ -283,17 +283,21 @@ class Runner:
                     seconds, peak = timed_peak_cpu(prepared.step)
                 timing = Timing(summarize([seconds]), seconds, seconds, "once-predicted")
             else:
+                # the eager reference compiles nothing: its first call already is its steady cost
                 timing = time_call(prepared.step, self.device, self.rule, limit=self.call_limit,
-                                   probe=self._memory_probe(prepared.step) if c.measure_memory else None)
+                                   probe=self._memory_probe(prepared.step) if c.measure_memory else None,
+                                   eager=prepared.resolved == "reference")
                 peak = timing.probed
                 if c.measure_memory and peak is None:
                     with interrupt_after(self.call_limit()):
                         peak = peak_memory_bytes(prepared.step, self.device)
         except CallTooSlow as e:
             self.history[hkey] = (n_flops, e.seconds)
+            which = ("first call of the eager reference, which compiles nothing" if e.from_first else
+                     f"second call, after a first call of {e.first_call_s:.3g} s")
             return {"status": errors.SKIPPED, "first_call_s": e.first_call_s,
-                    "reason": f"measured {e.seconds:.3g} s per call (second call, after a first call of "
-                              f"{e.first_call_s:.3g} s) exceeds max_call_seconds={c.max_call_seconds:g}"}
+                    "reason": f"measured {e.seconds:.3g} s per call ({which}) exceeds "
+                              f"max_call_seconds={c.max_call_seconds:g}"}
         except CallInterrupted as e:
             failed = {"status": errors.SKIPPED, "reason": self._interrupted_reason(e)}
             if not self._budget_ran_out():

@@ -87,13 +87,14 @@ class Timing:
 
 
 class CallTooSlow(Exception):
-    """The second (steady) call took longer than max_call_seconds."""
+    """The second (steady) call - or the first of an eager call - took longer than max_call_seconds."""
 
-    def __init__(self, seconds: float, first_call_s: float, limit: float):
+    def __init__(self, seconds: float, first_call_s: float, limit: float, from_first: bool = False):
         super().__init__(f"measured {seconds:.3g} s per call > max_call_seconds={limit:g}")
         self.seconds = seconds
         self.first_call_s = first_call_s
         self.limit = limit
+        self.from_first = from_first   # measured on the first call (eager), no second call made
 
 
 def _cuda(device) -> bool:
@@ -133,11 +134,15 @@ def _do_bench(fn: Callable[[], Any], limit: Optional[float]) -> Optional[list[fl
 
 def time_call(fn: Callable[[], Any], device="cpu", rule: TimingRule = TimingRule(), *,
               limit: Callable[[], Optional[float]] = lambda: None,
-              probe: Optional[Callable[[float], Optional[Callable[[], Any]]]] = None) -> Timing:
+              probe: Optional[Callable[[float], Optional[Callable[[], Any]]]] = None, eager: bool = False) -> Timing:
     """Time ``fn`` by the rule in this module's docstring. ``limit()`` gives the seconds the next call
     may take (None: no limit). ``probe(first_call_s)`` may return a function to run, and time, as the
-    second call instead of ``fn`` (it must call ``fn``): its return value lands in ``Timing.probed``."""
+    second call instead of ``fn`` (it must call ``fn``): its return value lands in ``Timing.probed``.
+    ``eager``: ``fn`` compiles nothing (an eager reference), so a first call slower than
+    max_call_seconds already is its steady cost: CallTooSlow without a second call."""
     first, _ = _timed(fn, device, limit())
+    if eager and first > rule.max_call_seconds:
+        raise CallTooSlow(first, first, rule.max_call_seconds, from_first=True)
     for _ in range(rule.warmup - 1):
         if first > rule.once_above_seconds:
             break
