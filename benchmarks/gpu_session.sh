@@ -118,6 +118,8 @@ run_sweep() {
   local skip=()
   [ -n "${ATTNZOO_SKIP_BACKENDS:-}" ] && skip=(--skip-backends "$ATTNZOO_SKIP_BACKENDS")
   say "sweep: d64, N = $SEQ_LENS, budget ${total}s in all, ${CONFIG_SECONDS}s per configuration -> $sweep_out"
+  local started
+  started=$(mktemp -t attnzoo_sweep_start.XXXXXX)  # files newer than this one are this session's
   # shellcheck disable=SC2086  # SEQ_LENS and ATTNZOO_SWEEP_ARGS are word lists on purpose
   timeout -s TERM -k 15 "$SWEEP_SECONDS" "$PY" benchmarks/sweep_gpu.py --head-dims 64 --seq-lens $SEQ_LENS \
     --causal no yes --max-call-seconds "$MAX_CALL" --call-timeout-seconds "$CALL_TIMEOUT" --target-seconds 0.5 \
@@ -127,9 +129,9 @@ run_sweep() {
   tail -n 60 "$OUT/sweep.log"
   say "sweep: exit code $rc$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo ' (killed at the phase limit)')"
   # a configuration cut off before its final write: rebuild its JSON (and Markdown, plots) from the row log
-  local log
+  local log md
   for log in "$sweep_out"/*.jsonl; do
-    [ -e "$log" ] || continue
+    [ -e "$log" ] && [ "$log" -nt "$started" ] || continue
     if [ ! -e "${log%.jsonl}.json" ] || [ "${log%.jsonl}.json" -ot "$log" ]; then
       say "sweep: rebuilding ${log%.jsonl}.json from its row log"
       timeout 60 "$PY" -m attnzoo bench --from-jsonl "$log" --quiet >> "$OUT/sweep.log" 2>&1 \
@@ -137,12 +139,16 @@ run_sweep() {
     fi
   done
   if [ -d "$sweep_out" ]; then
-    cat "$sweep_out"/*.md > "$OUT/sweep_summary.md" 2>/dev/null
+    : > "$OUT/sweep_summary.md"
+    for md in "$sweep_out"/*.md; do
+      [ -e "$md" ] && [ "$md" -nt "$started" ] && cat "$md" >> "$OUT/sweep_summary.md"
+    done
     tar czf "$OUT/sweep.tar.gz" "$sweep_out"
     say "sweep: archived $sweep_out -> sweep.tar.gz ($(du -k "$OUT/sweep.tar.gz" | cut -f1) KiB)"
   else
     say "sweep: no output folder $sweep_out"
   fi
+  rm -f "$started"
 }
 
 say "phase $PHASE, output in $OUT"

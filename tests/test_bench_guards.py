@@ -377,7 +377,13 @@ def test_gpu_session_sweep_phase_on_cpu(tmp_path):
     sweep_out = ROOT / "runs" / "test_gpu_session"
     sweep_out.mkdir(parents=True, exist_ok=True)
     killed = _logged_run(tmp_path, rows_kept=2, tail="{")
-    (sweep_out / "killed.jsonl").write_text(killed.read_text())
+    orphan = sweep_out / "killed.jsonl"
+    orphan.write_text(killed.read_text())
+    stale = sweep_out / "stale.jsonl"  # an earlier session's log: not this session's, left alone
+    stale.write_text(killed.read_text())
+    later = time.time() + 3600  # as if written during this session, after the script started
+    os.utime(orphan, (later, later))
+    os.utime(stale, (later - 7200, later - 7200))
     env = {**os.environ, "OUT": str(tmp_path / "out"), "ATTNZOO_PYTHON": sys.executable,
            "ATTNZOO_SWEEP_SECONDS": "120", "ATTNZOO_SEQ_LENS": "8", "ATTNZOO_SWEEP_OUT": "runs/test_gpu_session",
            "ATTNZOO_SWEEP_ARGS": " ".join(TINY_SWEEP[:2] + TINY_SWEEP[5:] + ["--variants", "softmax"])}
@@ -392,6 +398,7 @@ def test_gpu_session_sweep_phase_on_cpu(tmp_path):
         for name in ("bench_gpu_d4_softmax-family.json", "bench_gpu_d4_softmax-family.jsonl", "killed.json"):
             assert f"runs/test_gpu_session/{name}" in listing
         assert len(load(sweep_out / "killed.json")["results"]) == 2
+        assert not (sweep_out / "stale.json").exists()
         assert "softmax" in (tmp_path / "out" / "sweep_summary.md").read_text()
         assert "N=8" in done.stdout  # the row lines reach the captured output tail
     finally:
