@@ -92,7 +92,7 @@ def test_timing_rule(name, durations, rule, method, n):
     assert timing.first_call_s >= durations[0]
     # the first (compiling) call is never a sample: every sample is near the steady duration
     steady = durations[-1] if method == "repeats" else durations[1]
-    assert steady <= timing.stats.min and timing.stats.max < steady + 0.1
+    assert steady <= timing.stats.min and timing.stats.max < steady + 0.15
 
 
 def test_timing_rule_stops_at_a_slow_second_call():
@@ -124,7 +124,7 @@ def test_probe_runs_as_second_call_and_is_not_a_sample():
         return second
     timing = time_call(_sleeper([0.0]), "cpu", TimingRule(min_repeats=2, max_repeats=2, target_seconds=0),
                        probe=probe)
-    assert timing.probed == 123 and len(counts) == 1 and timing.stats.n == 2 and timing.stats.max < 0.1
+    assert timing.probed == 123 and len(counts) == 1 and timing.stats.n == 2 and timing.stats.max < 0.15
 
 
 # ---- the hard per-call limit -------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_probe_runs_as_second_call_and_is_not_a_sample():
 def test_interrupt_after_cuts_a_call_and_restores_an_outer_timer():
     fired = []
     before = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
-    signal.setitimer(signal.ITIMER_REAL, 60.0)
+    before_timer = signal.setitimer(signal.ITIMER_REAL, 60.0)  # pytest-timeout's, if it runs with signals
     try:
         start = time.perf_counter()
         with pytest.raises(CallInterrupted) as e:
@@ -147,6 +147,8 @@ def test_interrupt_after_cuts_a_call_and_restores_an_outer_timer():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+        if before_timer[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, *before_timer)
 
 
 def test_a_call_past_call_timeout_is_interrupted_and_the_run_goes_on(sleepy):
