@@ -127,6 +127,48 @@ def test_probe_runs_as_second_call_and_is_not_a_sample():
     assert timing.probed == 123 and len(counts) == 1 and timing.stats.n == 2 and timing.stats.max < 0.15
 
 
+class _FakeEvent:
+    """torch.cuda.Event stand-in: records the host clock (the fake 'device' is synchronous)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The CUDA branches of time_call on a CPU machine: synchronize, events and do_bench replaced."""
+    import triton.testing
+    bench_calls = []
+
+    def do_bench(fn, warmup, rep, return_mode):
+        bench_calls.append(return_mode)
+        fn()
+        return [1.0, 2.0, 3.0]  # ms
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    return bench_calls
+
+
+def test_cuda_fast_calls_go_to_do_bench(fake_cuda):
+    timing = time_call(_sleeper([0.1, 0.0]), "cuda", TimingRule(slow_call_seconds=0.05))
+    assert timing.method == "do_bench" and fake_cuda == ["all"]
+    assert timing.stats.median == pytest.approx(2e-3) and timing.first_call_s >= 0.1
+
+
+def test_cuda_slow_calls_use_a_few_event_repeats(fake_cuda):
+    timing = time_call(_sleeper([0.0, 0.06]), "cuda", TimingRule(slow_call_seconds=0.03, min_repeats=3,
+                                                                 target_seconds=0))
+    assert timing.method == "repeats" and not fake_cuda and timing.stats.n == 3
+    assert 0.06 <= timing.stats.min < 0.2  # every sample, events included, is the 0.06 s call
+
+
 # ---- the hard per-call limit -------------------------------------------------------------------------
 
 def test_interrupt_after_cuts_a_call_and_restores_an_outer_timer():
