@@ -110,3 +110,18 @@ def test_autocast_bf16_no_nan(name, kw):
     assert torch.isfinite(out).all()
     for g in grads:
         assert torch.isfinite(g).all()
+
+
+# The Triton backends under the interpreter: an interpreted launch cannot be traced, so these ops are
+# opaque there (ops/triton_utils.kernel_op, eager_under_interpreter). Before that, a compiled graph
+# silently returned uninitialised memory. On a GPU, tests/test_triton_gpu.py compiles them for real.
+TRITON_LAYERS = [("softmax", {"backend": "triton"}), ("l2", {"backend": "triton"}),
+                 ("fenchel", {"backend": "triton", "preference": "t5", "num_buckets": 8, "max_distance": 16}),
+                 ("sigmoid", {"backend": "triton", "learnable_bias": True}), ("relu", {"backend": "triton"}),
+                 ("sinkhorn", {"backend": "triton"})]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (make test sets it)")
+def test_triton_backends_compile_and_match_eager_under_the_interpreter():
+    _compiled_matches_eager(TRITON_LAYERS, "aot_eager")

@@ -14,6 +14,7 @@ import functools
 import inspect
 
 from .dispatch import register_backend
+from .triton_utils import eager_under_interpreter
 from .sinkhorn import cpu
 
 try:  # Triton ships with torch's Linux wheels only; the CPU backend does not need it
@@ -69,9 +70,10 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
                  priority=1, auto_devices=(),
                  description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
 if sinkhorn_triton is not None:
-    register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
+    register_backend("sinkhorn", "triton", eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "unrolled")),
                      _triton_supports, priority=20, auto_devices=("cuda",),
                      description="Triton streaming kernels, O(N) memory, backward unrolled through the passes")
-    register_backend("sinkhorn", "triton_implicit", _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
+    register_backend("sinkhorn", "triton_implicit",
+                     eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "implicit")),
                      _triton_supports, priority=2, auto_devices=(),
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")

@@ -70,6 +70,34 @@ def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
     return None
 
 
+def kernel_op(name: str, *, mutates_args=()):
+    """Register a function that launches Triton kernels as a torch custom op.
+
+    On a GPU it is a ``torch.library.triton_op``: torch.compile traces through it and records each
+    ``wrap_triton`` launch in the graph. Under the interpreter the launches are plain Python that a
+    fake tensor cannot feed, so ``tracing_only`` returns before launching while tracing; a traced
+    triton_op would then record no launch at all and the compiled graph would return uninitialised
+    memory. There the function is an opaque ``custom_op`` instead, with itself as the fake
+    implementation (shapes only, via ``tracing_only``): compiled graphs call it and it runs for real.
+    """
+    def register(fn):
+        if not INTERPRETED:
+            from torch.library import triton_op
+            return triton_op(name, mutates_args=mutates_args)(fn)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        op.register_fake(fn)
+        return op
+    return register
+
+
+def eager_under_interpreter(fn):
+    """For entry points that launch Triton kernels from a torch.autograd.Function (Sinkhorn, linear,
+    OT): under the interpreter dynamo cannot trace an interpreted launch, so torch.compile runs the
+    function eagerly (a graph break; an error under fullgraph=True) instead of failing inside dynamo.
+    On a GPU it is returned unchanged and dynamo traces the launches."""
+    return torch.compiler.disable(fn, recursive=True) if INTERPRETED else fn
+
+
 def tracing_only(t: torch.Tensor) -> bool:
     """True for a fake (shape-only) tensor under the interpreter. On a GPU ``wrap_triton`` records the
     launch for torch.compile; the interpreter's kernels are plain Python that would try to read a fake

@@ -17,12 +17,12 @@ from torch import Tensor
 
 from ..triton_dropout import draw_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
-                            kernel_mask, reduce_to_shape, tracing_only)
+                            kernel_mask, kernel_op, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
 
 if HAVE_TRITON:
     import triton
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from .triton_kernels import pointwise_bwd_dkdv_kernel, pointwise_bwd_dq_kernel, pointwise_fwd_kernel
 
@@ -48,7 +48,7 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
 
 
 if HAVE_TRITON:
-    @triton_op("attnzoo::pointwise_fwd", mutates_args=())
+    @kernel_op("attnzoo::pointwise_fwd", mutates_args=())
     def pointwise_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                       bias_scalar: float, bias_mode: int, scale: float, is_causal: bool, sigmoid: bool,
                       dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -68,7 +68,7 @@ if HAVE_TRITON:
             H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p, **meta)
         return out, n_rows
 
-    @triton_op("attnzoo::pointwise_bwd", mutates_args=())
+    @kernel_op("attnzoo::pointwise_bwd", mutates_args=())
     def pointwise_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, n_rows: Tensor, mask: Optional[Tensor],
                       bias: Optional[Tensor], bias_scalar: float, bias_mode: int, scale: float, is_causal: bool,
                       sigmoid: bool, dropout_p: float = 0.0,

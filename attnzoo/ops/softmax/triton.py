@@ -10,8 +10,8 @@ Entry points (all take q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv) like S
   gradient to the (num_buckets, H) table, no (Nq, Nk) bias ever built.
 
 The kernels live in triton_kernels.py; the ops ``attnzoo::softmax_family_fwd`` / ``_bwd`` are
-``torch.library.triton_op``s, so torch.compile sees through them on a GPU and autograd uses the fused
-backward. No (Nq, Nk) tensor is allocated: masks are passed broadcast (stride 0), the T5 bias as an
+``torch.library.triton_op``s on a GPU, so torch.compile sees through them (under the interpreter they
+are opaque custom ops: triton_utils.kernel_op), and autograd uses the fused backward. No (Nq, Nk) tensor is allocated: masks are passed broadcast (stride 0), the T5 bias as an
 (Nq + Nk - 1) offset -> bucket vector plus the table.
 
 Dropout on the weights (``dropout_p > 0``) happens in the kernels (see ops/triton_dropout.py): each
@@ -28,11 +28,11 @@ from torch import Tensor
 from .. import validate as V
 from ..triton_dropout import draw_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
-                            dot_precision, kernel_mask, reduce_to_shape, tracing_only)
+                            dot_precision, kernel_mask, kernel_op, reduce_to_shape, tracing_only)
 
 if HAVE_TRITON:
     import triton
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from .triton_kernels import softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel, softmax_fwd_kernel
 
@@ -75,7 +75,7 @@ def _launch_config(q, k, v, is_causal, l2, dropout):
 
 
 if HAVE_TRITON:
-    @triton_op("attnzoo::softmax_family_fwd", mutates_args=())
+    @kernel_op("attnzoo::softmax_family_fwd", mutates_args=())
     def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
                            table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
                            l2: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -97,7 +97,7 @@ if HAVE_TRITON:
             H, Nq, Nk, D, DV, scale, dropout_p, **meta, **flags, **launch)
         return out, lse
 
-    @triton_op("attnzoo::softmax_family_bwd", mutates_args=())
+    @kernel_op("attnzoo::softmax_family_bwd", mutates_args=())
     def softmax_family_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
                            lut: Optional[Tensor], scale: float, is_causal: bool, l2: bool,
