@@ -4,7 +4,9 @@ tests/formulas.py.linear is the N x N form written from Katharopoulos et al. / p
 w_ij = phi(scale q_i).phi(k_j) exp(mask_ij) on the keys taking part, out_i = sum_j w_ij v_j /
 (sum_j w_ij + 1e-6), or / n_i for the identity map. The fused paths never form w: agreement
 checks the chunking, the state recurrence and the hand-written backward.
-The Triton kernels run under TRITON_INTERPRET=1 (set by `make test`) on tiny shapes.
+The Triton kernels run under TRITON_INTERPRET=1 (set by `make test`) on tiny shapes and CPU tensors; on
+a machine with a CUDA GPU and no interpreter the same table runs compiled on the GPU in fp32, bf16 and
+fp16 (FlashAttention's tolerance rule, tests/flash_rule.py), plus larger shapes that only a GPU runs.
 """
 from __future__ import annotations
 
@@ -16,11 +18,23 @@ import torch
 
 import attnzoo.functional as AF
 from attnzoo.ops.linear import cpu as lin_cpu
+from attnzoo.ops.linear.triton import HAVE_TRITON
 
 from . import formulas as FM
+from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_GPU = HAVE_TRITON and not INTERPRET and torch.cuda.is_available()
+KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"     # where the Triton kernels take their tensors
+needs_kernels = pytest.mark.skipif(not (INTERPRET or ON_GPU), reason=(
+    "the Triton kernels need TRITON_INTERPRET=1 (CPU tensors; `make test` sets it) or a CUDA GPU with "
+    "TRITON_INTERPRET unset (compiled kernels): neither is available here"))
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(
+    "CUDA only: needs a CUDA GPU and TRITON_INTERPRET unset (compiled kernels; the interpreter would "
+    "take minutes at this size)"))
+# the interpreter runs fp32 only (it is slow); a GPU runs all three
+TRITON_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
 
 # (feature_map, is_causal, nq, nk, mask kind): odd lengths that do not fill the last chunk,
 # self and cross attention with Nq < Nk and Nq > Nk (bottom-right causal), key masks.
@@ -84,14 +98,85 @@ def test_cpu_matches_formula(monkeypatch, fm, causal, nq, nk, mask):
     _check("cpu", fm, causal, nq, nk, mask, torch.float64, 1e-9)
 
 
+def _linear_fp32(q, k, v, allow, add, fm, scale):
+    """The N x N formula of tests/formulas.py.linear in float32 arithmetic: the yardstick of the
+    FlashAttention rule. Fed the kernel's (rounded) inputs and rounded to its output dtype, its error
+    is what storing in that dtype costs. (fp16 arithmetic itself would overflow the relu map's
+    1 / (0 + 1e-6)^2 in the backward of a row whose weights are all zero.)"""
+    dtype = torch.float32
+    q = q * scale
+    add = add.to(dtype)
+    if fm == "identity":
+        n = allow.sum(-1, keepdim=True).clamp_min(1).to(dtype)
+        w = torch.einsum("bhid,bhjd->bhij", q, k) * torch.exp(add)
+        return (torch.where(allow, w, torch.zeros((), dtype=dtype)) / n) @ v
+    phi = (lambda x: torch.where(x > 0, x + 1, torch.exp(x))) if fm == "elu" else (lambda x: x.clamp(min=0))
+    w = torch.einsum("bhid,bhjd->bhij", phi(q), phi(k)) * torch.exp(add)
+    w = torch.where(allow, w, torch.zeros((), dtype=dtype))
+    return (w @ v) / (w.sum(-1, keepdim=True) + 1e-6)
+
+
+def _check_kernel(fm, causal, nq, nk, mask_kind, dtype, B=2, H=2, D=5, Dv=3, scale=0.8):
+    """The Triton backend on KERNEL_DEVICE against float64 math, FlashAttention's rule for out and every
+    gradient. Leaves stay on the CPU; .to(device) is differentiable, so their gradients come back."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _inputs(nq, nk, torch.float32, B, H, D, Dv))
+    mask = _mask(mask_kind, B, nk)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    dev = KERNEL_DEVICE
+    out = AF.linear(q.to(dev), k.to(dev), v.to(dev), attn_mask=None if mask is None else mask.to(dev),
+                    is_causal=causal, scale=scale, feature_map=fm, backend="triton").cpu()
+    assert out.dtype == dtype and out.shape == (B, H, nq, Dv)
+    allow, add = FM.allow_and_add(mask, causal, B, H, nq, nk)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    same = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = FM.linear(*wide, allow, add, feature_map=fm, scale=scale)
+    low = _linear_fp32(*same, allow, add, fm, scale)
+    grad = torch.randn(want.shape, dtype=torch.float64).to(dtype)
+    got_g = torch.autograd.grad(out, (q, k, v), grad)
+    want_g = torch.autograd.grad(want, wide, grad.double())
+    low_g = [g.to(dtype) for g in torch.autograd.grad(low, same, grad.float())]
+    low = low.to(dtype)
+    assert all(torch.isfinite(t).all() for t in (out,) + got_g)
+    assert_flash_rule(f"linear {fm} causal={causal} {nq}x{nk} mask={mask_kind} D={D}", dtype, 1.0,
+                      [("out", out, low, want)]
+                      + [(f"d{n}", g, lo, w) for n, g, lo, w in zip("qkv", got_g, low_g, want_g)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("fm,causal,nq,nk,mask", TRITON_CASES)
-def test_triton_matches_formula(fm, causal, nq, nk, mask):
-    if not INTERPRET:
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (make test sets it)")
-    _check("triton", fm, causal, nq, nk, mask, torch.float32, 2e-5)
+def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
+    _check_kernel(fm, causal, nq, nk, mask, dtype)
 
 
-BACKENDS = ["cpu"] + (["triton"] if INTERPRET else [])
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_large_shapes_on_gpu(head_dim, dtype):
+    # many 32-row chunks with a partial last one, Nq < Nk (the first 184 keys form the initial state),
+    # and the widest state the kernels hold at these head dims: (D, Dv + 1) = (128, 129) -> 128 x 256
+    _check_kernel("elu", True, 333, 517, "bool", dtype, B=2, H=2, D=head_dim, Dv=head_dim,
+                  scale=head_dim ** -0.5)
+
+
+@needs_gpu
+def test_auto_picks_triton_on_gpu_within_its_state_limit():
+    q = torch.randn(1, 2, 8, 16, device="cuda")
+    assert AF.explain("linear", q, q, q, is_causal=True).backend.name == "triton"
+    on_cpu = q.cpu()
+    assert AF.explain("linear", on_cpu, on_cpu, on_cpu, is_causal=True).backend.name == "cpu"
+    wide = torch.randn(1, 2, 8, 256, device="cuda")       # a 256 x 256 state: too big for shared memory
+    with pytest.raises(ValueError, match="shared memory"):
+        AF.linear(wide, wide, wide[..., :200], is_causal=True, backend="triton")
+    assert AF.explain("linear", wide, wide, wide[..., :200], is_causal=True).backend.name == "cpu"
+
+
+BACKENDS = ["cpu"] + (["triton"] if INTERPRET or ON_GPU else [])
+
+
+def _device(backend):
+    return KERNEL_DEVICE if backend == "triton" else "cpu"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -101,7 +186,9 @@ def test_rows_without_keys_are_zero_with_finite_grads(backend, fm):
     q, k, v = _inputs(9, 5, torch.float32)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     mask[1] = False
-    out = AF.linear(q, k, v, attn_mask=mask, is_causal=True, feature_map=fm, backend=backend)
+    dev = _device(backend)
+    out = AF.linear(q.to(dev), k.to(dev), v.to(dev), attn_mask=mask.to(dev), is_causal=True, feature_map=fm,
+                    backend=backend).cpu()
     assert torch.equal(out[:, :, :4], torch.zeros_like(out[:, :, :4]))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -112,7 +199,8 @@ def test_rows_without_keys_are_zero_with_finite_grads(backend, fm):
 @pytest.mark.parametrize("dtype,mag", [(torch.float32, 30.0), (torch.bfloat16, 1.0), (torch.bfloat16, 30.0)])
 def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
     q, k, v = (t.detach().mul(mag).to(dtype).requires_grad_() for t in _inputs(40, 40, torch.float32))
-    out = AF.linear(q, k, v, is_causal=True, backend=backend)
+    dev = _device(backend)
+    out = AF.linear(q.to(dev), k.to(dev), v.to(dev), is_causal=True, backend=backend).cpu()
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
     if mag == 1.0:   # bf16 inputs, fp32 math inside: only the rounding of inputs/outputs remains
@@ -148,7 +236,7 @@ def test_dispatch_and_clear_refusals():
 
 
 def test_triton_refuses_what_it_cannot_hold():
-    q = torch.randn(1, 1, 4, 300)
-    expected = "registers" if INTERPRET else "TRITON_INTERPRET"
+    q = torch.randn(1, 1, 4, 300, device=KERNEL_DEVICE)
+    expected = "registers" if INTERPRET or ON_GPU else "TRITON_INTERPRET"
     with pytest.raises(ValueError, match=expected):
         AF.linear(q, q, q, backend="triton")

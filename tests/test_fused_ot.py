@@ -4,25 +4,45 @@ tests/formulas.py.ot loops over queries i and input templates j and applies eq (
 M = -a.b + C literally: out_i = sum_j u_ij softmax_t((alpha q_i.a_t + k_j.a_t) / gamma + mask_it) a_v_t
 over the template set A = kept keys + extra templates, u uniform or softmax(log_u) over kept keys.
 The fused paths never form the (Nq, Nk, |A|) tensor; every gradient (q, k, v, templates, log_u) is checked.
-The Triton kernels run under TRITON_INTERPRET=1 (set by `make test`) on tiny shapes.
+The Triton kernels run under TRITON_INTERPRET=1 (set by `make test`) on tiny shapes and CPU tensors; on
+a machine with a CUDA GPU and no interpreter the same table runs compiled on the GPU in fp32, bf16 and
+fp16 (FlashAttention's tolerance rule, tests/flash_rule.py), plus larger shapes that only a GPU runs,
+checked against ``_eq22_dense`` (eq (22) on the whole (Nq, Nk, |A|) cube, itself checked against the
+loops of tests/formulas.py).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import attnzoo.functional as AF
+from attnzoo.models import OTViT
+from attnzoo.ops import backends_linear_ot
+from attnzoo.ops.linear.triton import HAVE_TRITON
 from attnzoo.ops.ot import cpu as ot_cpu
 from attnzoo.ops.ot import tiles as ot_tiles
 from attnzoo.ops.ot.factorised import ot_terms
 
 from . import formulas as FM
+from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_GPU = HAVE_TRITON and not INTERPRET and torch.cuda.is_available()
+KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"     # where the Triton kernels take their tensors
+needs_kernels = pytest.mark.skipif(not (INTERPRET or ON_GPU), reason=(
+    "the Triton kernels need TRITON_INTERPRET=1 (CPU tensors; `make test` sets it) or a CUDA GPU with "
+    "TRITON_INTERPRET unset (compiled kernels): neither is available here"))
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(
+    "CUDA only: needs a CUDA GPU and TRITON_INTERPRET unset (compiled kernels; the interpreter would "
+    "take minutes at this size)"))
+# the interpreter runs fp32 only (it is slow); a GPU runs all three
+TRITON_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
 B, H, D, DV = 2, 2, 6, 3
 
 # (is_causal, nq, nk, n_templates, mask kind, log_u)
@@ -37,16 +57,15 @@ TRITON_CASES = [
 ]
 
 
+@needs_kernels
 def test_triton_tiles_crossing_every_block_boundary(monkeypatch):
-    if not INTERPRET:
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (make test sets it)")
     from attnzoo.ops.ot import triton as ot_triton
     for name in ("BI", "BJ", "BT"):   # 9 queries, 9 sources, 9 templates over 8-wide tiles
         monkeypatch.setattr(ot_triton, name, 8)
-    _check("triton", True, 9, 9, 0, "padding", True, torch.float32, 2e-5)
+    _check_kernel(True, 9, 9, 0, "padding", True, torch.float32)
 
 
-def _mask(kind, nq, nk):
+def _mask(kind, nq, nk, B=B, H=H):
     if kind == "key_bool":
         m = torch.rand(B, 1, 1, nk) > 0.3
         m[..., 0] = True
@@ -64,7 +83,7 @@ def _mask(kind, nq, nk):
     return None
 
 
-def _inputs(nq, nk, n_templates, with_log_u, dtype, mag=1.0):
+def _inputs(nq, nk, n_templates, with_log_u, dtype, mag=1.0, B=B, H=H, D=D, DV=DV):
     def t(*shape, mag=1.0):
         return (mag * torch.randn(*shape, dtype=dtype)).requires_grad_()
     q, k, v = t(B, H, nq, D, mag=mag), t(B, H, nk, D, mag=mag), t(B, H, nk, DV)
@@ -132,14 +151,122 @@ def test_cpu_blockwise_fallback_matches_eq22(monkeypatch, tile_elements, causal,
     _check("cpu", causal, nq, nk, n_templates, mask, log_u, torch.float64, 1e-9)
 
 
+def _softmax_where(x, allow):
+    """softmax over the last dim restricted to ``allow``; all zeros where nothing is allowed (no NaN,
+    forward or backward: masked entries are replaced, not subtracted as infinities)."""
+    x = torch.where(allow, x, torch.full_like(x, torch.finfo(x.dtype).min))
+    e = torch.where(allow, torch.exp(x - x.amax(-1, keepdim=True).detach()), torch.zeros_like(x))
+    z = e.sum(-1, keepdim=True)
+    return e / torch.where(z > 0, z, torch.ones_like(z))
+
+
+def _eq22_dense(q, k, v, tk, tv, log_u, allow, add, scale, alpha):
+    """Eq (22) with M = -a.b + C on the whole (B, H, Nq, Nk, |A|) cube, in the inputs' dtype: for query
+    i, source j and template t of A = kept keys + extras, logit (alpha q_i.a_t + k_j.a_t) / gamma + mask_it,
+    softmax over t, weighted by u_ij = softmax_j(log_u) over kept keys, summed over j."""
+    dtype, gamma = q.dtype, 1.0 / scale
+    nq, nk = q.shape[2], k.shape[2]
+    a_k = k if tk is None else torch.cat([k, tk], 2)
+    a_v = v if tv is None else torch.cat([v, tv], 2)
+    n_extra = a_k.shape[2] - nk
+    t_allow = torch.cat([allow, allow.new_ones(allow.shape[:-1] + (n_extra,))], -1)         # (B,H,Nq,A)
+    t_add = torch.nn.functional.pad(add.to(dtype), (0, n_extra))
+    logits = ((alpha * q @ a_k.transpose(-1, -2)).unsqueeze(3) + (k @ a_k.transpose(-1, -2)).unsqueeze(2)) / gamma
+    s = _softmax_where(logits + t_add.unsqueeze(3), t_allow.unsqueeze(3).expand(logits.shape))
+    lu = torch.zeros(allow.shape, dtype=dtype) if log_u is None else log_u.unsqueeze(2).expand(allow.shape)
+    u = _softmax_where(lu, allow)                                                          # (B,H,Nq,Nk)
+    return (u.unsqueeze(-1) * s).sum(3) @ a_v
+
+
+@torch.no_grad()
+def _logit_size(q, k, tk, scale, alpha):
+    """About the largest |logit|, the flash rule's logit_size."""
+    a_k = k if tk is None else torch.cat([k, tk], 2)
+    return float(scale * ((alpha * q @ a_k.transpose(-1, -2)).abs().max() + (k @ a_k.transpose(-1, -2)).abs().max()))
+
+
+def _check_kernel(causal, nq, nk, n_templates, mask_kind, with_log_u, dtype, B=B, H=H, D=D, DV=DV, scale=0.7,
+                  alpha=1.3, dense=False):
+    """The Triton backend on KERNEL_DEVICE against float64 eq (22), FlashAttention's rule for out and every
+    gradient; the yardstick is eq (22) on the cube in float32 with the kernel's rounded inputs. Leaves
+    stay on the CPU; .to(device) is differentiable, so their gradients come back. ``dense``: the float64
+    truth from _eq22_dense instead of the (slow) loops of tests/formulas.py."""
+    leaves = [None if x is None else x.detach().to(dtype).requires_grad_()
+              for x in _inputs(nq, nk, n_templates, with_log_u, torch.float32, B=B, H=H, D=D, DV=DV)]
+    mask = _mask(mask_kind, nq, nk, B, H)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    q, k, v, tk, tv, log_u = leaves
+    dev = KERNEL_DEVICE
+
+    def on(x):
+        return None if x is None else x.to(dev)
+    out = AF.ot(on(q), on(k), on(v), attn_mask=on(mask), is_causal=causal, scale=scale, alpha=alpha,
+                log_u=on(log_u), templates_k=on(tk), templates_v=on(tv), backend="triton").cpu()
+    assert out.dtype == dtype and out.shape == (B, H, nq, DV)
+    allow, add = FM.allow_and_add(mask, causal, B, H, nq, nk)
+    names = [n for n, x in zip(("q", "k", "v", "templates_k", "templates_v", "log_u"), leaves) if x is not None]
+    used = [x for x in leaves if x is not None]
+    wide = [None if x is None else x.detach().double().requires_grad_() for x in leaves]
+    same = [None if x is None else x.detach().float().requires_grad_() for x in leaves]
+    if dense:
+        want = _eq22_dense(*wide, allow, add, scale, alpha)
+    else:
+        wq, wk, wv, wtk, wtv, wlu = wide
+        want = FM.ot(wq, wk, wv, allow, add, scale, alpha=alpha, log_u=wlu, tk=wtk, tv=wtv)
+    low = _eq22_dense(*same, allow, add, scale, alpha)
+    grad = torch.randn(want.shape, dtype=torch.float64).to(dtype)
+    got_g = torch.autograd.grad(out, used, grad)
+    want_g = torch.autograd.grad(want, [x for x in wide if x is not None], grad.double())
+    low_g = [g.to(dtype) for g in torch.autograd.grad(low, [x for x in same if x is not None], grad.float())]
+    assert all(torch.isfinite(t).all() for t in (out,) + got_g)
+    assert_flash_rule(f"ot causal={causal} {nq}x{nk}+{n_templates} mask={mask_kind} D={D}", dtype,
+                      _logit_size(*wide[:2], wide[3], scale, alpha),
+                      [("out", out, low.to(dtype), want)]
+                      + [(f"d{n}", g, lo, w) for n, g, lo, w in zip(names, got_g, low_g, want_g)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("causal,nq,nk,n_templates,mask,log_u", TRITON_CASES)
-def test_triton_matches_eq22(causal, nq, nk, n_templates, mask, log_u):
-    if not INTERPRET:
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (make test sets it)")
-    _check("triton", causal, nq, nk, n_templates, mask, log_u, torch.float32, 2e-5)
+def test_triton_matches_eq22(causal, nq, nk, n_templates, mask, log_u, dtype):
+    _check_kernel(causal, nq, nk, n_templates, mask, log_u, dtype)
 
 
-BACKENDS = ["cpu"] + (["triton"] if INTERPRET else [])
+def test_dense_yardstick_is_eq22():
+    """_eq22_dense (the large-shape truth and the flash-rule yardstick) agrees with the loops."""
+    torch.manual_seed(3)
+    q, k, v, tk, tv, log_u = _inputs(9, 5, 2, True, torch.float64)
+    mask = _mask("query_float", 9, 5)
+    allow, add = FM.allow_and_add(mask, True, B, H, 9, 5)
+    got = _eq22_dense(q, k, v, tk, tv, log_u, allow, add, 0.7, 1.3)
+    want = FM.ot(q, k, v, allow, add, 0.7, alpha=1.3, log_u=log_u, tk=tk, tv=tv)
+    assert (want.abs().amax(-1) == 0).any()          # causal with Nq > Nk: some rows see no key
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_large_shapes_on_gpu(head_dim, dtype):
+    # 133 queries, 197 sources, |A| = 197 + 59 = 256 templates: many 16-wide tiles on every axis with a
+    # partial last one, causal (bottom-right) with key padding and log u, the default gamma = sqrt(D)
+    _check_kernel(True, 133, 197, 59, "padding", True, dtype, B=2, H=2, D=head_dim, DV=head_dim,
+                  scale=head_dim ** -0.5, alpha=1.0, dense=True)
+
+
+@needs_gpu
+def test_auto_picks_triton_on_gpu():
+    q = torch.randn(1, 2, 8, 16, device="cuda")
+    assert AF.explain("ot", q, q, q).backend.name == "triton"
+
+
+BACKENDS = ["cpu"] + (["triton"] if INTERPRET or ON_GPU else [])
+
+
+def _on(backend, *xs):
+    dev = KERNEL_DEVICE if backend == "triton" else "cpu"
+    return [None if x is None else x.to(dev) for x in xs]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -148,7 +275,8 @@ def test_rows_without_keys_are_zero_with_finite_grads(backend, n_templates):
     q, k, v, tk, tv, log_u = _inputs(5, 4, n_templates, True, torch.float32)
     mask = torch.ones(B, H, 5, 4, dtype=torch.bool)
     mask[:, :, 2] = False      # query 2 has no input template left: u is empty, out is 0
-    out = AF.ot(q, k, v, attn_mask=mask, log_u=log_u, templates_k=tk, templates_v=tv, backend=backend)
+    dq, dk, dv, dmask, dlog_u, dtk, dtv = _on(backend, q, k, v, mask, log_u, tk, tv)
+    out = AF.ot(dq, dk, dv, attn_mask=dmask, log_u=dlog_u, templates_k=dtk, templates_v=dtv, backend=backend).cpu()
     assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
     inputs = [x for x in (q, k, v, tk, tv, log_u) if x is not None]
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.sum(), inputs))
@@ -159,7 +287,8 @@ def test_rows_without_keys_are_zero_with_finite_grads(backend, n_templates):
 def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
     q, k, v, tk, tv, _ = _inputs(6, 5, 2, False, torch.float32)
     q, k, v, tk, tv = (x.detach().mul(mag).to(dtype).requires_grad_() for x in (q, k, v, tk, tv))
-    out = AF.ot(q, k, v, is_causal=True, templates_k=tk, templates_v=tv, backend=backend)
+    dq, dk, dv, dtk, dtv = _on(backend, q, k, v, tk, tv)
+    out = AF.ot(dq, dk, dv, is_causal=True, templates_k=dtk, templates_v=dtv, backend=backend).cpu()
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v, tk, tv)))
     if mag == 1.0:   # bf16 inputs, fp32 math inside: only the rounding of inputs/outputs remains
@@ -186,8 +315,90 @@ def test_cpu_never_allocates_the_cube(monkeypatch, causal, tiles):
     assert mode.largest <= B * H * max(nq, nk) * na < B * H * nq * nk * na // 8
 
 
-def test_dispatch_picks_cpu_and_refuses_dropout():
+def test_named_cpu_backend_refuses_dropout():
     q, k, v, *_ = _inputs(4, 4, 0, False, torch.float32)
-    assert AF.explain("ot", q, k, v).backend.name == "cpu"
     with pytest.raises(ValueError, match="dropout"):
         AF.ot(q, k, v, dropout_p=0.1, backend="cpu")
+    assert AF.explain("ot", q, k, v, dropout_p=0.1).backend.name == "reference"
+
+
+CROSSOVER = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu" / "ot_dispatch_crossover.json"
+
+
+def test_dispatch_thresholds_are_the_measured_ones():
+    summary = json.loads(CROSSOVER.read_text())["summary"]
+    assert backends_linear_ot.OT_CPU_MIN_CUBE == summary["cube_threshold"]
+    assert backends_linear_ot.OT_CPU_MIN_CUBE_SINGLE_QUERY == summary["cube_threshold_single_query"]
+
+
+# (B*H, Nq, Nk, extra templates, backend auto picks on CPU): both sides of both thresholds, with
+# the cube B*H*Nq*Nk*|A| counted over the templates too; OT-ViT's class-token layer is Nq = 1
+AUTO_CASES = [
+    (4, 4, 4, 0, "reference"), (4, 3, 64, 0, "reference"), (4, 4, 64, 0, "cpu"), (1, 64, 64, 64, "cpu"),
+    (4, 1, 50, 50, "reference"),               # one query, cube 20000
+    (256, 1, 50, 50, "cpu"),                   # OT-ViT's reduced CPU run with partner templates, 1.28M
+    (4, 1, 256, 0, "reference"),               # 262144 < the single-query threshold ...
+    (4, 2, 256, 0, "cpu"),                     # ... and twice that for two queries is above the other one
+]
+
+
+def _expected_auto(bh, nq, nk, n_templates):
+    cube = bh * nq * nk * (nk + n_templates)
+    limit = (backends_linear_ot.OT_CPU_MIN_CUBE_SINGLE_QUERY if nq == 1 else backends_linear_ot.OT_CPU_MIN_CUBE)
+    return "reference" if cube < limit else "cpu"
+
+
+@pytest.mark.parametrize("bh,nq,nk,n_templates,want", AUTO_CASES)
+def test_auto_on_cpu_follows_the_crossover_and_says_why(bh, nq, nk, n_templates, want):
+    assert _expected_auto(bh, nq, nk, n_templates) == want      # the table is on the side it claims
+    q, k = torch.zeros(bh, 1, nq, 8), torch.zeros(bh, 1, nk, 8)
+    tk = torch.zeros(bh, 1, n_templates, 8) if n_templates else None
+    choice = AF.explain("ot", q, k, k, templates_k=tk, templates_v=tk)
+    assert choice.backend.name == want, str(choice)
+    text = str(choice)
+    if want == "reference":
+        assert f"B*H*Nq*Nk*|A| = {bh * nq * nk * (nk + n_templates)} <" in text and "measured faster" in text
+    else:
+        assert "measured faster than the reference" in text
+    assert AF.explain("ot", q, k, k, templates_k=tk, templates_v=tk, backend="cpu").backend.name == "cpu"
+
+
+@pytest.fixture
+def one_thread():
+    """A whole (small) model per call: extra intra-op threads only contend on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _otvit_logits_and_grads(ot_backend, batch, embed_dim, num_heads):
+    """An OT-ViT (two layers is enough: the OT layer's shapes depend on batch, heads and tokens only)
+    on Fashion-MNIST-sized inputs with partner templates, as in training."""
+    torch.manual_seed(0)
+    model = OTViT(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=embed_dim, depth=2,
+                  num_heads=num_heads, dropout=0.0, ot_backend=ot_backend)
+    x, partners = torch.randn(batch, 1, 28, 28), torch.randn(batch, 1, 28, 28)
+    logits = model(x, templates=partners)
+    return logits, torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+
+
+@pytest.mark.parametrize("batch,embed_dim,num_heads,auto", [
+    (2, 16, 2, "reference"),     # a tiny model: auto picks the reference, bit for bit the same
+    (64, 64, 4, "cpu"),          # the recorded CPU run's shapes (docs/results/fashion_mnist): auto picks cpu
+])
+def test_otvit_needs_no_backend_override(one_thread, batch, embed_dim, num_heads, auto):
+    """The recorded OT-ViT runs passed ``--set model.ot_backend=reference`` because auto used to take the
+    fused path for the class-token layer whatever its size; auto now follows the measured crossover,
+    so the default (ot_backend=None) gives the override's outputs and gradients."""
+    tokens, hd = (28 // 4) ** 2 + 1, embed_dim // num_heads
+    q, k = torch.zeros(batch, num_heads, 1, hd), torch.zeros(batch, num_heads, tokens, hd)
+    assert AF.explain("ot", q, k, k, templates_k=k, templates_v=k).backend.name == auto
+    got, got_g = _otvit_logits_and_grads(None, batch, embed_dim, num_heads)
+    want, want_g = _otvit_logits_and_grads("reference", batch, embed_dim, num_heads)
+    if auto == "reference":
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
+    else:   # the fused path: the same eq (22), summed in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_g, want_g):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

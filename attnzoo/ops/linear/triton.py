@@ -49,7 +49,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fwd_kernel(Q, K, V, S0, O, N, D, DV,
                     CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
         rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
         Q, K, V, O = Q + bh * N * D, K + bh * N * D, V + bh * N * DV, O + bh * N * DV
         s = _tile(S0 + bh * D * DV, rd, rv, D, DV, DV).to(ACC)
@@ -68,7 +68,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dq_kernel(Q, K, V, S0, DO, DQ, N, D, DV,
                    CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
         rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
         K, V, DO, DQ = K + bh * N * D, V + bh * N * DV, DO + bh * N * DV, DQ + bh * N * D
         s = _tile(S0 + bh * D * DV, rd, rv, D, DV, DV).to(ACC)
@@ -87,7 +87,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dkv_kernel(Q, K, V, DO, DK, DV_, DS0, N, D, DV,
                     CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
         rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
         Q, K, V, DO = Q + bh * N * D, K + bh * N * D, V + bh * N * DV, DO + bh * N * DV
         DK, DV_ = DK + bh * N * D, DV_ + bh * N * DV
@@ -113,13 +113,28 @@ if HAVE_TRITON:
                  mask=(rd[:, None] < D) & (rv[None, :] < DV))
 
 
-def _meta(d, dv, dtype):
+SHARED_BYTES = 96 * 1024   # budget for the pipelined chunk loads (an H100 SM has 227 KB, A100 163 KB)
+
+
+def _meta(d, dv, dtype, d_tiles, v_tiles):
+    """Kernel constants and launch options. One loop step loads ``d_tiles`` (CHUNK, BD) tiles and
+    ``v_tiles`` (CHUNK, BV) tiles (fwd: q, k | v; dq: k | v, dO; dkv: q, k | v, dO)."""
     bd = max(16, triton.next_power_of_2(d))
     bv = max(16, triton.next_power_of_2(dv))
     # the factorised driver hands fp32 (or fp64) operands: IEEE products keep fp32 accuracy (no TF32)
     # the state is fp32 (fp64 for fp64 inputs): summing N outer products in half precision drifts
     acc = tl.float64 if dtype == torch.float64 else tl.float32
-    return dict(CHUNK=CHUNK, BD=bd, BV=bv, PREC="ieee", ACC=acc)
+    meta = dict(CHUNK=CHUNK, BD=bd, BV=bv, PREC="ieee", ACC=acc)
+    if INTERPRETED:
+        return meta
+    # On a GPU the (BD, BV) state lives in registers: 4 warps hold 64 x 128 (D = 64, Dv = 64 plus the
+    # normaliser's ones column); above that 8 warps halve it per thread. The software pipeline keeps
+    # num_stages copies of each step's loads in shared memory: at D = 128 only one fits beside the
+    # state's own trip through shared memory on its way into tl.dot.
+    per_stage = CHUNK * (d_tiles * bd + v_tiles * bv) * torch.finfo(dtype).bits // 8
+    meta["num_warps"] = 4 if bd * bv <= 64 * 128 else 8
+    meta["num_stages"] = max(1, min(3, SHARED_BYTES // per_stage))
+    return meta
 
 
 class _CausalProductTriton(torch.autograd.Function):
@@ -129,7 +144,9 @@ class _CausalProductTriton(torch.autograd.Function):
         qf, kf, vf = (t.reshape((-1,) + t.shape[-2:]).contiguous() for t in (q, k, v))
         sf = s0.reshape((-1, d, dv)).contiguous()
         out = torch.empty(qf.shape[:-1] + (dv,), dtype=q.dtype, device=q.device)
-        _fwd_kernel[(qf.shape[0],)](qf, kf, vf, sf, out, n, d, dv, **_meta(d, dv, qf.dtype))
+        with torch.cuda.device_of(qf):   # launch on q's GPU, not the current one
+            _fwd_kernel[(qf.shape[0],)](qf, kf, vf, sf, out, n, d, dv,
+                                        **_meta(d, dv, qf.dtype, d_tiles=2, v_tiles=1))
         ctx.save_for_backward(qf, kf, vf, sf)
         ctx.shapes = (lead, n, d, dv)
         return out.reshape(lead + (n, dv))
@@ -140,10 +157,10 @@ class _CausalProductTriton(torch.autograd.Function):
         lead, n, d, dv = ctx.shapes
         do = dout.reshape(qf.shape[:-1] + (dv,)).contiguous().to(qf.dtype)
         dq, dk, dvv, ds0 = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf), torch.empty_like(sf)
-        meta = _meta(d, dv, qf.dtype)
         grid = (qf.shape[0],)
-        _dq_kernel[grid](qf, kf, vf, sf, do, dq, n, d, dv, **meta)
-        _dkv_kernel[grid](qf, kf, vf, do, dk, dvv, ds0, n, d, dv, **meta)
+        with torch.cuda.device_of(qf):
+            _dq_kernel[grid](qf, kf, vf, sf, do, dq, n, d, dv, **_meta(d, dv, qf.dtype, d_tiles=1, v_tiles=2))
+            _dkv_kernel[grid](qf, kf, vf, do, dk, dvv, ds0, n, d, dv, **_meta(d, dv, qf.dtype, d_tiles=2, v_tiles=2))
         return (dq.reshape(lead + (n, d)), dk.reshape(lead + (n, d)), dvv.reshape(lead + (n, dv)),
                 ds0.reshape(lead + (d, dv)))
 

@@ -27,13 +27,19 @@ BI, BJ, BT = 16, 16, 16
 
 if HAVE_TRITON:
     @triton.jit
+    def _bh():
+        # batch * head runs on grid axis 0 (up to 2^31 - 1; axes 1 and 2 stop at 65535) and is int64:
+        # bh * NQ * NA passes 2^31 for large batches
+        return tl.program_id(0).to(tl.int64)
+
+    @triton.jit
     def _load2(ptr, rows, cols, n_rows, n_cols, s_row, other):
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         return tl.load(ptr + rows[:, None] * s_row + cols[None, :], mask=mask, other=other)
 
     @triton.jit
     def _lse_kernel(C, G, LSE, NQ, NK, NA, BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        pi, pj, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
         ri, rj, rt = pi * BI + tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), tl.arange(0, BT)
         C, G = C + bh * NQ * NA, G + bh * NK * NA
         m = tl.full((BI, BJ), float("-inf"), C.dtype.element_ty)
@@ -54,7 +60,7 @@ if HAVE_TRITON:
     @triton.jit
     def _w_kernel(C, G, U, LSE, W, NQ, NK, NA, SU_BH, SU_I,
                   BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        pi, pt, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bh, pi, pt = _bh(), tl.program_id(1), tl.program_id(2)
         ri, rj, rt = pi * BI + tl.arange(0, BI), tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
         C, G, U, LSE = C + bh * NQ * NA, G + bh * NK * NA, U + bh * SU_BH, LSE + bh * NQ * NK
         c = _load2(C, ri, rt, NQ, NA, NA, float("-inf"))
@@ -71,7 +77,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _g_kernel(C, G, LSE, DW, GIJ, NQ, NK, NA, BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        pi, pj, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
         ri, rj, rt = pi * BI + tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), tl.arange(0, BT)
         C, G, DW = C + bh * NQ * NA, G + bh * NK * NA, DW + bh * NQ * NA
         lse = _load2(LSE + bh * NQ * NK, ri, rj, NQ, NK, NK, float("inf"))
@@ -88,7 +94,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dc_kernel(C, G, U, LSE, DW, GIJ, DC, NQ, NK, NA, SU_BH, SU_I,
                    BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        pi, pt, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bh, pi, pt = _bh(), tl.program_id(1), tl.program_id(2)
         ri, rj, rt = pi * BI + tl.arange(0, BI), tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
         C, G, U = C + bh * NQ * NA, G + bh * NK * NA, U + bh * SU_BH
         LSE, GIJ = LSE + bh * NQ * NK, GIJ + bh * NQ * NK
@@ -109,7 +115,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dg_kernel(C, G, U, LSE, DW, GIJ, DG, NQ, NK, NA, SU_BH, SU_I,
                    BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        pj, pt, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bh, pj, pt = _bh(), tl.program_id(1), tl.program_id(2)
         ri, rj, rt = tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
         C, U, DW = C + bh * NQ * NA, U + bh * SU_BH, DW + bh * NQ * NA
         LSE, GIJ = LSE + bh * NQ * NK, GIJ + bh * NQ * NK
@@ -144,9 +150,10 @@ class _TransportWeightsTriton(torch.autograd.Function):
         su_i = nk if uf.shape[1] != 1 else 0          # a query-independent u is read with stride 0
         lse = torch.empty((bh, nq, nk), dtype=cf.dtype, device=cf.device)
         w = torch.empty_like(cf)
-        _lse_kernel[(triton.cdiv(nq, BI), triton.cdiv(nk, BJ), bh)](cf, gf, lse, nq, nk, na, BI=BI, BJ=BJ, BT=BT)
-        _w_kernel[(triton.cdiv(nq, BI), triton.cdiv(na, BT), bh)](cf, gf, uf, lse, w, nq, nk, na,
-                                                                    uf.shape[1] * nk, su_i, BI=BI, BJ=BJ, BT=BT)
+        with torch.cuda.device_of(cf):   # launch on the inputs' GPU, not the current one
+            _lse_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(nk, BJ))](cf, gf, lse, nq, nk, na, BI=BI, BJ=BJ, BT=BT)
+            _w_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(na, BT))](cf, gf, uf, lse, w, nq, nk, na,
+                                                                      uf.shape[1] * nk, su_i, BI=BI, BJ=BJ, BT=BT)
         ctx.save_for_backward(cf, gf, uf, lse)
         ctx.shapes = (c.shape, g.shape, u.shape)
         return w.reshape(c.shape)
@@ -160,13 +167,14 @@ class _TransportWeightsTriton(torch.autograd.Function):
         dwf = dw.reshape(cf.shape).contiguous().to(cf.dtype)
         gij = torch.empty_like(lse)
         dc, dg = torch.empty_like(cf), torch.empty_like(gf)
-        _g_kernel[(triton.cdiv(nq, BI), triton.cdiv(nk, BJ), bh)](cf, gf, lse, dwf, gij, nq, nk, na,
-                                                                  BI=BI, BJ=BJ, BT=BT)
         args = (cf, gf, uf, lse, dwf, gij)
-        _dc_kernel[(triton.cdiv(nq, BI), triton.cdiv(na, BT), bh)](*args, dc, nq, nk, na, uf.shape[1] * nk, su_i,
-                                                                   BI=BI, BJ=BJ, BT=BT)
-        _dg_kernel[(triton.cdiv(nk, BJ), triton.cdiv(na, BT), bh)](*args, dg, nq, nk, na, uf.shape[1] * nk, su_i,
-                                                                   BI=BI, BJ=BJ, BT=BT)
+        with torch.cuda.device_of(cf):
+            _g_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(nk, BJ))](cf, gf, lse, dwf, gij, nq, nk, na,
+                                                                      BI=BI, BJ=BJ, BT=BT)
+            _dc_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(na, BT))](*args, dc, nq, nk, na, uf.shape[1] * nk,
+                                                                       su_i, BI=BI, BJ=BJ, BT=BT)
+            _dg_kernel[(bh, triton.cdiv(nk, BJ), triton.cdiv(na, BT))](*args, dg, nq, nk, na, uf.shape[1] * nk,
+                                                                       su_i, BI=BI, BJ=BJ, BT=BT)
         du = gij if uf.shape[1] != 1 else gij.sum(1, keepdim=True)
         return dc.reshape(c_shape), dg.reshape(g_shape), du.reshape(u_shape)
 
