@@ -13,7 +13,8 @@ class-token layer); B * H in {4, 256} (H = 4); plus OT-ViT's class-token layer a
 whose reference cube B*H*Nq*Nk*|A| exceeds ``--max-cube`` elements are skipped (the reference holds
 several such fp32 tensors).
 
-    .venv/bin/python benchmarks/ot_dispatch_crossover.py           # benchmarks/results/cpu/ot_dispatch_crossover.json
+    .venv/bin/python benchmarks/ot_dispatch_crossover.py           # results/cpu/ot_dispatch_crossover.{json,png}
+    .venv/bin/python benchmarks/ot_dispatch_crossover.py --replot  # only redraw the PNG from the JSON
     .venv/bin/python benchmarks/ot_dispatch_crossover.py --quick   # a few shapes, to check the script
 
 attnzoo/ops/backends_linear_ot.py uses the two thresholds derived here (``summary``) and
@@ -139,6 +140,34 @@ def summarise(rows):
     }
 
 
+def plot(result, path):
+    """cpu / reference time against the cube, one query and several apart, with the two thresholds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, summary = result["rows"], result["summary"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, single, key, title in ((axes[0], True, "cube_threshold_single_query", "one query (Nq = 1)"),
+                                   (axes[1], False, "cube_threshold", "several queries (Nq > 1)")):
+        for backward, marker in ((True, "o"), (False, "x")):
+            rs = [r for r in rows if (r["Nq"] == 1) == single and r["backward"] == backward]
+            ax.scatter([r["cube"] for r in rs], [r["cpu_over_reference"] for r in rs], marker=marker, s=18,
+                       label="forward + backward" if backward else "forward")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axvline(summary[key], color="tab:red", ls="--", label=f"auto threshold {summary[key]}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("B*H*Nq*Nk*|A| (elements of the reference's cube)")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("time 'cpu' / time 'reference' (below 1: cpu faster)")
+    fig.suptitle("OT attention on CPU, fp32, 1 thread: fused 'cpu' vs eager 'reference' "
+                 "(median of back-to-back ratios)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "ot_dispatch_crossover.json")
@@ -146,7 +175,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="repeats per row (3x below 2^20, fewer above 2^22)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: 1)")
     ap.add_argument("--max-cube", type=int, default=2 ** 24, help="skip shapes with a bigger reference cube")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON at --out")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
 
     import torch
     torch.set_num_threads(args.threads)
@@ -183,7 +216,8 @@ def main(argv=None):
         tmp = args.out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.out)
-        print(f"wrote {args.out}")
+        plot(result, args.out.with_suffix(".png"))
+        print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
