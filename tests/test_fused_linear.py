@@ -150,6 +150,7 @@ def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
     _check_kernel(fm, causal, nq, nk, mask, dtype)
 
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -160,6 +161,7 @@ def test_triton_large_shapes_on_gpu(head_dim, dtype):
                   scale=head_dim ** -0.5)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_auto_picks_triton_on_gpu_within_its_state_limit():
     q = torch.randn(1, 2, 8, 16, device="cuda")

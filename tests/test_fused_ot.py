@@ -245,6 +245,7 @@ def test_dense_yardstick_is_eq22():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -255,6 +256,7 @@ def test_triton_large_shapes_on_gpu(head_dim, dtype):
                   scale=head_dim ** -0.5, alpha=1.0, dense=True)
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_auto_picks_triton_on_gpu():
     q = torch.randn(1, 2, 8, 16, device="cuda")
