@@ -164,8 +164,7 @@ def _eq22_dense(q, k, v, tk, tv, log_u, allow, add, scale, alpha):
     """Eq (22) with M = -a.b + C on the whole (B, H, Nq, Nk, |A|) cube, in the inputs' dtype: for query
     i, source j and template t of A = kept keys + extras, logit (alpha q_i.a_t + k_j.a_t) / gamma + mask_it,
     softmax over t, weighted by u_ij = softmax_j(log_u) over kept keys, summed over j."""
-    dtype, gamma = q.dtype, 1.0 / scale
-    nq, nk = q.shape[2], k.shape[2]
+    dtype, gamma, nk = q.dtype, 1.0 / scale, k.shape[2]
     a_k = k if tk is None else torch.cat([k, tk], 2)
     a_v = v if tv is None else torch.cat([v, tv], 2)
     n_extra = a_k.shape[2] - nk
