@@ -155,23 +155,36 @@ def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_large_shapes_on_gpu(head_dim, dtype):
-    # many 32-row chunks with a partial last one, Nq < Nk (the first 184 keys form the initial state),
-    # and the widest state the kernels hold at these head dims: (D, Dv + 1) = (128, 129) -> 128 x 256
+    # many 32-row chunks with a partial last one, Nq < Nk (the first 184 keys form the initial state);
+    # at D = Dv = 128 the 129 columns of v and the normaliser run as slices of 128 and 1
     _check_kernel("elu", True, 333, 517, "bool", dtype, B=2, H=2, D=head_dim, Dv=head_dim,
                   scale=head_dim ** -0.5)
 
 
+@needs_kernels
+def test_triton_splits_wide_values_into_column_slices(monkeypatch):
+    # with a 16 x 16 state budget the Dv + 1 = 41 columns (v and the normaliser's ones) run as slices
+    # of 16, 16 and 9, each with its own state; q and k gradients are summed over the slices
+    from attnzoo.ops.linear import triton as lin_triton
+    monkeypatch.setattr(lin_triton, "STATE_ELEMENTS", 16 * 16)
+    assert lin_triton.value_columns(5, 41) == 16
+    _check_kernel("elu", True, 37, 30, "float", torch.float32, H=1, Dv=40)
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_auto_picks_triton_on_gpu_within_its_state_limit():
+def test_triton_widest_head_dims_on_gpu():
+    # D = 256, Dv + 1 = 256: the largest the backend takes, run as four 64-column slices of the state
+    _check_kernel("relu", True, 70, 70, None, torch.float32, B=1, H=2, D=256, Dv=255, scale=1 / 16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_auto_picks_triton_on_gpu():
     q = torch.randn(1, 2, 8, 16, device="cuda")
     assert AF.explain("linear", q, q, q, is_causal=True).backend.name == "triton"
     on_cpu = q.cpu()
     assert AF.explain("linear", on_cpu, on_cpu, on_cpu, is_causal=True).backend.name == "cpu"
-    wide = torch.randn(1, 2, 8, 256, device="cuda")       # a 256 x 256 state: too big for shared memory
-    with pytest.raises(ValueError, match="shared memory"):
-        AF.linear(wide, wide, wide[..., :200], is_causal=True, backend="triton")
-    assert AF.explain("linear", wide, wide, wide[..., :200], is_causal=True).backend.name == "cpu"
 
 
 BACKENDS = ["cpu"] + (["triton"] if INTERPRET or ON_GPU else [])

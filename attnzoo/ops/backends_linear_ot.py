@@ -26,24 +26,10 @@ from .ot.triton import ot_attention_triton
 MAX_LINEAR_HEAD_DIM = 256   # the (D, Dv + 1) state of the linear kernels lives in registers
 
 
-# On a GPU the fp32 state also passes through shared memory on its way into tl.dot (128 KB at this
-# size, D = Dv = 128); 256 x 256 would need 256 KB, more than an H100 SM has.
-MAX_LINEAR_STATE_ON_GPU = 128 * 256
-
-
-def _tile(n):
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def _linear_head_dims(q, k, v, **kw):
     if max(q.shape[-1], v.shape[-1] + 1) > MAX_LINEAR_HEAD_DIM:
         return (f"the Triton linear kernels keep a (D, Dv + 1) state in registers: D and Dv + 1 must be "
                 f"<= {MAX_LINEAR_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]} (use backend='cpu')")
-    state = _tile(q.shape[-1]) * _tile(v.shape[-1] + 1)
-    if q.device.type == "cuda" and state > MAX_LINEAR_STATE_ON_GPU:
-        return (f"on a GPU the Triton linear kernels' (D, Dv + 1) state, padded to powers of two, must have "
-                f"<= {MAX_LINEAR_STATE_ON_GPU} elements to fit in shared memory, got D={q.shape[-1]}, "
-                f"Dv={v.shape[-1]} -> {state} (use backend='cpu')")
     return None
 
 

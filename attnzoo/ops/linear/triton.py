@@ -1,7 +1,8 @@
 """Chunked causal linear attention in Triton, forward and backward (readable twin: cpu.py).
 
 One program per (batch, head) walks the sequence in chunks of CHUNK rows, keeping the state
-S = s0 + sum of earlier chunks' k^T v in fp32 registers (D x Dv):
+S = s0 + sum of earlier chunks' k^T v in fp32 registers (D x Dv; a wide v is split into column slices
+that fit, see ``causal_product``):
     forward   o_c  = tril(q_c k_c^T) v_c + q_c S;                 S  += k_c^T v_c
     backward  dq_c = tril(dO_c v_c^T) k_c + dO_c S^T               (forward walk, S as above)
               dk_c = tril(dO_c v_c^T)^T q_c + v_c dS^T;
@@ -113,7 +114,9 @@ if HAVE_TRITON:
                  mask=(rd[:, None] < D) & (rv[None, :] < DV))
 
 
-SHARED_BYTES = 96 * 1024   # budget for the pipelined chunk loads (an H100 SM has 227 KB, A100 163 KB)
+# shared memory for the pipelined chunk loads; the state's own trip into tl.dot (up to 64 KB, see
+# STATE_ELEMENTS) and the dot operands come on top (an H100 SM has 227 KB, an A100 163 KB)
+SHARED_BYTES = 64 * 1024
 
 
 def _meta(d, dv, dtype, d_tiles, v_tiles):
@@ -129,8 +132,8 @@ def _meta(d, dv, dtype, d_tiles, v_tiles):
         return meta
     # On a GPU the (BD, BV) state lives in registers: 4 warps hold 64 x 128 (D = 64, Dv = 64 plus the
     # normaliser's ones column); above that 8 warps halve it per thread. The software pipeline keeps
-    # num_stages copies of each step's loads in shared memory: at D = 128 only one fits beside the
-    # state's own trip through shared memory on its way into tl.dot.
+    # num_stages copies of each step's loads in shared memory, beside the state's own trip through
+    # shared memory on its way into tl.dot: fewer copies for wide tiles.
     per_stage = CHUNK * (d_tiles * bd + v_tiles * bv) * torch.finfo(dtype).bits // 8
     meta["num_warps"] = 4 if bd * bv <= 64 * 128 else 8
     meta["num_stages"] = max(1, min(3, SHARED_BYTES // per_stage))
@@ -165,10 +168,32 @@ class _CausalProductTriton(torch.autograd.Function):
                 ds0.reshape(lead + (d, dv)))
 
 
+# Elements of the padded (BD, BV) fp32 state one program keeps. On a GPU the state sits in registers and
+# passes through shared memory on its way into tl.dot: 128 x 128 (64 KB) fits everywhere, whereas
+# D = Dv = 128 plus the normaliser's ones column would pad to 128 x 256 and 256 x 256 would not fit at all.
+STATE_ELEMENTS = 128 * 128
+
+
+def value_columns(d, dv):
+    """How many columns of v one kernel launch takes: all of them when the padded state fits in
+    STATE_ELEMENTS (read per call), else a power of two that does."""
+    bd = max(16, triton.next_power_of_2(d))
+    if bd * max(16, triton.next_power_of_2(dv)) <= STATE_ELEMENTS:
+        return dv
+    return max(16, STATE_ELEMENTS // bd)
+
+
 def causal_product(q, k, v, s0):
-    """q_i^T (s0 + sum_{j <= i} k_j v_j^T), the Triton twin of ``cpu.causal_product``."""
+    """q_i^T (s0 + sum_{j <= i} k_j v_j^T), the Triton twin of ``cpu.causal_product``. The product is
+    linear in the columns of v and s0, so a wide v runs as several launches on column slices (each
+    with its own state), concatenated; autograd sums their q and k gradients."""
     s0 = s0.expand(q.shape[:-2] + s0.shape[-2:])
-    return _CausalProductTriton.apply(q, k, v, s0)
+    dv = v.shape[-1]
+    width = value_columns(q.shape[-1], dv)
+    if width >= dv:
+        return _CausalProductTriton.apply(q, k, v, s0)
+    return torch.cat([_CausalProductTriton.apply(q, k, v[..., c:c + width], s0[..., c:c + width])
+                      for c in range(0, dv, width)], dim=-1)
 
 
 def linear_attention_triton(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, feature_map="elu",
