@@ -118,7 +118,9 @@ def test_autocast_bf16_no_nan(name, kw):
 TRITON_LAYERS = [("softmax", {"backend": "triton"}), ("l2", {"backend": "triton"}),
                  ("fenchel", {"backend": "triton", "preference": "t5", "num_buckets": 8, "max_distance": 16}),
                  ("sigmoid", {"backend": "triton", "learnable_bias": True}), ("relu", {"backend": "triton"}),
-                 ("sinkhorn", {"backend": "triton"})]
+                 ("sinkhorn", {"backend": "triton"}), ("linear", {"backend": "triton"}),
+                 ("masked", {"backend": "triton", "kind": "linear"}),
+                 ("ot", {"backend": "triton"})]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -21,6 +21,7 @@ from .linear.triton import device_reason, linear_attention_triton
 from .ot.cpu import ot_attention_cpu
 from .ot.factorised import supports_ot_fused
 from .ot.triton import ot_attention_triton
+from .triton_utils import eager_under_interpreter
 
 
 MAX_LINEAR_HEAD_DIM = 256   # the (D, Dv + 1) state of the linear kernels lives in registers
@@ -78,7 +79,7 @@ def _supports_triton(*reasons):
 
 register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear_fused, priority=10,
                  description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
-register_backend("linear", "triton", linear_attention_triton, supports=_supports_triton(supports_linear_fused, _linear_head_dims),
+register_backend("linear", "triton", eager_under_interpreter(linear_attention_triton), supports=_supports_triton(supports_linear_fused, _linear_head_dims),
                  priority=20, auto_devices=("cuda",),
                  description="Triton chunked causal linear attention, fp32 state, forward and backward")
 register_backend("ot", "cpu", ot_attention_cpu, supports=supports_ot_fused, priority=10,
@@ -87,6 +88,6 @@ register_backend("ot", "cpu", ot_attention_cpu, supports=supports_ot_fused, prio
                              "never (Nq, Nk, |A|), recompute in backward; auto picks it on CPU from "
                              f"B*H*Nq*Nk*|A| >= {OT_CPU_MIN_CUBE} ({OT_CPU_MIN_CUBE_SINGLE_QUERY} for one "
                              "query), where it was measured faster than the reference")
-register_backend("ot", "triton", ot_attention_triton, supports=_supports_triton(supports_ot_fused),
+register_backend("ot", "triton", eager_under_interpreter(ot_attention_triton), supports=_supports_triton(supports_ot_fused),
                  priority=20, auto_devices=("cuda",),
                  description="Triton OT attention: streaming logsumexp over A, forward and backward")
