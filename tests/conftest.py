@@ -11,3 +11,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops and models on a shared 2-core machine: a second intra-op thread mostly waits at
+    barriers. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,13 +11,7 @@ import attnzoo
 from attnzoo import functional as AF
 from attnzoo.bench.flops import Shape, flops
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops with 2 threads on a busy 2-core machine spend most of their time in thread barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 S = Shape

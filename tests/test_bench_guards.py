@@ -29,12 +29,7 @@ from attnzoo.ops.softmax.reference import softmax_attention
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = dict(seq_lens=[8], batch_tokens=16, head_dim=4, heads=[1], modes=["fwd"], warmup=1, min_repeats=2,

@@ -18,13 +18,7 @@ from attnzoo.bench.timing import summarize
 from attnzoo.ops import dispatch
 from attnzoo.ops.softmax.reference import softmax_attention
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops with 2 threads on a busy 2-core machine spend most of their time in thread barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = dict(seq_lens=[8, 16], batch_tokens=32, head_dim=8, heads=[2], warmup=1, min_repeats=2, max_repeats=2,

@@ -11,30 +11,18 @@ fp16 (FlashAttention's tolerance rule, tests/flash_rule.py), plus larger shapes 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 import attnzoo.functional as AF
 from attnzoo.ops.linear import cpu as lin_cpu
-from attnzoo.ops.linear.triton import HAVE_TRITON
 
 from . import formulas as FM
 from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = HAVE_TRITON and not INTERPRET and torch.cuda.is_available()
-KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"     # where the Triton kernels take their tensors
-needs_kernels = pytest.mark.skipif(not (INTERPRET or ON_GPU), reason=(
-    "the Triton kernels need TRITON_INTERPRET=1 (CPU tensors; `make test` sets it) or a CUDA GPU with "
-    "TRITON_INTERPRET unset (compiled kernels): neither is available here"))
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(
-    "CUDA only: needs a CUDA GPU and TRITON_INTERPRET unset (compiled kernels; the interpreter would "
-    "take minutes at this size)"))
-# the interpreter runs fp32 only (it is slow); a GPU runs all three
-TRITON_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
+from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, needs_gpu, needs_kernels
 
 # (feature_map, is_causal, nq, nk, mask kind): odd lengths that do not fill the last chunk,
 # self and cross attention with Nq < Nk and Nq > Nk (bottom-right causal), key masks.

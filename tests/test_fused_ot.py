@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ import torch
 import attnzoo.functional as AF
 from attnzoo.models import OTViT
 from attnzoo.ops import backends_linear_ot
-from attnzoo.ops.linear.triton import HAVE_TRITON
 from attnzoo.ops.ot import cpu as ot_cpu
 from attnzoo.ops.ot import tiles as ot_tiles
 from attnzoo.ops.ot.factorised import ot_terms
@@ -32,17 +30,7 @@ from . import formulas as FM
 from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = HAVE_TRITON and not INTERPRET and torch.cuda.is_available()
-KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"     # where the Triton kernels take their tensors
-needs_kernels = pytest.mark.skipif(not (INTERPRET or ON_GPU), reason=(
-    "the Triton kernels need TRITON_INTERPRET=1 (CPU tensors; `make test` sets it) or a CUDA GPU with "
-    "TRITON_INTERPRET unset (compiled kernels): neither is available here"))
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(
-    "CUDA only: needs a CUDA GPU and TRITON_INTERPRET unset (compiled kernels; the interpreter would "
-    "take minutes at this size)"))
-# the interpreter runs fp32 only (it is slow); a GPU runs all three
-TRITON_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
+from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, needs_gpu, needs_kernels
 B, H, D, DV = 2, 2, 6, 3
 
 # (is_causal, nq, nk, n_templates, mask kind, log_u)
@@ -363,14 +351,6 @@ def test_auto_on_cpu_follows_the_crossover_and_says_why(bh, nq, nk, n_templates,
         assert "measured faster than the reference" in text
     assert AF.explain("ot", q, k, k, templates_k=tk, templates_v=tk, backend="cpu").backend.name == "cpu"
 
-
-@pytest.fixture
-def one_thread():
-    """A whole (small) model per call: extra intra-op threads only contend on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _otvit_logits_and_grads(ot_backend, batch, embed_dim, num_heads):

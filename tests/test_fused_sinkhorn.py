@@ -26,13 +26,7 @@ except ImportError:  # pragma: no cover
     sk_triton = None
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tests run many tiny ops: extra intra-op threads only contend on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- float64 math from the formulas

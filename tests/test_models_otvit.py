@@ -15,7 +15,8 @@ from attnzoo.train.config import load_config
 from attnzoo.train.datasets import dataset_info
 from attnzoo.train.loop import model_from_config
 
-from .train_helpers import one_thread  # noqa: F401 (autouse fixture)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 TINY = dict(img_size=8, patch_size=4, in_chans=1, num_classes=3, embed_dim=16, depth=2, num_heads=2, dropout=0.0)
 

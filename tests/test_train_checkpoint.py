@@ -10,7 +10,9 @@ from attnzoo.cli import main
 from attnzoo.train import CheckpointError, CheckpointNotFoundError, load_checkpoint, train
 from attnzoo.train import checkpoint as C
 
-from .train_helpers import one_thread, tiny_config  # noqa: F401 (autouse fixture)
+from .train_helpers import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

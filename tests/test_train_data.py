@@ -13,7 +13,9 @@ from attnzoo.train.data import ImageDataset, PartnerDataset, build_datasets
 from attnzoo.train.datasets import DataNotFoundError, dataset_info, load_split, read_idx_gz
 from attnzoo.train.samplers import SameClassPartnerSampler
 
-from .train_helpers import one_thread, tiny_config  # noqa: F401 (autouse fixture)
+from .train_helpers import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LABEL_CASES = [  # (labels, prob)
     (torch.arange(600) % 10, 0.5),

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from attnzoo.train import loop, train
 from attnzoo.train.checkpoint import load_checkpoint
 
-from .train_helpers import one_thread, tiny_config  # noqa: F401 (autouse fixture)
+from .train_helpers import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TIMING = ("train_time_s", "images_per_s")
 # dropout, CIFAR augmentation and OT-ViT's partners all draw random numbers: all must replay exactly

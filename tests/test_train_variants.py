@@ -15,7 +15,9 @@ from attnzoo.train import load_config, train
 from attnzoo.train.loop import model_from_config
 from attnzoo.train.datasets import dataset_info
 
-from .train_helpers import one_thread, tiny_config  # noqa: F401 (autouse fixture)
+from .train_helpers import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VARIANTS = attnzoo.available()  # all ten registry names (masked = causal: odd for a ViT, but it runs)
 RUNS = [("vit", v) for v in VARIANTS] + [("otvit", v) for v in VARIANTS]

@@ -32,13 +32,7 @@ NUM_BUCKETS, MAX_DISTANCE = 8, 20
 SEED = 1234
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Many tiny interpreted ops: extra intra-op threads only contend on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass

@@ -1,9 +1,6 @@
 """Tiny configs on generated data for the training tests (seconds on a CPU)."""
 from __future__ import annotations
 
-import pytest
-import torch
-
 from attnzoo.train.config import apply_overrides, from_dict
 
 TINY_MODEL = {"embed_dim": 16, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}
@@ -22,11 +19,3 @@ def tiny_config(out_dir, model="vit", dataset="fashion_mnist", overrides=(), **s
         data[section].update(values)
     return from_dict(apply_overrides(data, list(overrides)))
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared, busy CPU: one thread is ~10x faster than several fighting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
