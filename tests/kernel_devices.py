@@ -20,3 +20,18 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(
     "take minutes at this size)"))
 # the interpreter runs fp32 only (it is slow); a GPU runs all three
 TRITON_DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if ON_GPU else [])
+
+
+def leaves(tensors: dict, device, dtype) -> dict:
+    """The inputs of one kernel case as leaves on ``device``: q, k, v cast to ``dtype``, every tensor
+    but the mask requiring grad; anything that is not a tensor passes through."""
+    out = {}
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor):
+            x = x.to(device)
+            if name in ("q", "k", "v"):
+                x = x.to(dtype)
+            if name != "mask":
+                x.requires_grad_(True)
+        out[name] = x
+    return out

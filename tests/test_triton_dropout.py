@@ -23,6 +23,7 @@ from attnzoo.ops.softmax import triton as fused
 from attnzoo.ops.triton_dropout import draw_seed, dropout_keep_mask
 from attnzoo.ops.triton_utils import INTERPRETED
 from tests.flash_rule import assert_flash_rule, max_error
+from tests.kernel_devices import leaves
 from tests.test_triton_softmax_family import t5_bucket
 
 NEEDS_KERNELS = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 set before import")
@@ -87,16 +88,7 @@ def make_inputs(case: Case, device, dtype):
         t["table"] = torch.randn(NUM_BUCKETS, H)
     if case.kind == "sigmoid" and case.bias == "learnable":
         t["bias"] = torch.randn(1, H, 1, 1) - math.log(nk)
-    out = {}
-    for name, x in t.items():
-        if x is not None:
-            x = x.to(device)
-            if name in ("q", "k", "v"):
-                x = x.to(dtype)
-            if name != "mask":
-                x.requires_grad_(True)
-        out[name] = x
-    return out
+    return leaves(t, device, dtype)
 
 
 def differentiable(inp):

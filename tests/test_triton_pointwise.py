@@ -17,6 +17,7 @@ import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.triton_utils import INTERPRETED
 from tests.flash_rule import assert_flash_rule, max_error
+from tests.kernel_devices import leaves
 
 NEEDS_KERNELS = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 set before import "
                                    "(the GPU run is tests/test_triton_gpu.py)")
@@ -86,16 +87,7 @@ def make_inputs(case: Case, device="cpu", dtype=torch.float32):
         t["bias"] = torch.randn(1, H, 1, 1)
     elif case.bias == "rows":
         t["bias"] = torch.randn(B, H, case.nq, 1)
-    out = {}
-    for name, x in t.items():
-        if isinstance(x, torch.Tensor):
-            x = x.to(device)
-            if name in ("q", "k", "v"):
-                x = x.to(dtype)
-            if name != "mask":
-                x.requires_grad_(True)
-        out[name] = x
-    return out
+    return leaves(t, device, dtype)
 
 
 def run_kernel(case: Case, inp):
