@@ -1,0 +1,69 @@
+"""torch.compile must see each Triton kernel write its outputs and nothing else.
+
+Inductor reads the written arguments of a Triton launch off the kernel's IR (tests/mutation_probe.py
+explains how and runs it on a CPU). A kernel that seems to write an input (a saved tensor of the
+backward, a parameter) is compiled with clones and write-backs of that input; the T5 kernel did
+this before, the likely reason its layer failed to compile on an H100 while the others passed.
+The written sets below are the kernels' outputs by design (the tensors each launch allocates).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnzoo.ops.triton_utils import HAVE_TRITON
+
+ROOT = Path(__file__).resolve().parents[1]
+S, P, SK = "attnzoo.ops.softmax.triton_kernels", "attnzoo.ops.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
+L, O = "attnzoo.ops.linear.triton", "attnzoo.ops.ot.triton"
+OUTPUTS = {
+    f"{S}.softmax_fwd_kernel": {"O", "LSE"},
+    f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT", "DPREF", "DTABLE"},
+    f"{S}.softmax_bwd_dq_kernel": {"DQ"},
+    f"{P}.pointwise_fwd_kernel": {"O", "N_ROWS"},
+    f"{P}.pointwise_bwd_dkdv_kernel": {"DK", "DV_OUT"},
+    f"{P}.pointwise_bwd_dq_kernel": {"DQ", "DBIAS"},
+    f"{SK}._lse_kernel": {"OUT"},
+    f"{SK}._attend_kernel": {"OUT", "LSE"},
+    f"{SK}._wsum_kernel": {"OUT"},
+    f"{SK}._grad_v_kernel": {"DVOUT", "DG"},
+    f"{SK}._grad_q_kernel": {"DQ"},
+    f"{SK}._grad_k_kernel": {"DK"},
+    f"{L}._fwd_kernel": {"O"},
+    f"{L}._dq_kernel": {"DQ"},
+    f"{L}._dkv_kernel": {"DK", "DV_", "DS0"},
+    f"{O}._lse_kernel": {"LSE"},
+    f"{O}._w_kernel": {"W"},
+    f"{O}._g_kernel": {"GIJ"},
+    f"{O}._dc_kernel": {"DC"},
+    f"{O}._dg_kernel": {"DG"},
+}
+
+
+@pytest.fixture(scope="module")
+def inductor_writes():
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors  # noqa: F401
+    except ImportError as e:  # a private torch API: say so rather than pass
+        pytest.skip(f"this torch has no inductor Triton mutation analysis to check against ({e})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the analysis needs JITFunctions
+    done = subprocess.run([sys.executable, "-m", "tests.mutation_probe"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_every_kernel_is_seen_writing_only_its_outputs(inductor_writes):
+    assert set(inductor_writes) == set(OUTPUTS), "kernels launched by the probe != kernels listed here"
+    wrong = {kernel: sorted(set(written) - OUTPUTS[kernel]) for kernel, written in inductor_writes.items()
+             if not set(written) <= OUTPUTS[kernel]}
+    assert not wrong, f"inductor would treat these inputs as written: {wrong}"
+    unseen = {kernel: sorted(OUTPUTS[kernel] - set(written)) for kernel, written in inductor_writes.items()
+              if OUTPUTS[kernel] - set(written)}
+    assert not unseen, f"outputs inductor would not see written (the probe's cases exercise them all): {unseen}"
