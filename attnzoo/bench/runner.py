@@ -21,12 +21,11 @@ from .flops import MODES, Shape, flops
 from .guard import CallInterrupted, interrupt_after
 from .memory import estimate_reference_bytes, peak_memory_bytes, timed_peak_cpu
 from .problem import Problem
-from .result import SCHEMA, add_ratios, anchor_key, finish, header, is_anchor, set_ratio
+from .result import anchor_key, finish, header, is_anchor, set_ratio
 from .targets import attnzoo_targets, parse_variant
 from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
 
-# SCHEMA and add_ratios now live in result.py; still importable from here, as before
-__all__ = ["ALL_VARIANTS", "SCHEMA", "BenchConfig", "Runner", "add_ratios", "plan", "run"]
+__all__ = ["ALL_VARIANTS", "BenchConfig", "Runner", "plan", "run"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",

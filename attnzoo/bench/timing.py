@@ -164,15 +164,3 @@ def time_call(fn: Callable[[], Any], device="cpu", rule: TimingRule = TimingRule
         samples.append(_event_timed(fn, device, limit()) if _cuda(device) else _timed(fn, device, limit())[0])
     return Timing(summarize(samples), first, second, "repeats", probed)
 
-
-def time_cpu(fn: Callable[[], object], *, warmup: int = 1, min_repeats: int = 3, max_repeats: int = 10,
-             target_seconds: float = 1.0, once_above_seconds: float = math.inf) -> TimeStats:
-    """``time_call`` on CPU (kept for callers of the earlier API)."""
-    return time_call(fn, "cpu", TimingRule(warmup=warmup, min_repeats=min_repeats, max_repeats=max_repeats,
-                                           target_seconds=target_seconds, once_above_seconds=once_above_seconds)).stats
-
-
-def time_cuda(fn: Callable[[], object], *, slow_call_seconds: float = 0.2) -> TimeStats:
-    """``time_call`` on the current CUDA device (kept for callers of the earlier API)."""
-    return time_call(fn, torch.device("cuda", torch.cuda.current_device()),
-                     TimingRule(slow_call_seconds=slow_call_seconds)).stats

@@ -33,7 +33,6 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-_compiled_flex = compiled_flex_attention  # the earlier private name
 
 
 def _flex(q, k, v, mask, is_causal, scale, key_term=None):
@@ -59,7 +58,7 @@ def _flex(q, k, v, mask, is_causal, scale, key_term=None):
             score = score - key_term[b, h, j]
         return score
 
-    out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    out = compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
     if has_key is not None:
         out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
