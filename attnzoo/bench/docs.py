@@ -161,7 +161,9 @@ def render(cpu: Optional[tuple[dict, Path]], gpu: list[tuple[dict, Path]], doc_p
                   "2048, head dim 64 and 128, bf16, causal and not) has not completed a run. An H100 lent for a "
                   "few minutes on 2026-11-25 ran the GPU test suites (`benchmarks/results/gpu/h100_tests.md`), "
                   "but the sweep wrote nothing within its per-call time limit, so the GPU speed targets are "
-                  "unmeasured. Its results will appear here, with date and device, once it runs.", ""]
+                  "unmeasured; no GPU was lent on 2026-11-26. The harness now bounds every call and the run, "
+                  "and saves each row as it finishes: `bash benchmarks/gpu_session.sh sweep` runs the sweep "
+                  "in one device call. Its results will appear here, with date and device, once it runs.", ""]
     if cpu:
         parts.append(_result_section(f"CPU results ({cpu[0]['created'][:10]})", cpu[0], Path(cpu[1]).resolve(),
                                      doc_dir))
