@@ -1,28 +1,92 @@
-"""Build check, no GPU needed: compile every softmax-family and pointwise Triton kernel to PTX for a
-CUDA target (default sm_90, H100/H200), for the given dtypes and the main flag combinations.
+"""Build check, no GPU needed: compile every Triton kernel of attnzoo to a cubin for a CUDA target
+(default sm_90, H100/H200) and check that each fits: shared memory against the per-block limit,
+registers and spills from Triton's bundled ptxas.
 
-The interpreter (TRITON_INTERPRET=1, how CI runs the kernels) does not lower them through MLIR, so a
-kernel can pass every interpreted test and still fail to compile on a GPU; this catches that.
+The interpreter (TRITON_INTERPRET=1, how CI runs the kernels) does not lower them through MLIR/PTX,
+so a kernel can pass every interpreted test and still fail to compile, or need more shared memory
+than an SM has; this catches both. It proves the kernels build and fit, not that they run correctly
+or fast.
 
-    .venv/bin/python benchmarks/compile_triton_kernels.py --dtypes bf16 fp16 fp32
+Two kinds of jobs:
+- softmax-family, pointwise and dropout kernels: signatures and flags written out below (their host
+  code needs CUDA tensors);
+- Sinkhorn, linear and OT kernels: *captured* from their real host code. The script runs each backend's
+  forward and backward on small CPU tensors with every Triton launch intercepted: the launch is
+  specialised exactly as the JIT would on a GPU (argument dtypes, int specialisation, constexprs,
+  num_warps / num_stages from the host code) and compiled for the target instead of run. So what is
+  compiled is what those host paths hand the kernels (half inputs upcast to fp32 by the linear and OT
+  drivers, column slices of a wide v, the causal prefix loop, ...). Outputs of intercepted launches are
+  left uninitialised: the host code's arithmetic on them is meaningless and is ignored.
+
+    .venv/bin/python benchmarks/compile_triton_kernels.py --dtypes bf16 fp16 fp32 fp64 \\
+        --out benchmarks/results/gpu/ptx_build_check.md
+
+Exits non-zero when any kernel fails to compile or needs more shared memory than the limit.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import multiprocessing
 import os
+import re
 import sys
+import time
 import traceback
+import warnings
+from dataclasses import dataclass, field
+from unittest import mock
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("unset TRITON_INTERPRET: the interpreter does not compile kernels")
+# ptxas's -v report (registers, spills) is printed only with this knob, and only when ptxas runs
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from attnzoo.ops import triton_dropout as dropout  # noqa: E402
+from attnzoo.ops.linear import triton as linear_triton  # noqa: E402
+from attnzoo.ops.ot import triton as ot_triton  # noqa: E402
 from attnzoo.ops.pointwise import triton_kernels as pointwise  # noqa: E402
+from attnzoo.ops.sinkhorn import triton as sinkhorn_triton  # noqa: E402
 from attnzoo.ops.softmax import triton_kernels as softmax  # noqa: E402
+
+# Dynamic shared memory one block may opt into, bytes (CUDA occupancy tables, "maximum shared memory
+# per block (opt-in)"): 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89.
+SHARED_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class Job:
+    """One kernel specialisation to compile; ``labels``: the calls that launch it."""
+    fn: JITFunction
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    labels: list = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    ok: bool
+    shared: int = 0
+    regs: int | None = None
+    spill_bytes: int | None = None
+    error: str = ""
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# softmax family, pointwise, dropout: signatures written out (as before)
 
 INT_ARGS = {"H", "Nq", "Nk", "D", "DV"}
 FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
@@ -50,12 +114,7 @@ def signature(fn, dtype, pointer_types, constexprs):
     return sig
 
 
-def compile_one(fn, dtype, pointer_types, constexprs, target, warps):
-    src = ASTSource(fn=fn, signature=signature(fn, dtype, pointer_types, constexprs), constexprs=constexprs)
-    return triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
-
-
-def jobs(dtype):
+def softmax_family_specs(dtype):
     precision = "ieee" if dtype == "fp32" else "tf32"
     for flags in SOFTMAX_FLAGS:
         for head_dim in ((64, 128) if flags["HAS_T5"] else (64,)):
@@ -65,7 +124,7 @@ def jobs(dtype):
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
                         "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64", "MASK": "*fp32" if flags["MASK_KIND"] == 2 else "*u8"}
             for fn in (softmax.softmax_fwd_kernel, softmax.softmax_bwd_dkdv_kernel, softmax.softmax_bwd_dq_kernel):
-                yield fn, pointers, meta, 8 if head_dim >= 128 else 4, f"{flags} D={head_dim}"
+                yield fn, pointers, meta, 8 if head_dim >= 128 else 4, f"softmax {dtype} {flags} D={head_dim}"
     for sigmoid, modes in ((True, (0, 1, 2)), (False, (0,))):
         for mode in modes:
             meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, SIGMOID=sigmoid, BIAS_MODE=mode, MASK_KIND=1,
@@ -73,28 +132,288 @@ def jobs(dtype):
             pointers = {"N_ROWS": "*fp32", "MASK": "*u8", "BIAS": "*fp32", "DBIAS": "*fp32", "SEED": "*i64"}
             for fn in (pointwise.pointwise_fwd_kernel, pointwise.pointwise_bwd_dkdv_kernel,
                        pointwise.pointwise_bwd_dq_kernel):
-                yield fn, pointers, meta, 4, f"sigmoid={sigmoid} bias_mode={mode} dropout={mode != 1}"
-    yield dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64), 4, "keep-mask"
+                yield fn, pointers, meta, 4, f"pointwise {dtype} sigmoid={sigmoid} bias_mode={mode} dropout={mode != 1}"
+    yield dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64), 4, "dropout keep-mask"
+
+
+def softmax_family_jobs(dtypes):
+    jobs = {}
+    for dtype in dtypes:
+        if dtype == "fp64":
+            continue  # triton_utils.common_reason refuses float64
+        for fn, pointers, meta, warps, label in softmax_family_specs(dtype):
+            sig = signature(fn, dtype, pointers, meta)
+            key = (fn.fn.__name__, str(sorted(sig.items())), str(sorted(meta.items())), warps)
+            job = jobs.setdefault(key, Job(fn, sig, dict(meta), {}, {"num_warps": warps, "num_stages": 2}))
+            job.labels.append(label)
+    return list(jobs.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sinkhorn, linear, OT: launches captured from the host code
+
+class LaunchCapture:
+    """Replaces JITFunction.run: specialises each launch as the JIT does for ``target`` and records it
+    (deduplicated) instead of running it."""
+
+    def __init__(self, target):
+        self.backend = make_backend(target)
+        self.binders = {}
+        self.jobs = {}
+        self.label = ""
+
+    def run(self, fn, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        if fn not in self.binders:
+            self.binders[fn] = create_function_from_signature(fn.signature, fn.params, self.backend)
+        bound, specialization, options = self.binders[fn](*args, **kwargs)
+        key = (id(fn), str(specialization), str(sorted(options.items())))
+        if key not in self.jobs:
+            opts, sig, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization, options)
+            self.jobs[key] = Job(fn, sig, constexprs, attrs, dict(opts.__dict__))
+        if self.label not in self.jobs[key].labels:
+            self.jobs[key].labels.append(self.label)
+        return None
+
+    @contextlib.contextmanager
+    def calls(self, label):
+        """Everything launched inside is recorded under ``label``."""
+        self.label = label
+        capture = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            return capture.run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        with mock.patch.object(JITFunction, "run", run), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. the implicit adjoint "diverging" on uninitialised outputs
+            yield
+
+
+def forward_backward(fn, q, k, v, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fn(q, k, v, **kw).float().sum().backward()
+
+
+def qkv(dtype, nq, nk, d, dv, b=2, h=2):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda n, width: torch.randn(b, h, n, width, generator=gen).to(dtype)
+    return make(nq, d), make(nk, d), make(nk, dv)
+
+
+def masks(kind, dtype, nq, nk, b=2):
+    """None, a key-padding bool mask (B, 1, 1, Nk), or a float (B, 1, Nq, Nk) mask with -inf entries."""
+    if kind == "none":
+        return None
+    if kind == "bool":
+        keep = torch.ones(b, 1, 1, nk, dtype=torch.bool)
+        keep[..., -3:] = False
+        return keep
+    bias = torch.zeros(b, 1, nq, nk, dtype=dtype)
+    bias[..., -2:] = float("-inf")
+    return bias
+
+
+SINKHORN_HEAD_DIMS = (64, 128, 256)  # 256: sinkhorn/triton.py MAX_HEAD_DIM
+SINKHORN_CASES = [  # (cost, mask, is_causal, grad_mode): every flag of the kernels, both grad modes
+    ("l2", "none", False, "unrolled"),
+    ("dot", "bool", False, "implicit"),
+    ("l2", "float", False, "unrolled"),
+    ("l2", "bool", True, "implicit"),
+]
+
+
+def sinkhorn_calls(dtype_name):
+    if dtype_name == "fp64":
+        return  # sinkhorn/triton.py refuses float64
+    dtype = TORCH_DTYPES[dtype_name]
+    for d in SINKHORN_HEAD_DIMS:
+        for cost, mask, causal, grad_mode in SINKHORN_CASES:
+            # causal runs the kernels of the non-causal call on every prefix: only the int
+            # specialisations differ (Nq = Nk = 1, sizes that are no multiple of 16), so N = 15
+            n = 15 if causal else 64
+            q, k, v = qkv(dtype, n, n, d, d)
+            label = f"sinkhorn {dtype_name} D=Dv={d} {cost} mask={mask} causal={causal} {grad_mode}"
+            run = lambda q, k, v, **kw: sinkhorn_triton.sinkhorn_attention(q, k, v, **kw)
+            yield label, lambda: forward_backward(run, q, k, v, attn_mask=masks(mask, dtype, n, n), is_causal=causal,
+                                                  cost=cost, grad_mode=grad_mode, n_iters=3)
+
+
+LINEAR_HEAD_DIMS = [(64, 64), (128, 128), (256, 255)]  # (D, Dv); D and Dv + 1 <= 256
+
+
+def linear_calls(dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    for d, dv in LINEAR_HEAD_DIMS:
+        # elu appends the normaliser's ones column to v (Dv + 1 columns), identity does not; Nk > Nq
+        # hands a prefix state s0, Nk < Nq a query slice. Only causal calls reach the kernels.
+        for feature_map, nq, nk, mask in (("elu", 64, 64, "none"), ("identity", 48, 80, "bool"), ("elu", 80, 48, "bool")):
+            q, k, v = qkv(dtype, nq, nk, d, dv)
+            label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} Nq={nq} Nk={nk} mask={mask} causal"
+            yield label, lambda: forward_backward(linear_triton.linear_attention_triton, q, k, v, is_causal=True,
+                                                  feature_map=feature_map, attn_mask=masks(mask, dtype, nq, nk))
+
+
+OT_HEAD_DIMS = (64, 128, 256)  # the kernels see (Nq, |A|) and (Nk, |A|) terms: D only shapes the host matmuls
+
+
+def ot_calls(dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    for d in OT_HEAD_DIMS:
+        # a key mask keeps u query-independent (stride 0); causal and float masks make it per query
+        for mask, causal, n_templates in (("none", False, 0), ("bool", True, 16), ("float", False, 5)):
+            q, k, v = qkv(dtype, 48, 64, d, d)
+            gen = torch.Generator().manual_seed(1)
+            tk = torch.randn(2, 2, n_templates, d, generator=gen).to(dtype) if n_templates else None
+            tv = torch.randn(2, 2, n_templates, d, generator=gen).to(dtype) if n_templates else None
+            label = f"ot {dtype_name} D={d} mask={mask} causal={causal} templates={n_templates}"
+            yield label, lambda: forward_backward(ot_triton.ot_attention_triton, q, k, v, scale=d ** -0.5,
+                                                  attn_mask=masks(mask, dtype, 48, 64), is_causal=causal,
+                                                  templates_k=tk, templates_v=tv)
+
+
+def captured_jobs(dtypes, target, families):
+    capture = LaunchCapture(target)
+    makers = {"sinkhorn": sinkhorn_calls, "linear": linear_calls, "ot": ot_calls}
+    # the Sinkhorn entry point refuses CPU tensors outside the interpreter: here they only carry shapes
+    with mock.patch.object(sinkhorn_triton, "unsupported_reason", lambda *a, **k: None):
+        for family in families:
+            for dtype in dtypes:
+                for label, call in makers[family](dtype):
+                    with capture.calls(label):
+                        call()
+    return list(capture.jobs.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# compile and measure
+
+PTXAS_REGS = re.compile(r"Used (\d+) registers")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_job(job: Job, target) -> Result:
+    start = time.perf_counter()
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(job.fn, job.signature, job.constexprs, job.attrs), target=target,
+                                    options=job.options)
+    except Exception as exc:  # every failure is reported, then the script exits non-zero
+        lines = traceback.format_exception_only(type(exc), exc)
+        return Result(False, error=" ".join(x.strip() for x in lines)[:400], seconds=time.perf_counter() - start)
+    text = log.getvalue()
+    regs = PTXAS_REGS.search(text)
+    spills = PTXAS_SPILLS.search(text)
+    return Result(True, shared=kernel.metadata.shared, regs=int(regs.group(1)) if regs else None,
+                  spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                  seconds=time.perf_counter() - start)
+
+
+_POOL_JOBS: list = []  # handed to forked workers by index (JIT functions do not pickle)
+
+
+def _compile_index(args):
+    index, arch = args
+    return compile_job(_POOL_JOBS[index], GPUTarget("cuda", arch, 32))
+
+
+def compile_all(jobs, arch, workers):
+    _POOL_JOBS[:] = jobs
+    work = [(i, arch) for i in range(len(jobs))]
+    if workers <= 1:
+        yield from map(_compile_index, work)
+        return
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        yield from pool.imap(_compile_index, work)
+
+
+def describe(job: Job) -> str:
+    """The constexprs that pick the code path, and ints the JIT specialised to 1."""
+    parts = []
+    for path, value in job.constexprs.items():
+        name = job.fn.arg_names[path[0]]
+        if job.signature.get(name) != "constexpr":
+            parts.append(f"{name}=1*")  # an int argument equal to 1 becomes a constant
+        elif value is not False and value is not None:
+            parts.append(f"{name}={getattr(value, 'name', value)}")
+    return " ".join(parts)
+
+
+def input_dtype(job: Job) -> str:
+    """The element type of the first pointer argument (what the kernel computes on)."""
+    return next((t[1:] for t in job.signature.values() if isinstance(t, str) and t.startswith("*")), "-")
+
+
+def verdict(result: Result, limit: int) -> str:
+    if not result.ok:
+        return "FAIL (compile)"
+    if result.shared > limit:
+        return "FAIL (shared)"
+    return "ok, spills" if result.spill_bytes else "ok"
+
+
+def markdown(rows, arch, limit, command, seconds):
+    lines = [
+        f"# Triton build check: sm_{arch}, compiled without a device",
+        "",
+        f"Produced by `{command}` in {seconds:.0f} s (triton {triton.__version__}, torch {torch.__version__}).",
+        "",
+        f"Every kernel was lowered through MLIR to PTX and assembled to a cubin by Triton's bundled ptxas for "
+        f"GPUTarget(\"cuda\", {arch}, 32), with no GPU present. This proves each kernel **builds and fits** "
+        f"(dynamic shared memory <= {limit} bytes, the sm_{arch} opt-in per-block maximum); it does not show "
+        "that it runs correctly or fast. Sinkhorn, linear and OT rows are the launches their host code makes "
+        "(captured from forward + backward calls, deduplicated by specialisation); `calls` lists the first "
+        "call that launches it and how many more do. `X=1*` marks an int argument the JIT turns into a constant.",
+        "",
+        "| kernel | dtype | constexprs | warps | stages | shared (B) | regs | spill (B) | result | calls |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for job, res in rows:
+        first = job.labels[0] + (f" (+{len(job.labels) - 1} more)" if len(job.labels) > 1 else "")
+        cells = [job.fn.fn.__name__, input_dtype(job), describe(job), job.options.get("num_warps", 4),
+                 job.options.get("num_stages", 3), res.shared if res.ok else "-",
+                 "-" if res.regs is None else res.regs, "-" if res.spill_bytes is None else res.spill_bytes,
+                 verdict(res, limit) + (f": {res.error}" if res.error else ""), first]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    failed = sum(not verdict(res, limit).startswith("ok") for _, res in rows)
+    lines += ["", f"{len(rows)} kernel specialisations, {failed} failed."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32"], choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32", "fp64"], choices=list(TORCH_DTYPES),
+                        help="input dtypes (fp64 reaches only the linear and OT kernels)")
+    parser.add_argument("--families", nargs="+", default=["softmax", "sinkhorn", "linear", "ot"],
+                        choices=["softmax", "sinkhorn", "linear", "ot"])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100), 80 (A100)")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
+    parser.add_argument("--out", help="also write the table as Markdown to this path")
     args = parser.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
-    failed = 0
-    for dtype in args.dtypes:
-        for fn, pointers, meta, warps, label in jobs(dtype):
-            name = f"{fn.fn.__name__} {dtype} {label}"
-            try:
-                compile_one(fn, dtype, pointers, dict(meta), target, warps)
-                print("ok  ", name, flush=True)
-            except Exception:  # report every failure, then exit non-zero
-                failed += 1
-                print("FAIL", name, flush=True)
-                traceback.print_exc(limit=2)
-    print(f"{failed} failed" if failed else "all kernels compiled")
+    limit = SHARED_LIMIT.get(args.arch, SHARED_LIMIT[80])
+    start = time.perf_counter()
+    jobs = softmax_family_jobs(args.dtypes) if "softmax" in args.families else []
+    jobs += captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"])
+    print(f"{len(jobs)} kernel specialisations to compile for sm_{args.arch} (shared memory limit {limit} B)", flush=True)
+    rows = []
+    for job, res in zip(jobs, compile_all(jobs, args.arch, args.workers)):
+        rows.append((job, res))
+        print(f"{verdict(res, limit):15s} {job.fn.fn.__name__:26s} {input_dtype(job):5s} shared={res.shared:6d} "
+              f"regs={res.regs} spill={res.spill_bytes} w={job.options.get('num_warps')} "
+              f"s={job.options.get('num_stages')} {describe(job)} [{job.labels[0]}] {res.seconds:.1f}s", flush=True)
+        if res.error:
+            print("    ", res.error, flush=True)
+    failed = [(job, res) for job, res in rows if not verdict(res, limit).startswith("ok")]
+    if args.out:
+        command = "python benchmarks/compile_triton_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(markdown(rows, args.arch, limit, command, time.perf_counter() - start))
+        os.replace(tmp, args.out)
+    print(f"{len(failed)} of {len(rows)} failed" if failed else f"all {len(rows)} kernel specialisations compiled and fit")
     return 1 if failed else 0
 
 

@@ -171,16 +171,21 @@ class _CausalProductTriton(torch.autograd.Function):
 # Elements of the padded (BD, BV) fp32 state one program keeps. On a GPU the state sits in registers and
 # passes through shared memory on its way into tl.dot: 128 x 128 (64 KB) fits everywhere, whereas
 # D = Dv = 128 plus the normaliser's ones column would pad to 128 x 256 and 256 x 256 would not fit at all.
+# An fp64 state (fp64 inputs) gets the same bytes, half the elements: with a full 128 x 128 fp64 state
+# the backward's _dkv_kernel needed 237568 bytes of shared memory, over sm_90's 232448 (compiled for
+# sm_90 by benchmarks/compile_triton_kernels.py, benchmarks/results/gpu/ptx_build_check.md).
 STATE_ELEMENTS = 128 * 128
 
 
-def value_columns(d, dv):
-    """How many columns of v one kernel launch takes: all of them when the padded state fits in
-    STATE_ELEMENTS (read per call), else a power of two that does."""
+def value_columns(d, dv, itemsize=4):
+    """How many columns of v one kernel launch takes: all of them when the padded state of
+    ``itemsize``-byte elements fits in STATE_ELEMENTS fp32 elements' bytes (read per call), else a
+    power of two that does."""
+    budget = STATE_ELEMENTS * 4 // itemsize
     bd = max(16, triton.next_power_of_2(d))
-    if bd * max(16, triton.next_power_of_2(dv)) <= STATE_ELEMENTS:
+    if bd * max(16, triton.next_power_of_2(dv)) <= budget:
         return dv
-    return max(16, STATE_ELEMENTS // bd)
+    return max(16, budget // bd)
 
 
 def causal_product(q, k, v, s0):
@@ -189,7 +194,8 @@ def causal_product(q, k, v, s0):
     with its own state), concatenated; autograd sums their q and k gradients."""
     s0 = s0.expand(q.shape[:-2] + s0.shape[-2:])
     dv = v.shape[-1]
-    width = value_columns(q.shape[-1], dv)
+    state_itemsize = 8 if q.dtype == torch.float64 else 4   # the ACC dtype of _meta
+    width = value_columns(q.shape[-1], dv, itemsize=state_itemsize)
     if width >= dv:
         return _CausalProductTriton.apply(q, k, v, s0)
     return torch.cat([_CausalProductTriton.apply(q, k, v[..., c:c + width], s0[..., c:c + width])
