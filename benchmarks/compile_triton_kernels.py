@@ -332,7 +332,7 @@ def describe(job: Job) -> str:
     """The constexprs that pick the code path, and ints the JIT specialised to 1."""
     parts = []
     for path, value in job.constexprs.items():
-        name = job.fn.arg_names[path[0]]
+        name = path if isinstance(path, str) else job.fn.arg_names[path[0]]  # written-out jobs use names
         if job.signature.get(name) != "constexpr":
             parts.append(f"{name}=1*")  # an int argument equal to 1 becomes a constant
         elif value is not False and value is not None:

@@ -38,11 +38,12 @@ def launch_config(d: int, dv: int, dtype) -> dict:
 
     Interpreted runs use 16 x 16 tiles, so tiny test shapes still cross several blocks. On a GPU the
     shared memory a launch needs grows with tile x padded head dim (the q/k/v/dout tiles, staged
-    num_stages times by the software pipeline) and the backward's fp32 dq / dk / dv accumulators;
-    64 x 64 tiles with 4 warps and 3 stages went past the 227 KB limit of sm_90 from D = 128 in fp32
-    and at D = 256 in any dtype. Wide heads therefore get 8 warps (half the registers per thread),
-    2 stages, and 32-row tiles in fp32 (4-byte operands) or at D = 256. The math is the same for any
-    tile size; only the order of the float32 sums changes.
+    num_stages times by the software pipeline) and the backward's fp32 dq / dk / dv accumulators.
+    Compiled for sm_90 (limit 232448 bytes), 64 x 64 tiles with 4 warps and 3 stages needed 254464
+    bytes in _grad_v_kernel at fp32 D = 128 with a float mask, and at fp32 D = 256 _grad_q_kernel
+    needed 262144 even with 8 warps and 1 stage. Wide heads therefore get 8 warps (half the registers
+    per thread), 2 stages, and 32-row tiles in fp32 (4-byte operands) or at D = 256. The math is the
+    same for any tile size; only the order of the float32 sums changes.
     """
     if interpreting():
         return dict(block=16, num_warps=4, num_stages=1)
