@@ -353,6 +353,22 @@ def verdict(result: Result, limit: int) -> str:
     return "ok, spills" if result.spill_bytes else "ok"
 
 
+def summary(rows, limit):
+    """One line per family (first word of the call label): the largest shared memory, spills, failures."""
+    families = {}
+    for job, res in rows:
+        families.setdefault(job.labels[0].split()[0], []).append((job, res))
+    lines = ["| family | specialisations | most shared memory (B) | in | with spills | largest spill (B) | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for family, members in families.items():
+        job, res = max(members, key=lambda m: m[1].shared)
+        spills = [r.spill_bytes for _, r in members if r.spill_bytes]
+        failed = sum(not verdict(r, limit).startswith("ok") for _, r in members)
+        lines.append(f"| {family} | {len(members)} | {res.shared} | {job.fn.fn.__name__} ({job.labels[0]}) | "
+                     f"{len(spills)} | {max(spills, default=0)} | {failed} |")
+    return lines
+
+
 def markdown(rows, arch, limit, command, seconds):
     lines = [
         f"# Triton build check: sm_{arch}, compiled without a device",
@@ -365,6 +381,8 @@ def markdown(rows, arch, limit, command, seconds):
         "that it runs correctly or fast. Sinkhorn, linear and OT rows are the launches their host code makes "
         "(captured from forward + backward calls, deduplicated by specialisation); `calls` lists the first "
         "call that launches it and how many more do. `X=1*` marks an int argument the JIT turns into a constant.",
+        "",
+        *summary(rows, limit),
         "",
         "| kernel | dtype | constexprs | warps | stages | shared (B) | regs | spill (B) | result | calls |",
         "|---|---|---|---|---|---|---|---|---|---|",
