@@ -159,6 +159,15 @@ def test_triton_splits_wide_values_into_column_slices(monkeypatch):
     _check_kernel("elu", True, 37, 30, "float", torch.float32, H=1, Dv=40)
 
 
+def test_fp64_state_gets_the_same_bytes_as_fp32():
+    # sized for sm_90's shared memory (benchmarks/results/gpu/ptx_build_check.md): an 8-byte state
+    # gets half the elements of a 4-byte one, so wide fp64 values run in narrower column slices
+    from attnzoo.ops.linear import triton as lin_triton
+    assert lin_triton.value_columns(128, 129) == 128            # 128 x 128 fp32 = STATE_ELEMENTS * 4 bytes
+    assert lin_triton.value_columns(128, 129, itemsize=8) == 64  # 128 x 64 fp64: the same bytes
+    assert lin_triton.value_columns(64, 65, itemsize=8) == 65    # 64 x 128 (padded) fp64 fits whole
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_triton_widest_head_dims_on_gpu():

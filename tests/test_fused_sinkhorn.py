@@ -368,6 +368,9 @@ def test_named_backends_explain_what_they_cannot_do():
     if sk_triton is not None:
         with pytest.raises(ValueError, match="float64"):
             AF.sinkhorn(q.double(), q.double(), q.double(), backend="triton")
+        wide_v = torch.randn(1, 1, 3, 320)  # past MAX_HEAD_DIM: would not fit sm_90's shared memory
+        with pytest.raises(ValueError, match="head dims above 256"):
+            AF.sinkhorn(q, q, wide_v, backend="triton")
         bias = torch.zeros(3, 3, requires_grad=True)
         with pytest.raises(ValueError, match="attn_mask"):
             AF.sinkhorn(q, q, q, attn_mask=bias, backend="cpu")

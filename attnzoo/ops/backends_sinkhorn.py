@@ -36,7 +36,7 @@ def _cpu_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
 
 
 def _triton_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
-    return sinkhorn_triton.unsupported_reason(q, attn_mask, dropout_p)
+    return sinkhorn_triton.unsupported_reason(q, attn_mask, dropout_p, v=v)
 
 
 AUTO_MIN_LOGITS = 1 << 21  # Nq * Nk per head from which the streaming CPU path is also faster
