@@ -189,14 +189,16 @@ if HAVE_TRITON:
             if HAS_T5:
                 keep = s > float("-inf")
                 rel = offs_n[None, :] - offs_m[:, None] + (Nq - 1)
-                # Every atomic address comes straight from a LUT load, not from `keep`: inductor's
+                # Every atomic address is computed from the LUT load alone, not from `keep`: inductor's
                 # mutation analysis follows an atomic's address back through everything it is computed
                 # from, and an address derived from `keep` made it mark TABLE, LUT, MASK and PREF as
-                # written (saved inputs of the backward, the table a parameter). Sentinels from the
-                # loads' `other` give the tile's bucket range without `keep`.
-                bucket = tl.load(LUT + rel, mask=keep, other=0)
-                lo = tl.min(tl.load(LUT + rel, mask=keep, other=2147483647))
-                hi = tl.max(tl.load(LUT + rel, mask=keep, other=-1))
+                # written (saved inputs of the backward, the table a parameter). The load's sentinel
+                # (`other`) marks the keys that do not take part, so the tile's bucket range needs no `keep`.
+                loaded = tl.load(LUT + rel, mask=keep, other=2147483647)
+                absent = loaded == 2147483647
+                bucket = tl.where(absent, 0, loaded)
+                lo = tl.min(loaded)
+                hi = tl.max(tl.where(absent, -1, loaded))
                 if lo == hi:  # far from the diagonal the whole tile is one bucket: one atomic
                     tl.atomic_add(DTABLE + lo * stb, tl.sum(tl.sum(ds, 1), 0))
                 elif lo <= hi:
