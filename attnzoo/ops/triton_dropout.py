@@ -52,6 +52,12 @@ def draw_seed(device) -> torch.Tensor:
     return torch.randint(0, torch.iinfo(torch.int64).max, (1,), dtype=torch.int64, device=device)
 
 
+def call_seed(q: torch.Tensor, dropout_p: float):
+    """The seed of one kernel call: drawn when ``dropout_p > 0`` (the only random number the call
+    draws, so ``torch.manual_seed(s)`` before the call fixes its mask), else None."""
+    return draw_seed(q.device) if dropout_p > 0 else None
+
+
 def dropout_flag(dropout_p: float, seed) -> bool:
     """Whether a kernel launch applies dropout; checks that a seed comes with dropout_p > 0."""
     if not dropout_p > 0:

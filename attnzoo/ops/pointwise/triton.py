@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..triton_dropout import draw_seed, dropout_flag
+from ..triton_dropout import call_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
                             kernel_mask, kernel_op, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
@@ -130,11 +130,6 @@ def _check(q, k, v, attn_mask, dropout_p):
         raise ValueError(f"the Triton pointwise kernel cannot run this call: {why}")
 
 
-def _seed(q, dropout_p):
-    """The call's Philox seed: the only random number it draws, so torch.manual_seed(s) before it fixes Z."""
-    return draw_seed(q.device) if dropout_p > 0 else None
-
-
 def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
     """Backend ``triton`` of ``sigmoid``: sum_j sigmoid(s_ij + b) v_j (b = -log n_i by default)."""
     _check(q, k, v, attn_mask, dropout_p)
@@ -148,7 +143,7 @@ def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=N
     else:
         rows, scalar, mode = None, float(bias), BIAS_SCALAR
     out, _ = pointwise_fwd(q, k, v, attn_mask, rows, scalar, mode, float(scale), bool(is_causal), True,
-                           float(dropout_p), _seed(q, dropout_p))
+                           float(dropout_p), call_seed(q, dropout_p))
     return out
 
 
@@ -156,5 +151,5 @@ def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p
     """Backend ``triton`` of ``relu``: sum_j relu(s_ij) v_j / n_i."""
     _check(q, k, v, attn_mask, dropout_p)
     out, _ = pointwise_fwd(q, k, v, attn_mask, None, 0.0, BIAS_DEFAULT, float(scale), bool(is_causal), False,
-                           float(dropout_p), _seed(q, dropout_p))
+                           float(dropout_p), call_seed(q, dropout_p))
     return out

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import validate as V
-from ..triton_dropout import draw_seed, dropout_flag
+from ..triton_dropout import call_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
                             dot_precision, kernel_mask, kernel_op, reduce_to_shape, tracing_only)
 
@@ -156,8 +156,7 @@ def _check_runnable(q, k, v, attn_mask, dropout_p=0.0):
 
 
 def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None, dropout_p=0.0):
-    # the seed is the only random number the call draws: torch.manual_seed(s) before the call fixes Z
-    seed = draw_seed(q.device) if dropout_p > 0 else None
+    seed = call_seed(q, dropout_p)
     out, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2),
                                 float(dropout_p), seed)
     return out
