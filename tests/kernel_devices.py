@@ -2,17 +2,15 @@
 compiled on a CUDA GPU when the interpreter is off and one exists."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from attnzoo.ops.triton_utils import HAVE_TRITON
+from attnzoo.ops.triton_utils import INTERPRETED as INTERPRET  # TRITON_INTERPRET=1 set before the import
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = HAVE_TRITON and not INTERPRET and torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if ON_GPU else "cpu"     # where the Triton kernels take their tensors
-needs_kernels = pytest.mark.skipif(not (HAVE_TRITON and (INTERPRET or ON_GPU)), reason=(
+needs_kernels = pytest.mark.skipif(not (INTERPRET or ON_GPU), reason=(
     "the Triton kernels need TRITON_INTERPRET=1 (CPU tensors; `make test` sets it) or a CUDA GPU with "
     "TRITON_INTERPRET unset (compiled kernels): neither is available here"))
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason=(

@@ -12,9 +12,22 @@ class LargestOutput(TorchDispatchMode):
         super().__init__()
         self.largest = 0
 
+    @staticmethod
+    def size(t: torch.Tensor) -> int:
+        return t.numel()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
+                self.largest = max(self.largest, self.size(t))
         return out
+
+
+class LargestAllocation(LargestOutput):
+    """Records the largest storage (bytes) behind any tensor an aten op returns; views such as
+    expand() of a key-padding mask share their base's storage and so count at their real size."""
+
+    @staticmethod
+    def size(t: torch.Tensor) -> int:
+        return t.untyped_storage().nbytes()

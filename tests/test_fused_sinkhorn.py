@@ -13,11 +13,11 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo.functional as AF
 from attnzoo.ops import dispatch
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
+from tests.memory_probe import LargestAllocation
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:
@@ -259,22 +259,6 @@ def test_implicit_gradient_approaches_unrolled_as_iterations_grow(engine, iters,
     if len(errs) > 1:
         assert errs[0] > 1e-3                           # one iteration is far from the fixed point
     assert errs[-1] < (1e-8 if dtype == torch.float64 else 1e-4)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest storage (bytes) behind any tensor an aten op returns; views such as
-    expand() of a key-padding mask share their base's storage and so count at their real size."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
