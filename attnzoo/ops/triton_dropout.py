@@ -26,6 +26,16 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def dropout_args(SEED, dropout_p, DROPOUT: tl.constexpr):
+        """(seed, dropout_p as fp32) for a kernel's prologue; the seed is read only when DROPOUT is set
+        (inductor passes Python floats as fp64 scalars: keep the fp32 types)."""
+        if DROPOUT:
+            seed = tl.load(SEED)
+        else:
+            seed = 0
+        return seed, tl.cast(dropout_p, tl.float32)
+
+    @triton.jit
     def dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p):
         """Z_ij / (1 - p) for one (BLOCK_M, BLOCK_N) tile, fp32: 0 where dropped, 1 / (1 - p) where kept.
         ``pid_bh`` = b * H + h must be int64 so the offsets are computed in int64."""

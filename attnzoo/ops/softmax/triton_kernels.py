@@ -32,7 +32,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..triton_dropout import dropout_scale
+    from ..triton_dropout import dropout_args, dropout_scale
     from ..triton_utils import causal_end, causal_start, mask_tile, mm
 
     @triton.jit
@@ -68,9 +68,7 @@ if HAVE_TRITON:
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
-        dropout_p = tl.cast(dropout_p, tl.float32)
-        if DROPOUT:
-            seed = tl.load(SEED)
+        seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -132,9 +130,7 @@ if HAVE_TRITON:
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
-        dropout_p = tl.cast(dropout_p, tl.float32)
-        if DROPOUT:
-            seed = tl.load(SEED)
+        seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
@@ -228,9 +224,7 @@ if HAVE_TRITON:
             CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
-        dropout_p = tl.cast(dropout_p, tl.float32)
-        if DROPOUT:
-            seed = tl.load(SEED)
+        seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
