@@ -10,32 +10,14 @@ preference="context": log u_j = a small MLP of the key token x_j, one output per
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from .. import functional as AF
 from ..ops import validate as V
+from ..ops.fenchel import t5
+from ..ops.fenchel.t5_buckets import t5_relative_buckets
 from .base import AttentionLayer
-
-
-def t5_relative_buckets(rel: torch.Tensor, num_buckets: int = 32, max_distance: int = 128,
-                        bidirectional: bool = True) -> torch.Tensor:
-    """Bucket index for relative offsets rel = j - i (T5, Raffel et al. 2020)."""
-    buckets = torch.zeros_like(rel)
-    if bidirectional:
-        num_buckets //= 2
-        buckets = buckets + (rel > 0).long() * num_buckets
-        dist = rel.abs()
-    else:
-        dist = (-rel).clamp_min(0)  # causal: only keys at or before the query are distinguished
-    max_exact = num_buckets // 2
-    is_small = dist < max_exact
-    log_ratio = torch.log(dist.float().clamp_min(1) / max_exact) / math.log(max_distance / max_exact)
-    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
-    large = large.clamp_max(num_buckets - 1)
-    return buckets + torch.where(is_small, dist, large)
 
 
 class FenchelAttention(AttentionLayer):
@@ -77,13 +59,12 @@ class FenchelAttention(AttentionLayer):
     def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, **extra):
         dropout_p = self.attn_drop.p if self.training else 0.0
         if self.relative_bias is not None and self.solve == "first_order":
-            from ..ops.softmax import triton as fused  # the T5 kernel builds the bias from the table itself
-            if fused.t5_wanted(q, k, v, backend=self.backend, attn_mask=attn_mask, dropout_p=dropout_p):
-                return fused.t5_bias_attention(q, k, v, self.relative_bias.weight, self.num_buckets,
-                                               self.max_distance, self.bidirectional, attn_mask=attn_mask,
-                                               is_causal=is_causal, scale=self.scale, alpha=self.alpha,
-                                               dropout_p=dropout_p)
+            # the fused T5 paths build the bias tile by tile from the table: no (Nq, Nk) log u
+            out = t5.t5_attention(q, k, v, self.relative_bias.weight, self.num_buckets, self.max_distance,
+                                  self.bidirectional, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
+                                  alpha=self.alpha, dropout_p=dropout_p, backend=self.backend)
+            if out is not None:
+                return out
         log_u = self.log_preference(x, q.shape[-2], k.shape[-2])
         return AF.fenchel(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale, log_u=log_u,
-                          alpha=self.alpha, solve=self.solve,
-                          dropout_p=self.attn_drop.p if self.training else 0.0, backend=self.backend)
+                          alpha=self.alpha, solve=self.solve, dropout_p=dropout_p, backend=self.backend)

@@ -2,19 +2,31 @@
 
 Each variant has a table of backends. A backend is a function with the variant's reference
 signature plus a ``supports(q, k, v, **kwargs)`` predicate that returns None when it can run the
-call or a sentence saying why not. ``auto`` takes the highest-priority backend that supports the
-call; a backend named explicitly either runs or raises with its reason (it never silently hands
-the call to another kernel). The global default is set with ``use_backend(...)``.
+call or a sentence saying why not. A backend named explicitly either runs or raises with its reason
+(it never silently hands the call to another kernel). ``auto`` tries, in order:
+
+1. on a device with a measured table (``ops/measured.py``: a per-device JSON file written by
+   ``benchmarks/gpu_speed.py``), the backends that table ranks fastest for the nearest measured
+   shape of this variant, dtype and causality;
+2. then every backend by priority, highest first.
+
+The first one that supports the call (and, for auto, is allowed on this device type and not vetoed
+by its ``auto_prefers``) runs.
+
+The global default is a plain module attribute set by ``use_backend(...)`` (like
+``torch.nn.attention.sdpa_kernel``'s flags): torch.compile reads it while tracing and guards on its
+value, so changing it recompiles instead of being ignored, and nothing on the forward path reads a
+ContextVar (which dynamo cannot trace). It is process-wide, not per thread.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from . import measured
+
 AUTO = "auto"
-_default_backend: contextvars.ContextVar[str] = contextvars.ContextVar("attnzoo_backend", default=AUTO)
 
 
 @dataclass
@@ -40,16 +52,24 @@ class Choice:
     backend: Backend
     requested: str
     reasons: dict = field(default_factory=dict)  # backend name -> why it was not chosen
+    measured_order: tuple = ()  # the device table's ranking for this call, fastest first, if any
 
     def __str__(self) -> str:
         lines = [f"{self.variant}: runs '{self.backend.name}' ({self.backend.description or 'no description'})"
                  + (f", requested '{self.requested}'" if self.requested != AUTO else ", chosen by auto")]
+        if self.measured_order:
+            lines.append(f"  measured on this device, fastest first: {', '.join(self.measured_order)}")
         for name, why in self.reasons.items():
             lines.append(f"  skipped '{name}': {why}")
         return "\n".join(lines)
 
 
 _TABLE: dict[str, dict[str, Backend]] = {}
+
+
+class _Default:
+    """The backend a call without ``backend=`` asks for (an attribute, so dynamo guards on it)."""
+    name: str = AUTO
 
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
@@ -62,26 +82,50 @@ def backends(variant: str) -> list[str]:
     return sorted(_TABLE.get(variant, {}), key=lambda n: -_TABLE[variant][n].priority)
 
 
+def backend_table(variant: str) -> dict[str, Backend]:
+    """The registered backends of ``variant`` by name (a copy: register_backend changes the table)."""
+    if variant not in _TABLE:
+        raise ValueError(f"variant must be one of {sorted(_TABLE)}, got {variant!r}")
+    return dict(_TABLE[variant])
+
+
 def default_backend() -> str:
     """The backend a call without ``backend=`` asks for: "auto" unless ``use_backend`` set another."""
-    return _default_backend.get()
+    return _Default.name
+
+
+def _known_backend_names() -> set:
+    return {AUTO} | {name for table in _TABLE.values() for name in table}
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Set the default backend for every attnzoo call inside the block (explicit args still win)."""
-    token = _default_backend.set(name)
+    """Set the default backend for every attnzoo call inside the block (explicit args still win).
+    Process-wide: another thread calling attnzoo inside the block sees it too."""
+    known = _known_backend_names()
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"use_backend: name must be one of {sorted(known)}, got {name!r}")
+    previous = _Default.name
+    _Default.name = name
     try:
         yield
     finally:
-        _default_backend.reset(token)
+        _Default.name = previous
+
+
+def _auto_candidates(variant: str, q, k, v, kwargs) -> tuple[list[str], tuple]:
+    """Backend names in the order auto tries them: the device table's ranking, then priority."""
+    by_priority = backends(variant)
+    ranked = measured.ranking(variant, q, k, v, kwargs) if q.device.type == "cuda" else ()
+    ranked = tuple(name for name in ranked if name in _TABLE[variant])
+    return list(ranked) + [name for name in by_priority if name not in ranked], ranked
 
 
 def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
     table = _TABLE.get(variant)
     if not table:
         raise ValueError(f"no backend registered for variant {variant!r}")
-    requested = backend or _default_backend.get()
+    requested = backend or _Default.name
     if requested != AUTO:
         if requested not in table:
             raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}")
@@ -91,7 +135,8 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             raise ValueError(f"backend={requested!r} cannot run this {variant} call: {why}")
         return Choice(variant, chosen, requested)
     reasons = {}
-    for name in backends(variant):
+    order, ranked = _auto_candidates(variant, q, k, v, kwargs)
+    for name in order:
         cand = table[name]
         if q.device.type not in cand.auto_devices:
             reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
@@ -100,7 +145,7 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
         if why is None and cand.auto_prefers is not None:
             why = cand.auto_prefers(q, k, v, **kwargs)
         if why is None:
-            return Choice(variant, cand, requested, reasons)
+            return Choice(variant, cand, requested, reasons, ranked)
         reasons[name] = why
     raise ValueError(f"no backend can run this {variant} call: {reasons}")
 

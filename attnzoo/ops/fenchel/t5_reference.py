@@ -11,12 +11,12 @@ import torch
 
 from .. import validate as V
 from .reference import fenchel_attention
+from .t5_buckets import t5_relative_buckets
 
 
 def t5_log_preference(table: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool,
                       nq: int, nk: int) -> torch.Tensor:
     """log u (1, H, Nq, Nk) with log u_ij = table[bucket(j - (i + nk - nq)), h]."""
-    from ...layers.fenchel import t5_relative_buckets  # layers import ops; import lazily to avoid a cycle
     i = torch.arange(nq, device=table.device)[:, None] + (nk - nq)
     j = torch.arange(nk, device=table.device)[None, :]
     buckets = t5_relative_buckets(j - i, num_buckets, max_distance, bidirectional)

@@ -1,11 +1,14 @@
-"""FlexAttention paths (CUDA only) for L2 and Fenchel first order.
+"""FlexAttention paths (CUDA only) for L2, Fenchel first order and the T5 relative-position bias.
 
 FlexAttention compiles a score modifier into a fused kernel: L2 becomes 2 * scale * q.k minus
-scale * ||k_j||^2 (the ||q_i||^2 term cancels in the softmax), Fenchel adds log u_ij. Masks use
-the same preparation as the SDPA path (``torch.sdpa_mask``): bottom-right causal, rows with no
-key opened and then zeroed. FlexAttention has no backward on CPU, and this project's CI has no
-GPU: the backend only accepts CUDA tensors. Its forward logic is checked on CPU under no_grad by an
-opt-in test (ATTNZOO_FLEX_CPU=1, tests/test_cpu_softmax_family.py); CUDA and backward are untested.
+scale * ||k_j||^2 (the ||q_i||^2 term cancels in the softmax), Fenchel adds log u_ij, T5 adds
+table[bucket(j - i), h] read from an (Nq + Nk - 1) offset -> bucket vector, and FlexAttention's
+backward returns the table's gradient (a captured tensor that requires grad). Masks use the same
+preparation as the SDPA path (``torch.sdpa_mask``): bottom-right causal, rows with no key opened and
+then zeroed; a causal block mask is built once per (Nq, Nk, device) and reused. The backends accept
+CUDA tensors only; the forward logic is checked on CPU under no_grad by an opt-in test
+(ATTNZOO_FLEX_CPU=1, tests/test_cpu_softmax_family.py), CUDA and the backward by tests/test_triton_gpu.py
+and the GPU benchmark's correctness pass.
 """
 from __future__ import annotations
 
@@ -33,10 +36,17 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(nq: int, nk: int, device: torch.device):
+    """Top-left causal (j <= i) block mask for Nq == Nk; built once per shape: building it evaluates
+    the predicate over the whole (Nq, Nk) grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, i, j: j <= i, None, None, nq, nk, device=device)
 
 
-def _flex(q, k, v, mask, is_causal, scale, key_term=None):
-    """softmax(scale q.k + mask_ij - key_term_j) v with attnzoo's mask semantics."""
+def _flex(q, k, v, mask, is_causal, scale, key_term=None, t5=None):
+    """softmax(scale q.k + mask_ij - key_term_j + table[lut[j - i + Nq - 1], h]) v with attnzoo's
+    mask semantics; ``t5`` is (table (num_buckets, H), lut (Nq + Nk - 1,) int) or None."""
     from torch.nn.attention.flex_attention import create_block_mask
     B, H, nq, _ = q.shape
     nk = k.shape[2]
@@ -44,7 +54,7 @@ def _flex(q, k, v, mask, is_causal, scale, key_term=None):
     block_mask = None
     additive = None
     if causal:
-        block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, nq, nk, device=q.device)
+        block_mask = _causal_block_mask(nq, nk, q.device)
     elif mask is not None and mask.dtype == torch.bool:
         full = mask.expand(B, H, nq, nk)
         block_mask = create_block_mask(lambda b, h, i, j: full[b, h, i, j], B, H, nq, nk, device=q.device)
@@ -56,6 +66,8 @@ def _flex(q, k, v, mask, is_causal, scale, key_term=None):
             score = score + additive[b, h, i, j]
         if key_term is not None:
             score = score - key_term[b, h, j]
+        if t5 is not None:
+            score = score + t5[0][t5[1][j - i + (nq - 1)], h]
         return score
 
     out = compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
@@ -73,3 +85,8 @@ def fenchel_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None,
                  solve="first_order", dropout_p=0.0):
     mask = fenchel_additive_mask(attn_mask, log_u, q.dtype)
     return _flex(q, k, v, mask, is_causal, alpha * scale)
+
+
+def t5_flex(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale):
+    """softmax(scale q.k + table[bucket(j - i), h] + mask) v; ``lut`` from ``t5_bucket_lut``."""
+    return _flex(q, k, v, attn_mask, is_causal, scale, t5=(table, lut))

@@ -1,0 +1,100 @@
+"""Measured backend rankings per device: what ``auto`` tries first on a GPU.
+
+``benchmarks/gpu_speed.py`` times every backend of every variant side by side on one GPU and writes
+``attnzoo/ops/measured_tables/<device>.json``: for each measured case (variant, flavour, dtype,
+causal, head dim, N, direction) the backends that ran, fastest first. ``auto`` looks up the nearest
+measured case (same variant, flavour, causality and direction; nearest head dim, then N, on a log
+scale; the same dtype when measured) and tries its ranking before the priority order. A device with
+no table of its own uses one measured on a device of the same compute capability (an H100 uses the
+H200's table), otherwise only priorities decide.
+
+The lookup runs while torch.compile traces a call, so it is one function of plain values that dynamo
+treats as a constant (``assume_constant_result``): the ranking is fixed into the compiled graph.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+TABLE_DIR = Path(__file__).resolve().parent / "measured_tables"
+DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    out = "".join(c.lower() if c.isalnum() else "-" for c in name)
+    return "-".join(p for p in out.split("-") if p) or "device"
+
+
+def flavour(variant: str, kwargs: dict) -> str:
+    """The part of a call that changes which kernel can win: masks, preferences, templates."""
+    parts = []
+    if kwargs.get("attn_mask") is not None:
+        parts.append("mask")
+    if variant == "fenchel" and kwargs.get("log_u") is not None:
+        parts.append("log_u")
+    if variant == "ot" and kwargs.get("templates_k") is not None:
+        parts.append("templates")
+    if kwargs.get("dropout_p", 0.0):
+        parts.append("dropout")
+    return "+".join(parts) or "plain"
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> tuple:
+    """Every shipped table as (slug, capability tuple or None, entries)."""
+    out = []
+    for path in sorted(TABLE_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        cap = tuple(data["capability"]) if data.get("capability") else None
+        out.append((path.stem, cap, tuple(data["entries"])))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _entries_for_device(index: int) -> tuple:
+    name = slug(torch.cuda.get_device_name(index))
+    cap = tuple(torch.cuda.get_device_capability(index))
+    tables = _tables()
+    for table_slug, _, entries in tables:
+        if table_slug == name:
+            return entries
+    for _, table_cap, entries in tables:
+        if table_cap == cap:
+            return entries
+    return ()
+
+
+def nearest_ranking(entries, variant: str, flavour_name: str, dtype: str, causal: bool, head_dim: int, n: int,
+                    direction: str) -> tuple:
+    """The ranking of the measured entry nearest to this call, or () when none matches."""
+    best, best_key = (), None
+    for e in entries:
+        if (e["variant"], e["flavour"], bool(e["causal"]), e["direction"]) != (variant, flavour_name, causal, direction):
+            continue
+        key = (e["dtype"] != dtype, abs(math.log2(e["head_dim"] / head_dim)), abs(math.log2(e["n"] / n)))
+        if best_key is None or key < best_key:
+            best, best_key = tuple(e["ranking"]), key
+    return best
+
+
+@torch.compiler.assume_constant_result
+def _lookup(index: int, variant: str, flavour_name: str, dtype: str, causal: bool, head_dim: int, n: int,
+            direction: str) -> tuple:
+    return nearest_ranking(_entries_for_device(index), variant, flavour_name, dtype, causal, head_dim, n, direction)
+
+
+def ranking(variant: str, q, k, v, kwargs: dict) -> tuple:
+    """Backend names ranked fastest first for a CUDA call like this one, () without a table."""
+    if q.device.type != "cuda" or not TABLE_DIR.is_dir():
+        return ()
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    direction = "fwd+bwd" if wants_grad else "fwd"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _lookup(int(index), variant, flavour(variant, kwargs), str(q.dtype).replace("torch.", ""),
+                   bool(kwargs.get("is_causal", False)), int(q.shape[-1]), int(max(q.shape[-2], k.shape[-2])),
+                   direction)

@@ -1,0 +1,245 @@
+"""One GPU measurement that always comes back, in a few minutes.
+
+    python3 benchmarks/gpu_speed.py [--out DIR] [--budget-seconds 300] [--phases warm speed correctness train compile]
+
+Phases, each with its own deadline, all results flushed as they come (rows.jsonl) so a killed run
+still leaves everything measured so far:
+1. warm: worker processes launch every case once, filling Triton's and inductor's on-disk caches
+   (compiles run in parallel; the main process then loads them);
+2. speed: FlashAttention's benchmark shapes (batch * N = 16384 tokens, hidden 2048; D 64 / 128,
+   N 1024 / 4096 / 16384, causal and not, bf16): SDPA's default dispatch, its FlashAttention-2,
+   cuDNN and memory-efficient kernels, FlexAttention, and every attnzoo backend of every variant
+   that runs on CUDA; median ms of the forward and of forward + backward (triton.testing.do_bench),
+   the extra peak memory of each; rows whose time extrapolated from a smaller N exceeds
+   --max-call-ms are skipped as such;
+3. correctness: every CUDA backend against float64 at awkward shapes (bf16, fp16, fp32);
+4. train: timm ViT-S/16 training images/s with each layer;
+5. compile: torch.compile(fullgraph=True) of every layer with the default backend.
+Outputs (in --out, default benchmarks/results/gpu/<device>): speed.json, speed.md (summary table
+in the issues' format + every row), speed.png, correctness.json, train.json, compile.json,
+rows.jsonl, log.txt, and measured_table.json, which is what attnzoo/ops/measured_tables/<device>.json
+(read by ``auto``) is copied from.
+
+On a CPU it runs as a dry run of its own code (--device cpu with tiny shapes; the Triton backends
+under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from gpu import cases as C  # noqa: E402
+from gpu import compile_check, correctness, report, timing, train_speed, warm  # noqa: E402
+
+PHASES = ("warm", "speed", "correctness", "train", "compile")
+# share of the budget each phase may use (what a phase leaves unused goes to the next ones)
+SHARES = {"warm": 0.22, "speed": 0.38, "correctness": 0.14, "train": 0.14, "compile": 0.12}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--budget-seconds", type=float, default=300)
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--causal", nargs="+", choices=("no", "yes"), default=["no", "yes"])
+    p.add_argument("--tokens", type=int, default=16384, help="batch * N")
+    p.add_argument("--hidden", type=int, default=2048, help="heads * head dim")
+    p.add_argument("--max-call-ms", type=float, default=1500.0)
+    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--train-batch", type=int, default=128)
+    p.add_argument("--only", nargs="*", default=None, help="substrings of case labels to keep")
+    return p.parse_args(argv)
+
+
+def device_info(device) -> dict:
+    info = {"name": "cpu", "capability": None, "torch": torch.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+        info["capability"] = list(torch.cuda.get_device_capability(device))
+    return info
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.info = device_info(self.device)
+        from attnzoo.ops.measured import slug
+        self.out = args.out or ROOT / "benchmarks" / "results" / "gpu" / slug(self.info["name"])
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start = time.time()
+        self.end = self.start + args.budget_seconds
+        self.log_file = open(self.out / "log.txt", "w")
+        self.rows_file = open(self.out / "rows.jsonl", "w")
+        self.rows = []
+
+    def log(self, msg: str) -> None:
+        line = f"[+{time.time() - self.start:6.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def deadline(self, phase: str) -> float:
+        """This phase may run until its share of what is left, counting the phases still to come."""
+        left = [p for p in PHASES if p in self.args.phases and PHASES.index(p) >= PHASES.index(phase)]
+        share = SHARES[phase] / sum(SHARES[p] for p in left)
+        return time.time() + share * max(0.0, self.end - time.time())
+
+    def shapes(self):
+        dtype = torch.bfloat16
+        return C.benchmark_shapes(self.args.head_dims, self.args.seq_lens, [c == "yes" for c in self.args.causal],
+                                  self.args.tokens, self.args.hidden, dtype)
+
+    def cases(self):
+        cases = C.baseline_cases(self.device) + C.attnzoo_cases(self.device)
+        if self.args.only:
+            cases = [c for c in cases if any(s in c.label for s in self.args.only)]
+        return cases
+
+    def plan(self):
+        """(case, shape) pairs, most informative first: N 4096 at D 64 first, then the rest by N."""
+        shapes = sorted(self.shapes(), key=lambda s: (s.n != 4096, s.head_dim != 64, s.causal, s.n, s.head_dim))
+        return [(c, s) for s in shapes for c in self.cases() if c.applies(s) and _flex_applies(c, s)]
+
+    # -- phases -----------------------------------------------------------------------------------
+    def phase_warm(self):
+        if self.device.type != "cuda":
+            self.log("warm: skipped (CPU dry run)")
+            return None
+        jobs = [("speed", (c.label, _shape_fields(s))) for c, s in self.plan()]
+        for variant, spec in correctness.VARIANTS:
+            for backend in C.cuda_backends(variant):
+                for shape in correctness.SHAPES:
+                    if not (variant == "ot" and shape[2] > 160):
+                        jobs.append(("correctness", (variant, spec, backend, shape, "bfloat16")))
+        self.log(f"warm: {len(jobs)} jobs on {self.args.workers} workers")
+        return warm.warm(jobs, self.args.workers, self.deadline("warm"), self.log)
+
+    def phase_speed(self):
+        deadline = self.deadline("speed")
+        measured = {}
+        for case, shape in self.plan():
+            row = {"case": case.label, "table_variant": case.table_variant, "flavour": case.flavour,
+                   "backend": case.backend, **_shape_fields(shape)}
+            predicted = C.predicted_ms(measured, case, shape)
+            if time.time() > deadline:
+                row["skipped"] = "speed phase deadline reached"
+            elif predicted is not None and predicted > self.args.max_call_ms:
+                row["skipped"] = f"predicted {predicted:.0f} ms per call from smaller N > --max-call-ms"
+            else:
+                try:
+                    built = case.build(shape, self.device, True)
+                    row.update(timing.measure(built, self.device))
+                    measured[(case.label, shape)] = row.get("fwd+bwd", row.get("fwd"))
+                    del built
+                except ValueError as e:  # a backend refusing this call says why
+                    row["skipped"] = f"refused: {e}"[:300]
+                except Exception as e:  # noqa: BLE001 - a failure is a result
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    row["trace"] = traceback.format_exc()[-600:]
+                finally:
+                    if self.device.type == "cuda":
+                        torch.cuda.empty_cache()
+            self._emit(row)
+        return self.rows
+
+    def _emit(self, row):
+        self.rows.append(row)
+        self.rows_file.write(json.dumps(row, default=str) + "\n")
+        self.rows_file.flush()
+        timings = " ".join(f"{d} {row[d]:.3f} ms" for d in report.DIRECTIONS if d in row)
+        self.log(f"{row['case']:<34} D{row['head_dim']} N{row['n']}{' causal' if row['causal'] else ''}: "
+                 f"{timings or row.get('skipped') or row.get('error')}")
+
+    def phase_correctness(self):
+        dtypes = [torch.bfloat16, torch.float16, torch.float32] if self.device.type == "cuda" else [torch.float32]
+        return correctness.run(self.device, dtypes, self.deadline("correctness"), self.log)
+
+    def phase_train(self):
+        if self.device.type != "cuda":
+            return train_speed.run(self.device, self.deadline("train"), self.log, batch=2, warmup=1, steps=1)
+        return train_speed.run(self.device, self.deadline("train"), self.log, batch=self.args.train_batch)
+
+    def phase_compile(self):
+        return compile_check.run(self.device, self.deadline("compile"), self.log)
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def write(self, results: dict):
+        rows = self.rows
+        meta = {"device": self.info, "args": {k: str(v) for k, v in vars(self.args).items()},
+                "seconds": round(time.time() - self.start, 1)}
+        report.write_json({"meta": meta, "rows": rows}, self.out / "speed.json")
+        for name in ("correctness", "train", "compile", "warm"):
+            if results.get(name) is not None:
+                report.write_json({"meta": meta, "rows": results[name]}, self.out / f"{name}.json")
+        if rows:
+            md = [f"# attnzoo on {self.info['name']} (torch {self.info['torch']}, triton {self.info['triton']})\n",
+                  "Ratios are SDPA default time / path time (higher is faster; 1.0 = as fast as SDPA softmax), "
+                  "measured side by side in one process by `benchmarks/gpu_speed.py`.\n",
+                  "## Summary: the fastest attnzoo backend per variant\n", report.summary_markdown(rows),
+                  "\n## Every row", report.full_markdown(rows)]
+            (self.out / "speed.md").write_text("\n".join(md) + "\n")
+            report.write_json(report.measured_table(rows, self.info), self.out / "measured_table.json")
+            try:
+                report.write_plot(rows, self.out / "speed.png")
+            except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
+                self.log(f"plot failed: {e}")
+        self.log(f"wrote {self.out}")
+
+
+def _shape_fields(shape) -> dict:
+    d = dataclasses.asdict(shape)
+    d["dtype"] = str(shape.dtype).replace("torch.", "")
+    return d
+
+
+def _flex_applies(case, shape) -> bool:
+    """FlexAttention compiles one kernel per shape: the flex rows run at N 4096 only, where the issues
+    compare against it."""
+    return not (case.backend == "flex" or case.label.startswith("flex")) or shape.n == 4096
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    run = Run(args)
+    run.log(f"device {run.info}; budget {args.budget_seconds:.0f} s; phases {args.phases}")
+    results = {}
+    try:
+        for phase in PHASES:
+            if phase in args.phases:
+                run.log(f"phase {phase}")
+                try:
+                    results[phase] = getattr(run, f"phase_{phase}")()
+                except Exception as e:  # noqa: BLE001 - later phases still run
+                    run.log(f"phase {phase} failed: {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+                run.write(results)
+    finally:
+        run.write(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
