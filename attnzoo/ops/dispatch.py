@@ -116,7 +116,7 @@ def use_backend(name: str):
 def _auto_candidates(variant: str, q, k, v, kwargs) -> tuple[list[str], tuple]:
     """Backend names in the order auto tries them: the device table's ranking, then priority."""
     by_priority = backends(variant)
-    ranked = measured.ranking(variant, q, k, v, kwargs) if q.device.type == "cuda" else ()
+    ranked = measured.ranking(variant, q, k, v, kwargs)
     ranked = tuple(name for name in ranked if name in _TABLE[variant])
     return list(ranked) + [name for name in by_priority if name not in ranked], ranked
 

@@ -3,8 +3,8 @@
 ``benchmarks/gpu_speed.py`` times every backend of every variant side by side on one GPU and writes
 ``attnzoo/ops/measured_tables/<device>.json``: for each measured case (variant, flavour, dtype,
 causal, head dim, N, direction) the backends that ran, fastest first. ``auto`` looks up the nearest
-measured case (same variant, flavour, causality and direction; nearest head dim, then N, on a log
-scale; the same dtype when measured) and tries its ranking before the priority order. A device with
+measured case (same variant, flavour, causality and direction; the same dtype when measured, else
+the other half precision; then nearest head dim, then N, on a log scale) and tries its ranking before the priority order. A device with
 no table of its own uses one measured on a device of the same compute capability (an H100 uses the
 H200's table), otherwise only priorities decide.
 
@@ -69,6 +69,14 @@ def _entries_for_device(index: int) -> tuple:
     return ()
 
 
+_HALF = ("bfloat16", "float16")
+
+
+def _dtype_distance(a: str, b: str) -> int:
+    """0 for the same dtype, 1 between the two half precisions (same kernels), 2 otherwise."""
+    return 0 if a == b else 1 if (a in _HALF and b in _HALF) else 2
+
+
 def nearest_ranking(entries, variant: str, flavour_name: str, dtype: str, causal: bool, head_dim: int, n: int,
                     direction: str) -> tuple:
     """The ranking of the measured entry nearest to this call, or () when none matches."""
@@ -76,7 +84,7 @@ def nearest_ranking(entries, variant: str, flavour_name: str, dtype: str, causal
     for e in entries:
         if (e["variant"], e["flavour"], bool(e["causal"]), e["direction"]) != (variant, flavour_name, causal, direction):
             continue
-        key = (e["dtype"] != dtype, abs(math.log2(e["head_dim"] / head_dim)), abs(math.log2(e["n"] / n)))
+        key = (_dtype_distance(e["dtype"], dtype), abs(math.log2(e["head_dim"] / head_dim)), abs(math.log2(e["n"] / n)))
         if best_key is None or key < best_key:
             best, best_key = tuple(e["ranking"]), key
     return best
