@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install clean
+.PHONY: test demo install clean test-oldest-torch
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,3 +23,18 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The compile tests again on the oldest torch pyproject allows (the GPU image's torch 2.11, with its
+# Triton 3.6), in a second virtual environment; .ci/run calls it after `make test`.
+OLD := .venv-torch-oldest
+OLD_STAMP := $(OLD)/.installed
+OLDEST_TORCH := torch==2.11.0 torchvision==0.26.0
+
+$(OLD_STAMP): pyproject.toml
+	test -x $(OLD)/bin/python || $(PY) -m venv $(OLD)
+	$(OLD)/bin/python -m pip install -q --upgrade pip
+	$(OLD)/bin/python -m pip install -q -e ".[dev]" $(OLDEST_TORCH)
+	touch $(OLD_STAMP)
+
+test-oldest-torch: $(OLD_STAMP)
+	TRITON_INTERPRET=1 $(OLD)/bin/python -m pytest -q -p no:cacheprovider tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py
