@@ -138,41 +138,118 @@ def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
     _check_kernel(fm, causal, nq, nk, mask, dtype)
 
 
+# fp64 inputs run fp64 kernels (fp64 state and products): agreement with the float64 formula is then
+# exact up to rounding, which checks the chunk recurrence, the fused normaliser and every gradient
+# formula tightly. Interpreter tiles are 16 rows / 16 head dims: 37 rows are 3 chunks (a partial
+# last one), D = 20 and Dv = 36 are 2 and 3 tiles. Cases: (feature_map, nq, nk, mask, D, Dv).
+FP64_CASES = [
+    ("elu", 37, 37, None, 5, 3),          # kernel feature map and normaliser
+    ("identity", 37, 37, None, 5, 3),     # kernel 1 / n_i
+    ("relu", 33, 50, None, 20, 36),       # Nk > Nq: 17 keys as the initial state, several tiles
+    ("identity", 50, 33, None, 20, 36),   # Nq > Nk: 17 queries see no key
+    ("elu", 20, 45, "bool", 5, 3),        # key mask: features from the host, prefix state
+    ("identity", 45, 20, "float", 5, 3),  # float mask as log-weight, 1 / n_i of kept keys
+    ("elu", 37, 37, "large", 5, 3),       # mask entries ~ 300: exp(mask - max) and its epsilon
+    ("identity", 30, 37, "large", 5, 3),
+]
+
+
+def _fp64_mask(kind, B, nk):
+    if kind == "large":   # key 0 masked in batch 0: its first query sees no key
+        m = 300.0 + 2.0 * torch.randn(B, 1, 1, nk, dtype=torch.float64)
+        m = m.masked_fill(torch.rand(B, 1, 1, nk) < 0.3, -math.inf)
+        m[0, ..., 0] = -math.inf
+        return m
+    return _mask(kind, B, nk)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fm,nq,nk,mask,D,Dv", FP64_CASES)
+def test_triton_fp64_matches_formula_to_rounding(fm, nq, nk, mask, D, Dv):
+    q, k, v = _inputs(nq, nk, torch.float64, D=D, Dv=Dv)
+    m = _fp64_mask(mask, q.shape[0], nk)
+    dev = KERNEL_DEVICE
+    out = AF.linear(q.to(dev), k.to(dev), v.to(dev), attn_mask=None if m is None else m.to(dev), is_causal=True,
+                    scale=0.8, feature_map=fm, backend="triton").cpu()
+    ref = _expected(q, k, v, m, True, fm, 0.8)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("fm", ["elu", "identity"])
+def test_triton_unmasked_causal_on_gpu(fm, head_dim, dtype):
+    # the fast path (feature map, normaliser or 1/n_i in the kernels): 16 chunks of 64 rows, a partial
+    # last one, D = Dv = 64 (one state tile) and 128 (2 x 2 state tiles, one 128-wide output tile)
+    _check_kernel(fm, True, 1000, 1000, None, dtype, B=2, H=2, D=head_dim, Dv=head_dim, scale=head_dim ** -0.5)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_large_shapes_on_gpu(head_dim, dtype):
-    # many 32-row chunks with a partial last one, Nq < Nk (the first 184 keys form the initial state);
-    # at D = Dv = 128 the 129 columns of v and the normaliser run as slices of 128 and 1
+    # a key mask (features from the host) with Nq < Nk: the first 184 keys form the initial state
     _check_kernel("elu", True, 333, 517, "bool", dtype, B=2, H=2, D=head_dim, Dv=head_dim,
                   scale=head_dim ** -0.5)
 
 
-@needs_kernels
-def test_triton_splits_wide_values_into_column_slices(monkeypatch):
-    # with a 16 x 16 state budget the Dv + 1 = 41 columns (v and the normaliser's ones) run as slices
-    # of 16, 16 and 9, each with its own state; q and k gradients are summed over the slices
-    from attnzoo.ops.linear import triton as lin_triton
-    monkeypatch.setattr(lin_triton, "STATE_ELEMENTS", 16 * 16)
-    assert lin_triton.value_columns(5, 41) == 16
-    _check_kernel("elu", True, 37, 30, "float", torch.float32, H=1, Dv=40)
-
-
-def test_fp64_state_gets_the_same_bytes_as_fp32():
-    # sized for sm_90's shared memory (benchmarks/results/gpu/ptx_build_check.md): an 8-byte state
-    # gets half the elements of a 4-byte one, so wide fp64 values run in narrower column slices
-    from attnzoo.ops.linear import triton as lin_triton
-    assert lin_triton.value_columns(128, 129) == 128            # 128 x 128 fp32 = STATE_ELEMENTS * 4 bytes
-    assert lin_triton.value_columns(128, 129, itemsize=8) == 64  # 128 x 64 fp64: the same bytes
-    assert lin_triton.value_columns(64, 65, itemsize=8) == 65    # 64 x 128 (padded) fp64 fits whole
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_unmasked_prefix_on_gpu():
+    # Nk > Nq without a mask: the kernels' feature map on the keys, the host's prefix state
+    _check_kernel("elu", True, 300, 700, None, torch.bfloat16, B=1, H=2, D=64, Dv=64, scale=0.125)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_triton_widest_head_dims_on_gpu():
-    # D = 256, Dv + 1 = 256: the largest the backend takes, run as four 64-column slices of the state
+    # D = 256, Dv = 255: four state tiles along D, two 128-wide output tiles, unaligned rows of v
     _check_kernel("relu", True, 70, 70, None, torch.float32, B=1, H=2, D=256, Dv=255, scale=1 / 16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_under_autocast_on_gpu():
+    # bf16 q, k, v from an autocast matmul as strided views; the host's prefix state stays fp32
+    x = torch.randn(2, 300, 64, device="cuda")
+    proj = torch.nn.Linear(64, 3 * 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        q, k, v = proj(x).view(2, 300, 3, 2, 32).permute(2, 0, 3, 1, 4)   # three (B, H, N, 32) views
+        out = AF.linear(q[..., 100:, :], k, v, is_causal=True, backend="triton")
+    assert out.dtype == torch.bfloat16
+    ref = _expected(q[..., 100:, :].detach(), k.detach(), v.detach(), None, True, "elu", 1.0)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fm", ["elu", "identity"])
+def test_triton_compiles_fullgraph_on_gpu(fm):
+    from attnzoo.ops.linear.triton import linear_attention_triton
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def run(a, b, c):
+        return linear_attention_triton(a, b, c, is_causal=True, feature_map=fm)
+
+    compiled = torch.compile(run, fullgraph=True)
+    got = compiled(q, k, v)
+    got_grads = torch.autograd.grad(got.float().sum(), (q, k, v))
+    want = run(q, k, v)
+    want_grads = torch.autograd.grad(want.float().sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)   # the same kernels, launched by the graph
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -247,8 +324,32 @@ def test_dispatch_and_clear_refusals():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_triton_refuses_what_it_cannot_hold():
-    q = torch.randn(1, 1, 4, 300, device=KERNEL_DEVICE)
-    expected = "registers" if INTERPRET or ON_GPU else "TRITON_INTERPRET"
-    with pytest.raises(ValueError, match=expected):
-        AF.linear(q, q, q, backend="triton")
+def test_triton_refuses_what_it_cannot_run():
+    q = torch.randn(1, 1, 4, 8, device=KERNEL_DEVICE)
+    if not (INTERPRET or ON_GPU):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            AF.linear(q, q, q, backend="triton")
+        return
+    low = q.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float64 inputs"):
+        AF.linear(low, low, low, is_causal=True, backend="triton")
+
+
+class _LargestFloatOutput(LargestOutput):
+    """Floating-point outputs only: the interpreter moves kernel arguments as uint8 byte copies."""
+
+    @staticmethod
+    def size(t):
+        return t.numel() if t.is_floating_point() else 0
+
+
+@needs_kernels
+def test_triton_causal_never_builds_prefix_sums_or_n_by_n():
+    # 8 chunks of 16 rows under the interpreter (2 of 64 on a GPU): the largest tensors are q-sized or
+    # the (N / chunk, D, Dv) states, never (N, N) weights or (N, D, Dv) prefix sums
+    n, d = 128, 16
+    q, k, v = (torch.randn(1, 1, n, d, device=KERNEL_DEVICE, requires_grad=True) for _ in range(3))
+    with _LargestFloatOutput() as mode:
+        out = AF.linear(q, k, v, is_causal=True, backend="triton")
+        out.sum().backward()
+    assert mode.largest <= max(n * d, (n // 16) * d * d) < min(n * n, n * d * d) // 2

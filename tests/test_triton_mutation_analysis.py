@@ -20,7 +20,7 @@ from attnzoo.ops.triton_utils import HAVE_TRITON
 
 ROOT = Path(__file__).resolve().parents[1]
 S, P, SK = "attnzoo.ops.softmax.triton_kernels", "attnzoo.ops.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
-L, O = "attnzoo.ops.linear.triton", "attnzoo.ops.ot.triton"
+L, O = "attnzoo.ops.linear.chunk_kernels", "attnzoo.ops.ot.triton"
 OUTPUTS = {
     f"{S}.softmax_fwd_kernel": {"O", "LSE"},
     f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT", "DPREF", "DTABLE"},
@@ -34,9 +34,12 @@ OUTPUTS = {
     f"{SK}._grad_v_kernel": {"DVOUT", "DG"},
     f"{SK}._grad_q_kernel": {"DQ"},
     f"{SK}._grad_k_kernel": {"DK"},
-    f"{L}._fwd_kernel": {"O"},
-    f"{L}._dq_kernel": {"DQ"},
-    f"{L}._dkv_kernel": {"DK", "DV_", "DS0"},
+    f"{L}._states_kernel": {"HS", "ZS"},
+    f"{L}._output_kernel": {"O", "RDEN"},
+    f"{L}._normaliser_grad_kernel": {"CG"},
+    f"{L}._reverse_states_kernel": {"DHS", "DZS"},
+    f"{L}._dv_kernel": {"DV_OUT"},
+    f"{L}._dqk_kernel": {"DQ", "DK"},
     f"{O}._lse_kernel": {"LSE"},
     f"{O}._w_kernel": {"W"},
     f"{O}._g_kernel": {"GIJ"},

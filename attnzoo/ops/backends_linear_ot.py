@@ -17,21 +17,11 @@ import torch
 
 from .dispatch import register_backend
 from .linear.cpu import linear_attention_cpu, supports_linear_fused
-from .linear.triton import device_reason, linear_attention_triton
+from .linear.triton import device_reason, dtype_reason as _linear_dtypes, linear_attention_triton
 from .ot.cpu import ot_attention_cpu
 from .ot.factorised import supports_ot_fused
-from .ot.triton import ot_attention_triton
+from .ot.triton import ot_attention_triton, supports_ot_triton
 from .triton_utils import eager_under_interpreter
-
-
-MAX_LINEAR_HEAD_DIM = 256   # the (D, Dv + 1) state of the linear kernels lives in registers
-
-
-def _linear_head_dims(q, k, v, **kw):
-    if max(q.shape[-1], v.shape[-1] + 1) > MAX_LINEAR_HEAD_DIM:
-        return (f"the Triton linear kernels keep a (D, Dv + 1) state in registers: D and Dv + 1 must be "
-                f"<= {MAX_LINEAR_HEAD_DIM}, got D={q.shape[-1]}, Dv={v.shape[-1]} (use backend='cpu')")
-    return None
 
 
 # Below these sizes of the reference's (B*H, Nq, Nk, |A|) cube auto keeps the eager reference on CPU.
@@ -79,15 +69,17 @@ def _supports_triton(*reasons):
 
 register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear_fused, priority=10,
                  description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
-register_backend("linear", "triton", eager_under_interpreter(linear_attention_triton), supports=_supports_triton(supports_linear_fused, _linear_head_dims),
-                 priority=20, auto_devices=("cuda",),
-                 description="Triton chunked causal linear attention, fp32 state, forward and backward")
+register_backend("linear", "triton", eager_under_interpreter(linear_attention_triton),
+                 supports=_supports_triton(supports_linear_fused, _linear_dtypes), priority=20, auto_devices=("cuda",),
+                 description="Triton causal linear attention, chunked parallel form (tensor-core chunks, fp32 "
+                             "state scan), forward and backward")
 register_backend("ot", "cpu", ot_attention_cpu, supports=supports_ot_fused, priority=10,
                  auto_prefers=_ot_cpu_auto_prefers,
                  description="OT attention as matmuls (separable softmax) + exact tiles where that underflows; "
                              "never (Nq, Nk, |A|), recompute in backward; auto picks it on CPU from "
                              f"B*H*Nq*Nk*|A| >= {OT_CPU_MIN_CUBE} ({OT_CPU_MIN_CUBE_SINGLE_QUERY} for one "
                              "query), where it was measured faster than the reference")
-register_backend("ot", "triton", eager_under_interpreter(ot_attention_triton), supports=_supports_triton(supports_ot_fused),
+register_backend("ot", "triton", ot_attention_triton, supports=supports_ot_triton,
                  priority=20, auto_devices=("cuda",),
-                 description="Triton OT attention: streaming logsumexp over A, forward and backward")
+                 description="Triton OT attention as tensor-core matmuls of stabilised exponentials (exact per-pair "
+                             "fallback where the shift underflows), forward and backward, chunked over batch x heads")

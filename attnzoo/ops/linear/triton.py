@@ -1,13 +1,22 @@
-"""Chunked causal linear attention in Triton, forward and backward (readable twin: cpu.py).
+"""Causal linear attention in Triton: the chunked parallel form (kernels: chunk_kernels.py).
 
-One program per (batch, head) walks the sequence in chunks of CHUNK rows, keeping the state
-S = s0 + sum of earlier chunks' k^T v in fp32 registers (D x Dv; a wide v is split into column slices
-that fit, see ``causal_product``):
-    forward   o_c  = tril(q_c k_c^T) v_c + q_c S;                 S  += k_c^T v_c
-    backward  dq_c = tril(dO_c v_c^T) k_c + dO_c S^T               (forward walk, S as above)
-              dk_c = tril(dO_c v_c^T)^T q_c + v_c dS^T;
-              dv_c = tril(q_c k_c^T)^T dO_c + k_c dS;  dS += q_c^T dO_c   (backward walk, dS from later chunks)
-and ds0 is the final dS. Masks, feature maps, normalisation and Nq != Nk live in factorised.py.
+Chunks of C rows: inside a chunk a quadratic tril(phi(Q) phi(K)^T) V on the tensor cores, across chunks
+an fp32 state H_c = s0 + sum of earlier chunks' phi(K)^T V written by a scan (one program per
+(batch x head, state tile) walking the chunks), then one program per (batch x head, chunk, column tile)
+for the output: parallel over B x H x chunks, as flash-linear-attention's ``chunk_linear_attn``.
+The feature map, the scale, the elu/relu normaliser (fp32: phi(q_i) . z_c plus the intra-chunk row
+sums) and the identity map's 1/n_i are fused into the kernels, so the unmasked self-attention call
+reads q, k, v once and writes out: no fp32 copies of the inputs, no (N, D, Dv) prefix sums.
+The backward recomputes the states (memory: one (N/C, D, Dv) state buffer, never two at a time in
+the forward) and runs a reverse scan for the state gradients, then parallel dv and dq/dk kernels.
+
+Host-side (plain autograd, O(N D) work) are the rarer forms of ``reference.py``:
+- a key mask: phi(scale q) and exp(mask_j) keep_j phi(k_j) are computed here and handed to the kernels
+  as features (identity: with the 1/n_i of kept keys folded into q);
+- bottom-right causal with Nk > Nq: the first Nk - Nq keys are seen by every query, their
+  phi(K)^T V (fp32) is the initial state s0 (and their phi(K) sum the normaliser's z0);
+- Nq > Nk: the first Nq - Nk queries see no key and return zeros.
+Non-causal calls are two matmuls (factorised.py): there is nothing a kernel would save there.
 """
 from __future__ import annotations
 
@@ -15,17 +24,27 @@ import os
 
 import torch
 
-from .factorised import linear_attention_factorised
+from . import chunk_kernels as ck
+from .factorised import _causal_count, _key_weights, linear_attention_factorised
+from .reference import EPS, feature_map_fn
+from ..triton_utils import dot_precision
 
 try:
     import triton
-    import triton.language as tl
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CHUNK = 32
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FEATURES = {"elu": ck.FEATURE_ELU, "relu": ck.FEATURE_RELU, "identity": ck.FEATURE_NONE}
+
+# GPU tiles. CHUNK rows per chunk: the intra-chunk part costs C per row and the states N/C * D * Dv
+# memory traffic, 64 balances them for D = 64..128 (flash-linear-attention's choice too).
+CHUNK = 64
+# Under the interpreter: 16-row chunks and 16-wide head-dim tiles, so tiny test shapes still cross
+# several chunks (a partial last one) and, from D or Dv = 17 on, several tiles.
+INTERPRETER_TILE = 16
 
 
 def device_reason(q):
@@ -41,168 +60,204 @@ def device_reason(q):
     return None
 
 
-if HAVE_TRITON:
-    @triton.jit
-    def _tile(ptr, rows, cols, n_rows, n_cols, row_stride):
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
-
-    @triton.jit
-    def _fwd_kernel(Q, K, V, S0, O, N, D, DV,
-                    CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
-        rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
-        Q, K, V, O = Q + bh * N * D, K + bh * N * D, V + bh * N * DV, O + bh * N * DV
-        s = _tile(S0 + bh * D * DV, rd, rv, D, DV, DV).to(ACC)
-        causal = rc[:, None] >= rc[None, :]
-        for c0 in range(0, N, CHUNK):
-            rows = c0 + rc
-            q = _tile(Q, rows, rd, N, D, D)
-            k = _tile(K, rows, rd, N, D, D)
-            v = _tile(V, rows, rv, N, DV, DV)
-            a = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)
-            o = tl.dot(a.to(v.dtype), v, input_precision=PREC) + tl.dot(q, s.to(q.dtype), input_precision=PREC)
-            omask = (rows[:, None] < N) & (rv[None, :] < DV)
-            tl.store(O + rows[:, None] * DV + rv[None, :], o.to(O.dtype.element_ty), mask=omask)
-            s += tl.dot(tl.trans(k), v, input_precision=PREC)
-
-    @triton.jit
-    def _dq_kernel(Q, K, V, S0, DO, DQ, N, D, DV,
-                   CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
-        rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
-        K, V, DO, DQ = K + bh * N * D, V + bh * N * DV, DO + bh * N * DV, DQ + bh * N * D
-        s = _tile(S0 + bh * D * DV, rd, rv, D, DV, DV).to(ACC)
-        causal = rc[:, None] >= rc[None, :]
-        for c0 in range(0, N, CHUNK):
-            rows = c0 + rc
-            k = _tile(K, rows, rd, N, D, D)
-            v = _tile(V, rows, rv, N, DV, DV)
-            do = _tile(DO, rows, rv, N, DV, DV)
-            da = tl.where(causal, tl.dot(do, tl.trans(v), input_precision=PREC), 0.0)
-            dq = tl.dot(da.to(k.dtype), k, input_precision=PREC) + tl.dot(do, tl.trans(s.to(do.dtype)), input_precision=PREC)
-            tl.store(DQ + rows[:, None] * D + rd[None, :], dq.to(DQ.dtype.element_ty),
-                     mask=(rows[:, None] < N) & (rd[None, :] < D))
-            s += tl.dot(tl.trans(k), v, input_precision=PREC)
-
-    @triton.jit
-    def _dkv_kernel(Q, K, V, DO, DK, DV_, DS0, N, D, DV,
-                    CHUNK: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-        bh = tl.program_id(0).to(tl.int64)   # bh * N * D can pass 2^31 elements
-        rc, rd, rv = tl.arange(0, CHUNK), tl.arange(0, BD), tl.arange(0, BV)
-        Q, K, V, DO = Q + bh * N * D, K + bh * N * D, V + bh * N * DV, DO + bh * N * DV
-        DK, DV_ = DK + bh * N * D, DV_ + bh * N * DV
-        ds = tl.zeros((BD, BV), dtype=ACC)
-        causal = rc[:, None] >= rc[None, :]
-        n_chunks = tl.cdiv(N, CHUNK)
-        for idx in range(0, n_chunks):
-            rows = (n_chunks - 1 - idx) * CHUNK + rc
-            q = _tile(Q, rows, rd, N, D, D)
-            k = _tile(K, rows, rd, N, D, D)
-            v = _tile(V, rows, rv, N, DV, DV)
-            do = _tile(DO, rows, rv, N, DV, DV)
-            a = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)
-            da = tl.where(causal, tl.dot(do, tl.trans(v), input_precision=PREC), 0.0)
-            dk = tl.dot(tl.trans(da).to(q.dtype), q, input_precision=PREC) + tl.dot(v, tl.trans(ds.to(v.dtype)), input_precision=PREC)
-            dv = tl.dot(tl.trans(a).to(do.dtype), do, input_precision=PREC) + tl.dot(k, ds.to(k.dtype), input_precision=PREC)
-            tl.store(DK + rows[:, None] * D + rd[None, :], dk.to(DK.dtype.element_ty),
-                     mask=(rows[:, None] < N) & (rd[None, :] < D))
-            tl.store(DV_ + rows[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty),
-                     mask=(rows[:, None] < N) & (rv[None, :] < DV))
-            ds += tl.dot(tl.trans(q), do, input_precision=PREC)
-        tl.store(DS0 + bh * D * DV + rd[:, None] * DV + rv[None, :], ds.to(DS0.dtype.element_ty),
-                 mask=(rd[:, None] < D) & (rv[None, :] < DV))
+def dtype_reason(q, k, v, **kw):
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the Triton linear kernels take float16, bfloat16, float32 or float64 inputs, got {q.dtype}"
+    return None
 
 
-# shared memory for the pipelined chunk loads; the state's own trip into tl.dot (up to 64 KB, see
-# STATE_ELEMENTS) and the dot operands come on top (an H100 SM has 227 KB, an A100 163 KB)
-SHARED_BYTES = 64 * 1024
+def _pow2(n):
+    return max(16, triton.next_power_of_2(n))
 
 
-def _meta(d, dv, dtype, d_tiles, v_tiles):
-    """Kernel constants and launch options. One loop step loads ``d_tiles`` (CHUNK, BD) tiles and
-    ``v_tiles`` (CHUNK, BV) tiles (fwd: q, k | v; dq: k | v, dO; dkv: q, k | v, dO)."""
-    bd = max(16, triton.next_power_of_2(d))
-    bv = max(16, triton.next_power_of_2(dv))
-    # the factorised driver hands fp32 (or fp64) operands: IEEE products keep fp32 accuracy (no TF32)
-    # the state is fp32 (fp64 for fp64 inputs): summing N outer products in half precision drifts
-    acc = tl.float64 if dtype == torch.float64 else tl.float32
-    meta = dict(CHUNK=CHUNK, BD=bd, BV=bv, PREC="ieee", ACC=acc)
+def launch_config(d, dv, dtype):
+    """Per kernel: tile constexprs and launch options (fixed, chosen by the reasoning below; the
+    sm_90 build check, benchmarks/compile_triton_kernels.py, compiles exactly these).
+
+    - scans (``states``, ``reverse``): one program per (BK, BV) state tile walking the chunks; 64 x 64
+      fp32 is 32 registers a thread at 4 warps and makes 2 x 2 programs per head at D = Dv = 128;
+    - ``output`` and ``dv``: a (C, BV) accumulator plus the (C, C) weights; BV up to 128 for half
+      inputs so D = Dv = 128 computes the weights once per chunk (8 warps hold both);
+    - ``dqk``: three accumulators ((C, BK) dq, dk and the (C, C) weight gradient): 8 warps (at 4 the
+      fp32 and fp64 ones spilled);
+    fp32 inputs take exact fp32 products (CUDA cores unless TF32 is allowed) and fp64 inputs (tests)
+    fp64 ones: their dot operands live in registers, and 64-wide tiles spilled (sm_90 build check),
+    so both run 32-row chunks and 32-wide tiles.
+    """
     if INTERPRETED:
-        return meta
-    # On a GPU the (BD, BV) state lives in registers: 4 warps hold 64 x 128 (D = 64, Dv = 64 plus the
-    # normaliser's ones column); above that 8 warps halve it per thread. The software pipeline keeps
-    # num_stages copies of each step's loads in shared memory, beside the state's own trip through
-    # shared memory on its way into tl.dot: fewer copies for wide tiles.
-    per_stage = CHUNK * (d_tiles * bd + v_tiles * bv) * torch.finfo(dtype).bits // 8
-    meta["num_warps"] = 4 if bd * bv <= 64 * 128 else 8
-    meta["num_stages"] = max(1, min(3, SHARED_BYTES // per_stage))
-    return meta
+        t = INTERPRETER_TILE
+        tiles = dict(CHUNK=t, BK=t, BV=t)
+        return {**{name: dict(tiles) for name in ("states", "output", "reverse", "dv", "dqk")},
+                "grad": dict(CHUNK=t, BV=t)}
+    half = dtype in (torch.float16, torch.bfloat16)
+    chunk, width = (CHUNK, 64) if half else (32, 32)
+    bk, bv = min(width, _pow2(d)), min(width, _pow2(dv))
+    wide_v = min(128 if half else width, _pow2(dv))
+    scan = dict(CHUNK=chunk, BK=bk, BV=bv, num_warps=4, num_stages=2)
+    out = dict(CHUNK=chunk, BK=bk, BV=wide_v, num_warps=8 if chunk * wide_v > 64 * 64 else 4, num_stages=2)
+    return {
+        "states": scan, "reverse": dict(scan), "output": out, "dv": dict(out),
+        "dqk": dict(CHUNK=chunk, BK=bk, BV=bv, num_warps=8, num_stages=2),
+        "grad": dict(CHUNK=chunk, BV=bv, num_warps=4, num_stages=1),
+    }
 
 
-class _CausalProductTriton(torch.autograd.Function):
+def _flags(dtype):
+    """Constexprs shared by the kernels: fp64 accumulators, the interpreter's fp32 upcast of half
+    operands (its bf16 dot is wrong), the tl.dot precision for fp32 operands."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    prec = "ieee" if dtype == torch.float64 else dot_precision(dtype)
+    return dict(FP64=dtype == torch.float64, UPCAST=INTERPRETED and half, PREC=prec)
+
+
+def _bhn(t):
+    """(batch, head, row) strides of a (B, H, N, D) tensor; the kernels need unit column stride."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _device_index(t):
+    """For torch.cuda.device (a context dynamo traces; -1 for CPU tensors: no device change)."""
+    return t.device.index if t.is_cuda else -1
+
+
+def _unit_columns(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _states(k, v, s0, z0, scale, feature, normalised, cfg, flags):
+    """(HS, ZS): the state before every chunk (input dtype for half inputs: the dtype its matmul
+    operand takes anyway; fp32/fp64 otherwise) and the normaliser's z_c (accumulator dtype)."""
+    B, H, N, D = k.shape
+    DV = v.shape[-1]
+    c = cfg["states"]
+    acc = torch.float64 if flags["FP64"] else torch.float32
+    state_dtype = k.dtype if k.dtype in (torch.float16, torch.bfloat16) else acc
+    n_chunks = triton.cdiv(N, c["CHUNK"])
+    hs = torch.empty(B * H, n_chunks, D, DV, dtype=state_dtype, device=k.device)
+    zs = torch.empty(B * H, n_chunks, D if normalised else 0, dtype=acc, device=k.device)
+    dummy = k.new_empty(0, dtype=acc)
+    grid = (triton.cdiv(D, c["BK"]), triton.cdiv(DV, c["BV"]), B * H)
+    ck._states_kernel[grid](k, v, dummy if s0 is None else s0, dummy if z0 is None else z0, hs, zs,
+                            N, D, DV, H, scale, *_bhn(k), *_bhn(v), FEATURE=feature, NORMALISED=normalised,
+                            HAS_S0=s0 is not None, **flags, **c)
+    return hs, zs
+
+
+class _ChunkedCausalLinear(torch.autograd.Function):
+    """out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels) for q, k, v of
+    shape (B, H, N, .) with unit column stride; s0 (B, H, D, Dv) and z0 (B, H, D) in the accumulator
+    dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6."""
+
     @staticmethod
-    def forward(ctx, q, k, v, s0):
-        lead, n, d, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
-        qf, kf, vf = (t.reshape((-1,) + t.shape[-2:]).contiguous() for t in (q, k, v))
-        sf = s0.reshape((-1, d, dv)).contiguous()
-        out = torch.empty(qf.shape[:-1] + (dv,), dtype=q.dtype, device=q.device)
-        with torch.cuda.device_of(qf):   # launch on q's GPU, not the current one
-            _fwd_kernel[(qf.shape[0],)](qf, kf, vf, sf, out, n, d, dv,
-                                        **_meta(d, dv, qf.dtype, d_tiles=2, v_tiles=1))
-        ctx.save_for_backward(qf, kf, vf, sf)
-        ctx.shapes = (lead, n, d, dv)
-        return out.reshape(lead + (n, dv))
+    def forward(ctx, q, k, v, s0, z0, eps_bh, scale, feature, mode, count_offset):
+        B, H, N, D = q.shape
+        DV = v.shape[-1]
+        cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
+        normalised = mode == ck.MODE_NORMALISED
+        acc = torch.float64 if flags["FP64"] else torch.float32
+        out = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
+        rden = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
+        with torch.cuda.device(_device_index(q)):   # launch on q's GPU, not the current one
+            hs, zs = _states(k, v, s0, z0, scale, feature, normalised, cfg, flags)
+            c = cfg["output"]
+            grid = (triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            ck._output_kernel[grid](q, k, v, hs, zs, out, rden, rden if eps_bh is None else eps_bh, N, D, DV, H,
+                                    scale, count_offset, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode,
+                                    EPS_PER_HEAD=eps_bh is not None, **flags, **c)
+        ctx.save_for_backward(q, k, v, out, rden, s0, z0)
+        ctx.args = (scale, feature, mode, count_offset)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, sf = ctx.saved_tensors
-        lead, n, d, dv = ctx.shapes
-        do = dout.reshape(qf.shape[:-1] + (dv,)).contiguous().to(qf.dtype)
-        dq, dk, dvv, ds0 = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf), torch.empty_like(sf)
-        grid = (qf.shape[0],)
-        with torch.cuda.device_of(qf):
-            _dq_kernel[grid](qf, kf, vf, sf, do, dq, n, d, dv, **_meta(d, dv, qf.dtype, d_tiles=1, v_tiles=2))
-            _dkv_kernel[grid](qf, kf, vf, do, dk, dvv, ds0, n, d, dv, **_meta(d, dv, qf.dtype, d_tiles=2, v_tiles=2))
-        return (dq.reshape(lead + (n, d)), dk.reshape(lead + (n, d)), dvv.reshape(lead + (n, dv)),
-                ds0.reshape(lead + (d, dv)))
+        q, k, v, out, rden, s0, z0 = ctx.saved_tensors
+        scale, feature, mode, count_offset = ctx.args
+        B, H, N, D = q.shape
+        DV = v.shape[-1]
+        cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
+        normalised = mode == ck.MODE_NORMALISED
+        acc = torch.float64 if flags["FP64"] else torch.float32
+        do = dout.to(q.dtype).contiguous()
+        dummy = q.new_empty(0, dtype=acc)
+        dq = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
+        dk = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
+        dv = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
+        ds0 = None if s0 is None else torch.empty(B, H, D, DV, dtype=acc, device=q.device)
+        dz0 = None if z0 is None else torch.empty(B, H, D, dtype=acc, device=q.device)
+        with torch.cuda.device(_device_index(q)):
+            hs, zs = _states(k, v, s0, z0, scale, feature, normalised, cfg, flags)
+            cg = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
+            if normalised:
+                c = cfg["grad"]
+                ck._normaliser_grad_kernel[(triton.cdiv(N, c["CHUNK"]), B * H)](do, out, rden, cg, N, DV,
+                                                                                FP64=flags["FP64"], **c)
+            dhs, dzs = torch.empty_like(hs), torch.empty_like(zs)
+            c = cfg["reverse"]
+            grid = (triton.cdiv(D, c["BK"]), triton.cdiv(DV, c["BV"]), B * H)
+            ck._reverse_states_kernel[grid](q, do, rden, cg, dhs, dzs, dummy if ds0 is None else ds0,
+                                            dummy if dz0 is None else dz0, N, D, DV, H, scale, count_offset,
+                                            *_bhn(q), FEATURE=feature, MODE=mode, HAS_S0=s0 is not None,
+                                            **flags, **c)
+            c = cfg["dv"]
+            grid = (triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            ck._dv_kernel[grid](q, k, do, dhs, rden, dv, N, D, DV, H, scale, count_offset, *_bhn(q), *_bhn(k),
+                                FEATURE=feature, MODE=mode, **flags, **c)
+            c = cfg["dqk"]
+            grid = (triton.cdiv(D, c["BK"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            ck._dqk_kernel[grid](q, k, v, do, hs, zs, dhs, dzs, rden, cg, dq, dk, N, D, DV, H, scale, count_offset,
+                                 *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode, **flags, **c)
+        return dq, dk, dv, ds0, dz0, None, None, None, None, None
 
 
-# Elements of the padded (BD, BV) fp32 state one program keeps. On a GPU the state sits in registers and
-# passes through shared memory on its way into tl.dot: 128 x 128 (64 KB) fits everywhere, whereas
-# D = Dv = 128 plus the normaliser's ones column would pad to 128 x 256 and 256 x 256 would not fit at all.
-# An fp64 state (fp64 inputs) gets the same bytes, half the elements: with a full 128 x 128 fp64 state
-# the backward's _dkv_kernel needed 237568 bytes of shared memory, over sm_90's 232448 (compiled for
-# sm_90 by benchmarks/compile_triton_kernels.py, benchmarks/results/gpu/ptx_build_check.md).
-STATE_ELEMENTS = 128 * 128
-
-
-def value_columns(d, dv, itemsize=4):
-    """How many columns of v one kernel launch takes: all of them when the padded state of
-    ``itemsize``-byte elements fits in STATE_ELEMENTS fp32 elements' bytes (read per call), else a
-    power of two that does."""
-    budget = STATE_ELEMENTS * 4 // itemsize
-    bd = max(16, triton.next_power_of_2(d))
-    if bd * max(16, triton.next_power_of_2(dv)) <= budget:
-        return dv
-    return max(16, budget // bd)
-
-
-def causal_product(q, k, v, s0):
-    """q_i^T (s0 + sum_{j <= i} k_j v_j^T), the Triton twin of ``cpu.causal_product``. The product is
-    linear in the columns of v and s0, so a wide v runs as several launches on column slices (each
-    with its own state), concatenated; autograd sums their q and k gradients."""
-    s0 = s0.expand(q.shape[:-2] + s0.shape[-2:])
-    dv = v.shape[-1]
-    state_itemsize = 8 if q.dtype == torch.float64 else 4   # the ACC dtype of _meta
-    width = value_columns(q.shape[-1], dv, itemsize=state_itemsize)
-    if width >= dv:
-        return _CausalProductTriton.apply(q, k, v, s0)
-    return torch.cat([_CausalProductTriton.apply(q, k, v[..., c:c + width], s0[..., c:c + width])
-                      for c in range(0, dv, width)], dim=-1)
+def _causal(q, k, v, attn_mask, scale, feature_map):
+    nq, nk = q.shape[-2], k.shape[-2]
+    off = nk - nq
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    normalised = feature_map != "identity"
+    phi = feature_map_fn(feature_map)
+    # weight = exp(mask - shift) keep (shift = the largest finite mask entry, when factorised.py shifts)
+    weight, keep, *rest = _key_weights(attn_mask, nk, acc)
+    shift = rest[0] if rest else None
+    if q.dtype == torch.float64 and scale != 1.0:
+        q, scale = q * scale, 1.0          # the kernels take scale as an fp32 scalar
+    if weight is None:                     # the kernels apply phi, the normaliser or 1 / (i + offset)
+        q_in, k_in, kscale, feature = q, k, scale, FEATURES[feature_map]
+        mode = ck.MODE_NORMALISED if normalised else ck.MODE_COUNT
+        k_prefix = phi(k[..., :max(off, 0), :].to(acc)) if off > 0 else None
+    else:                                  # features with the key weights (and 1/n_i) computed here
+        fq = phi(q.to(acc) * scale)
+        fk = phi(k.to(acc)) * weight
+        if not normalised:
+            fq = fq / _causal_count(keep, nq, nk, acc, q.device).clamp_min(1.0)
+        q_in, k_in, kscale, feature = fq.to(q.dtype), fk.to(q.dtype), 1.0, ck.FEATURE_NONE
+        mode = ck.MODE_NORMALISED if normalised else ck.MODE_PLAIN
+        k_prefix = fk[..., :off, :] if off > 0 else None
+    eps_bh = None
+    if shift is not None and normalised:
+        # num e^-shift / (den e^-shift + EPS e^-shift); the floor keeps a row whose keys are all masked
+        # at 0 / eps (out 0, finite gradients) where EPS e^-shift underflows
+        eps = (EPS * torch.exp(-shift.to(acc))).clamp_min(torch.finfo(acc).tiny ** 0.5)
+        eps_bh = eps.expand(q.shape[:2] + (1, 1)).reshape(-1).contiguous()
+    s0 = z0 = None
+    if off > 0:                            # keys every query sees: the initial state
+        with torch.autocast(q.device.type, enabled=False):
+            s0 = (k_prefix.transpose(-1, -2) @ v[..., :off, :].to(acc)).contiguous()
+        z0 = k_prefix.sum(-2).contiguous() if normalised else None
+        k_in, v = k_in[..., off:, :], v[..., off:, :]
+    elif off < 0:                          # queries that see no key
+        q_in = q_in[..., -off:, :]
+    q_in, k_in, v = (_unit_columns(t) for t in (q_in, k_in, v))
+    out = _ChunkedCausalLinear.apply(q_in, k_in, v, s0, z0, eps_bh, float(kscale), feature, mode, 1 + max(off, 0))
+    if shift is not None and not normalised:
+        out = (out.to(acc) * torch.exp(shift)).to(q.dtype)
+    if off < 0:
+        out = torch.cat([out.new_zeros(out.shape[:-2] + (-off, out.shape[-1])), out], dim=-2)
+    return out
 
 
 def linear_attention_triton(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, feature_map="elu",
                             dropout_p=0.0):
-    return linear_attention_factorised(causal_product, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                       scale=scale, feature_map=feature_map)
+    if not is_causal:
+        return linear_attention_factorised(None, q, k, v, attn_mask=attn_mask, scale=scale,
+                                           feature_map=feature_map)
+    return _causal(q, k, v, attn_mask, scale, feature_map)

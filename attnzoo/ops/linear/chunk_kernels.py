@@ -1,0 +1,329 @@
+"""Triton kernels of causal linear attention in the chunked parallel form (host code: triton.py).
+
+With phi the feature map (applied in the kernels to scale * q and to k), rows cut into chunks of C,
+H_c = s0 + sum of phi(k_j) v_j^T over the keys before chunk c (fp32 sums) and z_c the same sum of phi(k_j):
+
+    num_i = phi(q_i) H_c + sum_{j in c, j <= i} (phi(q_i) . phi(k_j)) v_j           (i in chunk c)
+    out_i = num_i * r_i,  r_i = 1 / (phi(q_i) . z_c + sum_{j in c, j <= i} phi(q_i) . phi(k_j) + eps)    (MODE 2)
+                          r_i = 1 / (i + count_offset)                                           (MODE 1)
+                          r_i = 1                                                                 (MODE 0)
+
+Forward: ``_states_kernel`` scans the chunks of one (batch, head) and writes every H_c (and z_c);
+``_output_kernel`` then runs one program per (chunk, column tile, batch x head): the intra-chunk
+quadratic part and phi(q) H_c are matmuls on the tensor cores. The backward mirrors it:
+``_reverse_states_kernel`` writes dH_c = sum over later chunks of (r phi(q))^T dO (and dz_c, the
+normaliser's), ``_dv_kernel`` and ``_dqk_kernel`` are parallel over chunks again. With
+c_i = -r_i (dO_i . out_i) (``_normaliser_grad_kernel``, MODE 2), the gradient of the intra-chunk
+weights is dA_ij = r_i dO_i . v_j + c_i for j <= i, and
+
+    dphi(q)_c = dA phi(k)_c + r (dO H_c^T) + c z_c^T,     dphi(k)_c = dA^T phi(q)_c + v dH_c^T + 1 dz_c^T,
+    dv_c = (r-scaled tril(phi(q) phi(k)^T))^T dO + phi(k) dH_c.
+
+Precision: operands go to tl.dot in the input dtype (bf16/fp16 on the tensor cores), every
+accumulator and carried state is fp32 (fp64 for fp64 inputs, FP64), built from explicit dtypes and
+never from a pointer's element type (bf16 pointers under autocast must not make bf16 loop variables).
+"""
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+FEATURE_NONE, FEATURE_ELU, FEATURE_RELU = 0, 1, 2
+MODE_PLAIN, MODE_COUNT, MODE_NORMALISED = 0, 1, 2
+EPS = 1e-6
+
+if HAVE_TRITON:
+    from ..triton_utils import mm
+
+    @triton.jit
+    def _wide(x, FP64: tl.constexpr):
+        """x in the accumulator dtype."""
+        if FP64:
+            y = x.to(tl.float64)
+        else:
+            y = x.to(tl.float32)
+        return y
+
+    @triton.jit
+    def _load(ptr, rows, cols, n_rows, n_cols, row_stride):
+        """(rows, cols) tile of a row-major matrix (unit column stride); zeros out of bounds."""
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _load_t(ptr, rows, cols, n_rows, n_cols, row_stride):
+        """The transposed (cols, rows) tile of the same matrix."""
+        mask = (rows[None, :] < n_rows) & (cols[:, None] < n_cols)
+        return tl.load(ptr + rows[None, :] * row_stride + cols[:, None], mask=mask, other=0.0)
+
+    @triton.jit
+    def _features(x, valid, scale, FEATURE: tl.constexpr, FP64: tl.constexpr):
+        """phi(scale * x) in the accumulator dtype, exactly 0 off ``valid`` (padding: elu's phi(0) = 1
+        would otherwise add phantom keys and head dims)."""
+        x = _wide(x, FP64) * scale
+        if FEATURE == 1:
+            f = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+        elif FEATURE == 2:
+            f = tl.maximum(x, 0.0)
+        else:
+            f = x
+        return tl.where(valid, f, 0.0)
+
+    @triton.jit
+    def _feature_slope(x, scale, FEATURE: tl.constexpr, FP64: tl.constexpr):
+        """d phi(scale * x) / dx."""
+        x = _wide(x, FP64) * scale
+        if FEATURE == 1:
+            s = tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+        elif FEATURE == 2:
+            s = tl.where(x > 0, 1.0, 0.0)
+        else:
+            s = x * 0.0 + 1.0
+        return s * scale
+
+    @triton.jit
+    def _row_scale(RDEN, rows, N, count_offset, MODE: tl.constexpr, FP64: tl.constexpr):
+        """r_i per query row (see the module docstring); 0 on padding rows."""
+        valid = rows < N
+        if MODE == 2:
+            r = _wide(tl.load(RDEN + rows, mask=valid, other=0.0), FP64)
+        elif MODE == 1:
+            r = 1.0 / _wide(tl.maximum(rows + count_offset, 1), FP64)
+        else:
+            r = _wide(rows * 0 + 1, FP64)
+        return tl.where(valid, r, 0.0)
+
+    @triton.jit
+    def _states_kernel(K, V, S0, Z0, HS, ZS, N, D, DV, H, scale,
+                       stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                       CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
+                       NORMALISED: tl.constexpr, HAS_S0: tl.constexpr, FP64: tl.constexpr,
+                       UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """HS[bh, c] = H_c (the (BK, BV) tile of this program), ZS[bh, c] = z_c: a scan over the chunks."""
+        pk, pv, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        b, h = bh // H, bh % H
+        K += b * stride_kb + h * stride_kh
+        V += b * stride_vb + h * stride_vh
+        rk, rv, rc = pk * BK + tl.arange(0, BK), pv * BV + tl.arange(0, BV), tl.arange(0, CHUNK)
+        state = _wide(tl.zeros((BK, BV), dtype=tl.float32), FP64)
+        zsum = _wide(tl.zeros((BK,), dtype=tl.float32), FP64)
+        if HAS_S0:
+            state += _wide(_load(S0 + bh * D * DV, rk, rv, D, DV, DV), FP64)
+            if NORMALISED:
+                zsum += _wide(tl.load(Z0 + bh * D + rk, mask=rk < D, other=0.0), FP64)
+        n_chunks = tl.cdiv(N, CHUNK)
+        HS += bh * n_chunks * D * DV
+        ZS += bh * n_chunks * D
+        state_mask = (rk[:, None] < D) & (rv[None, :] < DV)
+        for c in range(0, n_chunks):
+            tl.store(HS + c * D * DV + rk[:, None] * DV + rv[None, :], state.to(HS.dtype.element_ty),
+                     mask=state_mask)
+            if NORMALISED:   # every column tile carries z; the first one writes it
+                tl.store(ZS + c * D + rk, zsum, mask=(rk < D) & (pv == 0))
+            rows = c * CHUNK + rc
+            kt = _load_t(K, rows, rk, N, D, stride_kn)                                # (BK, CHUNK)
+            fkt = _features(kt, (rows[None, :] < N) & (rk[:, None] < D), 1.0, FEATURE, FP64)
+            v = _load(V, rows, rv, N, DV, stride_vn)                                  # (CHUNK, BV)
+            state += mm(fkt.to(v.dtype), v, UPCAST, PREC)
+            if NORMALISED:
+                zsum += tl.sum(fkt, 1)
+
+    @triton.jit
+    def _output_kernel(Q, K, V, HS, ZS, O, RDEN, EPS_BH, N, D, DV, H, scale, count_offset,
+                       stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                       stride_vb, stride_vh, stride_vn,
+                       CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
+                       MODE: tl.constexpr, EPS_PER_HEAD: tl.constexpr, FP64: tl.constexpr,
+                       UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """out for one chunk and one (CHUNK, BV) column tile; RDEN (MODE 2) gets r for the backward.
+        EPS_PER_HEAD: the normaliser's 1e-6 comes per batch x head from EPS_BH (a float key mask's
+        weights are exp(mask - shift), so its epsilon is 1e-6 exp(-shift))."""
+        pv, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        b, h = bh // H, bh % H
+        Q += b * stride_qb + h * stride_qh
+        K += b * stride_kb + h * stride_kh
+        V += b * stride_vb + h * stride_vh
+        n_chunks = tl.cdiv(N, CHUNK)
+        HS += (bh * n_chunks + c) * D * DV
+        ZS += (bh * n_chunks + c) * D
+        rc, rv = tl.arange(0, CHUNK), pv * BV + tl.arange(0, BV)
+        rows = c * CHUNK + rc
+        acc = _wide(tl.zeros((CHUNK, BV), dtype=tl.float32), FP64)
+        scores = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)
+        den = _wide(tl.zeros((CHUNK,), dtype=tl.float32), FP64)
+        for d0 in range(0, D, BK):
+            rk = d0 + tl.arange(0, BK)
+            q = _load(Q, rows, rk, N, D, stride_qn)
+            fq = _features(q, (rows[:, None] < N) & (rk[None, :] < D), scale, FEATURE, FP64)
+            kt = _load_t(K, rows, rk, N, D, stride_kn)
+            fkt = _features(kt, (rows[None, :] < N) & (rk[:, None] < D), 1.0, FEATURE, FP64)
+            state = _load(HS, rk, rv, D, DV, DV)
+            fq_op = fq.to(q.dtype)
+            acc += mm(fq_op, state.to(q.dtype), UPCAST, PREC)
+            scores += mm(fq_op, fkt.to(q.dtype), UPCAST, PREC)
+            if MODE == 2:
+                z = _wide(tl.load(ZS + rk, mask=rk < D, other=0.0), FP64)
+                den += tl.sum(fq * z[None, :], 1)
+        v = _load(V, rows, rv, N, DV, stride_vn)
+        # the weights as the tensor cores see them; the normaliser sums the same rounded weights
+        weights = tl.where(rc[:, None] >= rc[None, :], scores, 0.0).to(v.dtype)
+        acc += mm(weights, v, UPCAST, PREC)
+        if MODE == 2:
+            if EPS_PER_HEAD:
+                eps = _wide(tl.load(EPS_BH + bh), FP64)
+            else:
+                eps = 1e-6
+            r = 1.0 / (den + tl.sum(_wide(weights, FP64), 1) + eps)
+            tl.store(RDEN + bh * N + rows, r, mask=(rows < N) & (pv == 0))
+        else:
+            r = _row_scale(RDEN, rows, N, count_offset, MODE, FP64)
+        out = acc * r[:, None]
+        tl.store(O + bh * N * DV + rows[:, None] * DV + rv[None, :], out.to(O.dtype.element_ty),
+                 mask=(rows[:, None] < N) & (rv[None, :] < DV))
+
+    @triton.jit
+    def _normaliser_grad_kernel(DO, O, RDEN, CG, N, DV,
+                                CHUNK: tl.constexpr, BV: tl.constexpr, FP64: tl.constexpr):
+        """CG_i = c_i = -r_i (dO_i . out_i): the gradient reaching the normaliser of row i (MODE 2)."""
+        c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        DO += bh * N * DV
+        O += bh * N * DV
+        dot = _wide(tl.zeros((CHUNK,), dtype=tl.float32), FP64)
+        for v0 in range(0, DV, BV):
+            rv = v0 + tl.arange(0, BV)
+            do = _wide(_load(DO, rows, rv, N, DV, DV), FP64)
+            o = _wide(_load(O, rows, rv, N, DV, DV), FP64)
+            dot += tl.sum(do * o, 1)
+        r = _wide(tl.load(RDEN + bh * N + rows, mask=rows < N, other=0.0), FP64)
+        tl.store(CG + bh * N + rows, -dot * r, mask=rows < N)
+
+    @triton.jit
+    def _reverse_states_kernel(Q, DO, RDEN, CG, DHS, DZS, DS0, DZ0, N, D, DV, H, scale, count_offset,
+                               stride_qb, stride_qh, stride_qn,
+                               CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
+                               MODE: tl.constexpr, HAS_S0: tl.constexpr, FP64: tl.constexpr,
+                               UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """DHS[bh, c] = dH_c, DZS[bh, c] = dz_c (sums over the chunks after c): a scan from the last chunk;
+        DS0 / DZ0 get the sums over every chunk (the gradient of the initial state)."""
+        pk, pv, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        b, h = bh // H, bh % H
+        Q += b * stride_qb + h * stride_qh
+        DO += bh * N * DV
+        rk, rv, rc = pk * BK + tl.arange(0, BK), pv * BV + tl.arange(0, BV), tl.arange(0, CHUNK)
+        dstate = _wide(tl.zeros((BK, BV), dtype=tl.float32), FP64)
+        dz = _wide(tl.zeros((BK,), dtype=tl.float32), FP64)
+        n_chunks = tl.cdiv(N, CHUNK)
+        DHS += bh * n_chunks * D * DV
+        DZS += bh * n_chunks * D
+        state_mask = (rk[:, None] < D) & (rv[None, :] < DV)
+        for i in range(0, n_chunks):
+            c = n_chunks - 1 - i
+            tl.store(DHS + c * D * DV + rk[:, None] * DV + rv[None, :], dstate.to(DHS.dtype.element_ty),
+                     mask=state_mask)
+            if MODE == 2:
+                tl.store(DZS + c * D + rk, dz, mask=(rk < D) & (pv == 0))
+            rows = c * CHUNK + rc
+            qt = _load_t(Q, rows, rk, N, D, stride_qn)                                # (BK, CHUNK)
+            fqt = _features(qt, (rows[None, :] < N) & (rk[:, None] < D), scale, FEATURE, FP64)
+            r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
+            do = _load(DO, rows, rv, N, DV, DV)
+            dstate += mm((fqt * r[None, :]).to(do.dtype), do, UPCAST, PREC)
+            if MODE == 2:
+                cg = _wide(tl.load(CG + bh * N + rows, mask=rows < N, other=0.0), FP64)
+                dz += tl.sum(fqt * cg[None, :], 1)
+        if HAS_S0:
+            tl.store(DS0 + bh * D * DV + rk[:, None] * DV + rv[None, :], dstate, mask=state_mask)
+            if MODE == 2:
+                tl.store(DZ0 + bh * D + rk, dz, mask=(rk < D) & (pv == 0))
+
+    @triton.jit
+    def _dv_kernel(Q, K, DO, DHS, RDEN, DV_OUT, N, D, DV, H, scale, count_offset,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
+                   MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """dv for one chunk and one column tile: (r-scaled causal weights)^T dO + phi(k) dH_c."""
+        pv, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        b, h = bh // H, bh % H
+        Q += b * stride_qb + h * stride_qh
+        K += b * stride_kb + h * stride_kh
+        n_chunks = tl.cdiv(N, CHUNK)
+        DHS += (bh * n_chunks + c) * D * DV
+        rc, rv = tl.arange(0, CHUNK), pv * BV + tl.arange(0, BV)
+        rows = c * CHUNK + rc
+        acc = _wide(tl.zeros((CHUNK, BV), dtype=tl.float32), FP64)
+        scores_t = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)   # [j, i] = phi(k_j) . phi(q_i)
+        for d0 in range(0, D, BK):
+            rk = d0 + tl.arange(0, BK)
+            k = _load(K, rows, rk, N, D, stride_kn)
+            fk = _features(k, (rows[:, None] < N) & (rk[None, :] < D), 1.0, FEATURE, FP64).to(k.dtype)
+            qt = _load_t(Q, rows, rk, N, D, stride_qn)
+            fqt = _features(qt, (rows[None, :] < N) & (rk[:, None] < D), scale, FEATURE, FP64)
+            dstate = _load(DHS, rk, rv, D, DV, DV)
+            acc += mm(fk, dstate.to(k.dtype), UPCAST, PREC)
+            scores_t += mm(fk, fqt.to(k.dtype), UPCAST, PREC)
+        r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
+        do = _load(DO + bh * N * DV, rows, rv, N, DV, DV)
+        weights_t = tl.where(rc[None, :] >= rc[:, None], scores_t * r[None, :], 0.0)
+        acc += mm(weights_t.to(do.dtype), do, UPCAST, PREC)
+        tl.store(DV_OUT + bh * N * DV + rows[:, None] * DV + rv[None, :], acc.to(DV_OUT.dtype.element_ty),
+                 mask=(rows[:, None] < N) & (rv[None, :] < DV))
+
+    @triton.jit
+    def _dqk_kernel(Q, K, V, DO, HS, ZS, DHS, DZS, RDEN, CG, DQ, DK, N, D, DV, H, scale, count_offset,
+                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn,
+                    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
+                    MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """dq and dk for one chunk and one (CHUNK, BK) head-dim tile."""
+        pk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        b, h = bh // H, bh % H
+        Q += b * stride_qb + h * stride_qh
+        K += b * stride_kb + h * stride_kh
+        V += b * stride_vb + h * stride_vh
+        DO += bh * N * DV
+        n_chunks = tl.cdiv(N, CHUNK)
+        HS += (bh * n_chunks + c) * D * DV
+        DHS += (bh * n_chunks + c) * D * DV
+        rc, rk = tl.arange(0, CHUNK), pk * BK + tl.arange(0, BK)
+        rows = c * CHUNK + rc
+        dfq = _wide(tl.zeros((CHUNK, BK), dtype=tl.float32), FP64)
+        dfk = _wide(tl.zeros((CHUNK, BK), dtype=tl.float32), FP64)
+        dscores = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)   # [i, j] = dO_i . v_j
+        for v0 in range(0, DV, BV):
+            rv = v0 + tl.arange(0, BV)
+            do = _load(DO, rows, rv, N, DV, DV)
+            v = _load(V, rows, rv, N, DV, stride_vn)
+            state_t = _load_t(HS, rk, rv, D, DV, DV)                             # (BV, BK) = H_c^T
+            dstate_t = _load_t(DHS, rk, rv, D, DV, DV)
+            dscores += mm(do, tl.trans(v).to(do.dtype), UPCAST, PREC)
+            dfq += mm(do, state_t.to(do.dtype), UPCAST, PREC)
+            dfk += mm(v.to(do.dtype), dstate_t.to(do.dtype), UPCAST, PREC)
+        r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
+        dscores = dscores * r[:, None]
+        dfq = dfq * r[:, None]
+        if MODE == 2:
+            cg = _wide(tl.load(CG + bh * N + rows, mask=rows < N, other=0.0), FP64)
+            dscores += cg[:, None]
+            z = _wide(tl.load(ZS + (bh * n_chunks + c) * D + rk, mask=rk < D, other=0.0), FP64)
+            dz = _wide(tl.load(DZS + (bh * n_chunks + c) * D + rk, mask=rk < D, other=0.0), FP64)
+            dfq += cg[:, None] * z[None, :]
+            dfk += dz[None, :]
+        dscores = tl.where((rc[:, None] >= rc[None, :]) & (rows[:, None] < N), dscores, 0.0)
+        valid = (rows[:, None] < N) & (rk[None, :] < D)
+        q = _load(Q, rows, rk, N, D, stride_qn)
+        k = _load(K, rows, rk, N, D, stride_kn)
+        fq = _features(q, valid, scale, FEATURE, FP64).to(q.dtype)
+        fk = _features(k, valid, 1.0, FEATURE, FP64).to(k.dtype)
+        ds_op = dscores.to(q.dtype)
+        dfq += mm(ds_op, fk, UPCAST, PREC)
+        dfk += mm(tl.trans(ds_op), fq, UPCAST, PREC)
+        dq = dfq * _feature_slope(q, scale, FEATURE, FP64)
+        dk = dfk * _feature_slope(k, 1.0, FEATURE, FP64)
+        offs = bh * N * D + rows[:, None] * D + rk[None, :]
+        tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=valid)
+        tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=valid)
