@@ -215,6 +215,22 @@ def test_triton_widest_head_dims_on_gpu():
     _check_kernel("relu", True, 70, 70, None, torch.float32, B=1, H=2, D=256, Dv=255, scale=1 / 16)
 
 
+@needs_kernels
+def test_triton_under_autocast():
+    # q, k, v from an autocast matmul are bf16 strided views (the kernels take row strides, no copies);
+    # Nk > Nq adds the host's prefix state, an fp32 matmul inside the autocast region
+    x = torch.randn(1, 40, 16, device=KERNEL_DEVICE)
+    proj = torch.nn.Linear(16, 3 * 16, device=KERNEL_DEVICE)
+    with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):
+        q, k, v = proj(x).view(1, 40, 3, 2, 8).permute(2, 0, 3, 1, 4)   # three (B, H, N, 8) views
+        out = AF.linear(q[..., 19:, :], k, v, is_causal=True, backend="triton")
+    assert out.dtype == torch.bfloat16
+    ref = _expected(q[..., 19:, :].detach().cpu(), k.detach().cpu(), v.detach().cpu(), None, True, "elu", 1.0)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_triton_under_autocast_on_gpu():
