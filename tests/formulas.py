@@ -33,8 +33,11 @@ def _normalise_rows(w):
 
 
 def _softmax_allowed(logits, allow):
-    m = torch.where(allow, logits, torch.full_like(logits, -1e300)).amax(-1, keepdim=True)
-    w = torch.where(allow, torch.exp(logits - m), torch.zeros_like(logits))
+    m = torch.where(allow, logits, torch.full_like(logits, -1e300)).amax(-1, keepdim=True).detach()
+    # exp only of allowed entries: exp(logit + 1e300) on a row with no key would be inf, and its
+    # gradient, though not selected, would turn into NaN through torch.where
+    shifted = torch.where(allow, logits - m, torch.zeros_like(logits))
+    w = torch.where(allow, torch.exp(shifted), torch.zeros_like(logits))
     return _normalise_rows(w)
 
 

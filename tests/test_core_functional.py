@@ -109,13 +109,21 @@ def test_matches_formula(variant, shape, mask_kind, dtype):
 
 
 def test_fully_masked_rows_are_zero_for_every_variant():
+    """A row with no key: output 0, and no gradient reaches its query; the other rows' gradients are
+    finite (a NaN there would come from exp(-inf - -inf) in the masked row)."""
     q, k, v = torch.randn(B, H, 3, D), torch.randn(B, H, 5, D), torch.randn(B, H, 5, DV)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     mask[..., 1, :] = False
     for name, (call, _) in VARIANTS.items():
-        out = call(q.clone().requires_grad_(), k, v, mask, False)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = call(*leaves, mask, False)
         assert torch.equal(out[..., 1, :], torch.zeros_like(out[..., 1, :])), name
-        out.sum().backward()
+        out.square().sum().backward()
+        dq = leaves[0].grad
+        assert torch.equal(dq[..., 1, :], torch.zeros_like(dq[..., 1, :])), name
+        assert dq[..., [0, 2], :].abs().sum() > 0, name  # the other rows do get a gradient
+        for t in leaves:
+            assert torch.isfinite(t.grad).all(), name
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if not v.startswith("ot")])

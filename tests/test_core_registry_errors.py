@@ -124,6 +124,23 @@ BAD = [
                                                           key_padding_mask=torch.zeros(3, 2, dtype=torch.bool)),
      ValueError, "key_padding_mask"),
     ("masked kind", lambda: attnzoo.create("masked(kind='nope')", 32), ValueError, "kind"),
+    # strings and bools where numbers / flags belong are refused, not converted
+    ("scale str", lambda: AF.softmax(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), scale="0.5"), TypeError, "scale"),
+    ("is_causal str", lambda: AF.softmax(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), is_causal="no"), TypeError,
+     "is_causal"),
+    ("is_causal int", lambda: AF.relu(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), is_causal=1), TypeError, "is_causal"),
+    ("bias str", lambda: AF.sigmoid(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), bias="-1"), TypeError, "bias"),
+    ("eps str", lambda: AF.sinkhorn(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), eps="1"), TypeError, "eps"),
+    ("alpha bool", lambda: AF.fenchel(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), alpha=True), TypeError, "alpha"),
+    ("dropout str", lambda: AF.softmax(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), dropout_p="0.1"), TypeError, "dropout_p"),
+    ("ot scale 0", lambda: AF.ot(t(1, 1, 3, 4), t(1, 1, 3, 4), t(1, 1, 3, 4), scale=0), ValueError, "scale must be nonzero"),
+    ("layer bias str", lambda: attnzoo.create("sigmoid", 16, num_heads=2, bias="-1"), TypeError, "bias"),
+    ("layer feature size", lambda: attnzoo.create("softmax", 32)(torch.randn(2, 5, 16)), ValueError,
+     r"SoftmaxAttention: x must have shape \(B, N, dim=32\), got \(2, 5, 16\)"),
+    ("layer dtype", lambda: attnzoo.create("relu", 32)(torch.randn(2, 5, 32, dtype=torch.float64)), TypeError,
+     "ReLUAttention: x must have the layer's dtype torch.float32"),
+    ("layer int input", lambda: attnzoo.create("linear", 32)(torch.ones(2, 5, 32, dtype=torch.long)), TypeError,
+     "LinearAttention: x must have the layer's dtype"),
 ]
 
 
@@ -132,6 +149,20 @@ def test_bad_input_raises_naming_the_argument(case):
     _, fn, exc, match = case
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_layer_takes_any_float_input_under_autocast():
+    layer = attnzoo.create("softmax", 16, num_heads=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(2, 5, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_numbers_and_flags_of_other_types_are_accepted():
+    import numpy as np
+    q = t(1, 1, 3, 4)
+    ref = AF.softmax(q, q, q, is_causal=True, scale=0.5)
+    torch.testing.assert_close(AF.softmax(q, q, q, is_causal=np.bool_(True), scale=np.float32(0.5)), ref)
+    torch.testing.assert_close(AF.sigmoid(q, q, q, bias=-1), AF.sigmoid(q, q, q, bias=-1.0))
 
 
 def test_module_init_default_norm_layer_for_qk_norm():

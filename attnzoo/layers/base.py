@@ -82,8 +82,7 @@ class AttentionLayer(nn.Module):
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 **extra) -> torch.Tensor:
-        if x.dim() != 3:
-            raise ValueError(f"x must have shape (B, N, dim), got {tuple(x.shape)}")
+        self._check_input(x)
         B, N, _ = x.shape
         attn_mask = _heads_mask(attn_mask)
         q, k, v = self.project_qkv(x)
@@ -93,6 +92,20 @@ class AttentionLayer(nn.Module):
         if self.gate is not None:
             out = out * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(out))
+
+    def _check_input(self, x) -> None:
+        """x must be (B, N, dim) in the weights' dtype (any dtype under autocast) and on their device:
+        say so naming this layer, instead of letting the qkv matmul fail with torch's shape message."""
+        name, dim, w = type(self).__name__, self.qkv.in_features, self.qkv.weight
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: x must be a torch.Tensor of shape (B, N, dim={dim}), got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != dim:
+            raise ValueError(f"{name}: x must have shape (B, N, dim={dim}), got {tuple(x.shape)}")
+        if x.dtype != w.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+            raise TypeError(f"{name}: x must have the layer's dtype {w.dtype}, got {x.dtype} (cast x or the layer "
+                            f"with .to(), or run under torch.autocast)")
+        if x.device != w.device:
+            raise ValueError(f"{name}: x must be on the layer's device {w.device}, got {x.device}")
 
     def extra_repr(self) -> str:
         kw = ", ".join(f"{k}={v!r}" for k, v in self.kernel_kwargs().items() if not isinstance(v, torch.Tensor))

@@ -54,7 +54,7 @@ class SigmoidAttention(AttentionLayer):
 
     def __init__(self, dim, num_heads=8, *args, bias=None, learnable_bias: bool = False, **kw):
         super().__init__(dim, num_heads, *args, **kw)
-        self.fixed_bias = None if bias is None else float(bias)
+        self.fixed_bias = None if bias is None else V.check_real("bias", bias)
         self.bias_shift = torch.nn.Parameter(torch.zeros(num_heads)) if learnable_bias else None
 
     def kernel_kwargs(self):

@@ -100,6 +100,8 @@ class _Masks:
             for ks, ke in self.key_blocks(qs, qe, block_k):
                 drop = self.dropped(qs, qe, ks, ke, device)
                 kept = (~drop).sum(-1, keepdim=True, dtype=dtype)
+                if drop.shape[-1] != ke - ks:  # a mask broadcast along the keys: all of the block or none
+                    kept = kept * (ke - ks)
                 n[:, :, qs:qe] += kept
         return n
 

@@ -39,7 +39,8 @@ def split_mask(attn_mask, is_causal: bool, nq: int, nk: int, device=None):
             keep = attn_mask
         else:
             finite_or_pos = attn_mask > -math.inf
-            if not bool(finite_or_pos.all()):
+            # eager: no keep when nothing is masked; traced: always keep (no data-dependent branch)
+            if torch.compiler.is_compiling() or not bool(finite_or_pos.all()):
                 keep = finite_or_pos
             bias = torch.where(finite_or_pos, attn_mask, torch.zeros((), dtype=attn_mask.dtype,
                                                                       device=attn_mask.device))
@@ -58,6 +59,9 @@ def key_counts(keep, nk: int, like: torch.Tensor) -> torch.Tensor:
     """
     if keep is None:
         return torch.full((1,), float(nk), dtype=like.dtype, device=like.device)
+    if keep.dim() == 0 or keep.shape[-1] != nk:
+        # broadcast along the key axis (e.g. an (Nq, 1) mask): a row keeps all nk keys or none
+        return keep.reshape(keep.shape if keep.dim() else (1,)).to(like.dtype) * nk
     return keep.sum(-1, keepdim=True).to(like.dtype)
 
 
@@ -74,10 +78,17 @@ def masked_softmax(logits: torch.Tensor, keep) -> torch.Tensor:
 
 def safe_logsumexp(x: torch.Tensor, dim: int, empty_value: float = 0.0) -> torch.Tensor:
     """logsumexp over ``dim`` (keepdim) that returns ``empty_value`` where every entry is -inf,
-    with finite gradients there too (torch.logsumexp gives NaN gradients for such rows)."""
+    with finite gradients there too (torch.logsumexp gives NaN gradients for such rows). A NaN
+    entry gives NaN (it is not an empty row): NaN in the inputs propagates, it is never hidden."""
     m = x.amax(dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
     total = torch.exp(x - m).sum(dim, keepdim=True)
-    nonempty = total > 0
-    out = torch.log(torch.where(nonempty, total, torch.ones_like(total))) + m
-    return torch.where(nonempty, out, torch.full_like(out, empty_value))
+    empty = total == 0   # False for a NaN total, which then flows through log
+    out = torch.log(torch.where(empty, torch.ones_like(total), total)) + m
+    return torch.where(empty, torch.full_like(out, empty_value), out)
+
+
+def propagate_query_nan(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """out with NaN in every row whose query q_i holds a NaN: for kernels that would hide it (SDPA's
+    fused CPU kernel returns a zero row there, its running max skipping NaN scores). No host sync."""
+    return out.masked_fill(torch.isnan(q).any(-1, keepdim=True), math.nan)

@@ -1,9 +1,20 @@
-"""Input checks shared by every functional: errors name the argument and what was expected."""
+"""Input checks shared by every functional: errors name the argument and what was expected.
+
+Value checks (NaN / +inf in a mask or bias) read the tensor's data. They run in eager mode only
+(``torch.compiler.is_compiling()`` false, so ``torch.compile(fullgraph=True)`` traces no data-dependent
+branch) and only on the devices in ``VALUE_CHECK_DEVICES``: by default CPU. On CUDA the read would be
+a host sync on every attention call, stalling the launch queue of every layer of a model for a check
+that almost never fires, so it is off there; add "cuda" to ``VALUE_CHECK_DEVICES`` to debug a model
+on the GPU. Unchecked, a NaN in a mask gives backend-dependent output.
+"""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
+
+VALUE_CHECK_DEVICES = {"cpu"}
 
 
 def _shape(t) -> str:
@@ -66,19 +77,56 @@ def check_mask(attn_mask, q, k) -> None:
     check_broadcast("attn_mask", attn_mask, (B, H, Nq, k.shape[2]), q)
 
 
+def as_4d(t):
+    """t with leading size-1 dims up to 4 dims (a view, no copy); None stays None. Every backend
+    then receives masks, biases and preferences as (B|1, H|1, Nq|1, Nk|1)."""
+    if t is None or t.dim() >= 4:
+        return t
+    return t[(None,) * (4 - t.dim())]
+
+
+def check_values(name: str, t, what: str = "-inf (the key does not take part) but no NaN or +inf") -> None:
+    """ValueError if the float tensor ``t`` holds NaN or +inf (a mask or bias: such an entry has no
+    meaning and different kernels would turn it into different outputs). Eager mode and
+    VALUE_CHECK_DEVICES only: see the module docstring."""
+    if t is None or t.dtype == torch.bool or t.device.type not in VALUE_CHECK_DEVICES:
+        return
+    if torch.compiler.is_compiling():
+        return
+    t = t.detach()
+    if bool((t < math.inf).all()):  # False for NaN and +inf, True for finite and -inf
+        return
+    n_nan, n_inf = int(torch.isnan(t).sum()), int((t == math.inf).sum())
+    raise ValueError(f"{name} holds {n_nan} NaN and {n_inf} +inf entries; it may hold finite values and {what}")
+
+
+def check_real(name: str, value) -> float:
+    """A Python / numpy real number (not bool, str or Tensor) as a float."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool (Python or numpy): strings like 'no' or numbers are refused instead of read as truthy."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def resolve_scale(scale, q, default=None) -> float:
     if scale is None:
         return default if default is not None else 1.0 / math.sqrt(q.shape[-1])
     if isinstance(scale, torch.Tensor):
         raise TypeError("scale must be a Python float, got a Tensor")
-    scale = float(scale)
+    scale = check_real("scale", scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
 
 
 def check_positive(name: str, value, allow_zero: bool = False) -> float:
-    value = float(value)
+    value = check_real(name, value)
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be finite and {bound}, got {value}")
@@ -92,10 +140,9 @@ def check_choice(name: str, value, choices) -> str:
 
 
 def check_dropout(p) -> float:
-    try:
-        p = float(p)
-    except (TypeError, ValueError):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__} {p!r}") from None
+    if isinstance(p, (bool, str, torch.Tensor)) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__} {p!r}")
+    p = float(p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     return p

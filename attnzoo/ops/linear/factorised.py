@@ -30,17 +30,23 @@ def key_only_mask(attn_mask) -> bool:
 
 
 def _key_weights(attn_mask, nk, dtype):
-    """(weight (b, h, Nk, 1) or None, keep (b, h, 1, Nk) bool or None) from a key-only mask."""
+    """(weight (b, h, Nk, 1) or None, keep (b, h, 1, Nk) bool or None, shift (b, h, 1, 1) or None)
+    from a key-only mask. weight_j = exp(bias_j - shift) with shift = max_j bias_j, so a large float
+    mask cannot overflow exp; the caller multiplies exp(shift) back in."""
     if attn_mask is None:
-        return None, None
+        return None, None, None
     m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     keep, bias = split_mask(m, False, 1, nk, m.device)
-    weight = None
+    if keep is not None:  # a mask broadcast along the keys keeps all of them or none
+        keep = keep.expand(keep.shape[:-1] + (nk,))
+    weight = shift = None
     if bias is not None:
-        weight = torch.exp(bias.to(dtype))
+        bias = bias.to(dtype)
+        shift = bias.amax(-1, keepdim=True).detach()
+        weight = torch.exp(bias - shift)
     if keep is not None:
         weight = keep.to(dtype) if weight is None else weight.masked_fill(~keep, 0.0)
-    return (None if weight is None else weight.transpose(-1, -2)), keep
+    return (None if weight is None else weight.transpose(-1, -2)), keep, shift
 
 
 def _causal_count(keep, nq, nk, dtype, device):
@@ -70,15 +76,18 @@ def linear_attention_factorised(causal_product, q, k, v, *, attn_mask=None, is_c
     phi = feature_map_fn(feature_map)
     fq, fk = phi(q * scale), phi(k)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
-    weight, keep = _key_weights(attn_mask, nk, q.dtype)
+    weight, keep, shift = _key_weights(attn_mask, nk, q.dtype)
     if weight is not None:
         fk = fk * weight
     if feature_map != "identity":
+        # num e^-shift / (den e^-shift + EPS e^-shift), the last term floored where it underflows so a
+        # row of zero weights stays 0 with finite gradients
+        eps = EPS if shift is None else (EPS * torch.exp(-shift)).clamp_min(torch.finfo(q.dtype).tiny ** 0.5)
         if not is_causal:   # two matmuls, and a matrix-vector product for the normaliser
-            out = (fq @ (fk.transpose(-1, -2) @ v)) / (fq @ fk.sum(-2).unsqueeze(-1) + EPS)
+            out = (fq @ (fk.transpose(-1, -2) @ v)) / (fq @ fk.sum(-2).unsqueeze(-1) + eps)
         else:               # the ones column turns the numerator product into the denominator too
             num = _causal_numerator(causal_product, fq, fk, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
-            out = num[..., :dv] / (num[..., dv:] + EPS)
+            out = num[..., :dv] / (num[..., dv:] + eps)
         return out.to(out_dtype)
     if not is_causal:
         num = fq @ (fk.transpose(-1, -2) @ v)
@@ -87,4 +96,5 @@ def linear_attention_factorised(causal_product, q, k, v, *, attn_mask=None, is_c
     else:
         num = _causal_numerator(causal_product, fq, fk, v)
         count = _causal_count(keep, nq, nk, q.dtype, q.device)
-    return (num / count.clamp_min(1.0)).to(out_dtype)
+    out = num / count.clamp_min(1.0)
+    return (out if shift is None else out * torch.exp(shift)).to(out_dtype)

@@ -7,7 +7,8 @@ feature_map="identity" (paper 002 eq 2.2, unnormalised): out_i = (1/n_i) sum_j (
 
 There are no logits, so ``scale`` defaults to 1 (the formulas above) and, when given, multiplies q
 before the feature map. A float mask acts as a log-weight: a pair's weight is multiplied by
-exp(mask_ij), so 0 leaves it and -inf removes it, as it would in a softmax.
+exp(mask_ij), so 0 leaves it and -inf removes it, as it would in a softmax. exp is taken of the
+mask minus its row maximum (no overflow for large finite entries) and the maximum put back exactly.
 
 Without a general mask the sums over keys are computed once (non-causal: two matmuls) or as
 prefix sums (causal: O(N D Dv) memory, never N x N). A general mask needs the N x N form.
@@ -62,15 +63,26 @@ def linear_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, fea
         return (num / n).to(out_dtype)
     keep, bias = split_mask(attn_mask, is_causal, nq, nk, q.device)
     w = fq @ fk.transpose(-1, -2)
+    # exp(bias) overflows from bias ~ 89 in fp32: weigh by exp(bias - shift), shift = the row's
+    # largest bias, and put exp(shift) back where the formula allows (EPS, or the output row)
+    shift = None
     if bias is not None:
-        w = w * torch.exp(bias.to(w.dtype))
+        bias = bias.to(w.dtype)
+        shift = bias.amax(-1, keepdim=True).detach()
+        w = w * torch.exp(bias - shift)
     if keep is not None:
         w = w.masked_fill(~keep, 0.0)
     if normalised:
-        w = w / (w.sum(-1, keepdim=True) + EPS)
+        # EPS in the shifted units, floored where it underflows so a row whose weights are all 0 stays
+        # 0 / eps = 0 with finite gradients (the floor's square, in d/d den, is still a normal number)
+        eps = EPS if shift is None else (EPS * torch.exp(-shift)).clamp_min(torch.finfo(w.dtype).tiny ** 0.5)
+        w = w / (w.sum(-1, keepdim=True) + eps)
     else:
         w = w / key_counts(keep, nk, w).clamp_min(1.0)
-    return (weights_dropout(w, dropout_p) @ v).to(out_dtype)
+    out = weights_dropout(w, dropout_p) @ v
+    if shift is not None and not normalised:
+        out = out * torch.exp(shift)
+    return out.to(out_dtype)
 
 
 __all__ = ["linear_attention", "FEATURE_MAPS", "causal_keep"]
