@@ -57,6 +57,17 @@ def test_layer_forward_backward_and_matches_functional(name):
     torch.testing.assert_close(y, expected)
 
 
+@pytest.mark.parametrize("name", LAYER_NAMES)
+def test_layer_takes_every_broadcastable_mask_shape(name):
+    """(N,) and (N, 1) masks broadcast like the full 4-D one (a 1-D mask crashed SDPA's path)."""
+    layer = attnzoo.create(name, 16, num_heads=2).double().eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    keys = torch.tensor([True, True, False, True, True, False])
+    rows = torch.tensor([True, False, True, True, True, True])[:, None]
+    torch.testing.assert_close(layer(x, attn_mask=keys), layer(x, attn_mask=keys.expand(2, 1, 6, 6).clone()))
+    torch.testing.assert_close(layer(x, attn_mask=rows), layer(x, attn_mask=rows.expand(2, 1, 6, 6).clone()))
+
+
 def test_l2_tie_qk_uses_query_weights_for_keys():
     layer = attnzoo.L2Attention(16, num_heads=2, qkv_bias=True, tie_qk=True)
     x = torch.randn(1, 4, 16)
