@@ -180,6 +180,31 @@ def test_triton_fp64_matches_formula_to_rounding(fm, nq, nk, mask, D, Dv):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
 
 
+@needs_kernels
+@pytest.mark.parametrize("fm,nq,nk", [("elu", 37, 50), ("identity", 37, 37)])
+def test_triton_mean_states_match_formula_to_rounding(monkeypatch, fm, nq, nk):
+    # the fp16 storage of the states as means (H_c / keys summed), switched on for fp64 here so the
+    # division and the multiplications back are checked exactly, with and without a prefix state
+    from attnzoo.ops.linear import triton as lin_triton
+    monkeypatch.setattr(lin_triton, "MEAN_STATE_DTYPES", (torch.float16, torch.float64))
+    test_triton_fp64_matches_formula_to_rounding(fm, nq, nk, None, 5, 3)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_fp16_states_do_not_overflow_on_gpu():
+    # v with a mean of 20 over 4096 keys: the summed state reaches ~1e5 > fp16's 65504; stored as means
+    # (MEAN_STATE_DTYPES) it stays finite and the output matches the float64 formula
+    q, k = (torch.randn(1, 2, 4096, 64, device="cuda") for _ in range(2))
+    v = 20.0 + torch.randn(1, 2, 4096, 64, device="cuda")
+    q, k, v = (t.half().requires_grad_() for t in (q, k, v))
+    out = AF.linear(q, k, v, is_causal=True, scale=0.125, backend="triton")
+    ref = _expected(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), None, True, "elu", 0.125)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-2, atol=1e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)

@@ -49,6 +49,27 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
+    def _scan_ids(D, DV, BK: tl.constexpr, BV: tl.constexpr):
+        """(batch x head, state row tile, state column tile) of a scan program: one grid axis
+        (B*H*tiles, beyond the 65535 limit of axes 1 and 2), column tile fastest."""
+        pid = tl.program_id(0).to(tl.int64)
+        n_k, n_v = tl.cdiv(D, BK), tl.cdiv(DV, BV)
+        return pid // (n_k * n_v), (pid // n_v) % n_k, pid % n_v
+
+    @triton.jit
+    def _chunk_ids(width, BW: tl.constexpr):
+        """(batch x head, column tile, chunk) of a per-chunk program: axis 0 is B*H*tiles with the
+        tile fastest, so the tiles of one chunk run side by side and share its loads in L2."""
+        pid = tl.program_id(0).to(tl.int64)
+        n_tiles = tl.cdiv(width, BW)
+        return pid // n_tiles, pid % n_tiles, tl.program_id(1)
+
+    @triton.jit
+    def _rows_before(c, CHUNK: tl.constexpr, prefix_rows, FP64: tl.constexpr):
+        """How many keys the state before chunk c sums (at least 1): MEAN_STATE stores H_c divided by it."""
+        return _wide(tl.maximum(c * CHUNK + prefix_rows, 1), FP64)
+
+    @triton.jit
     def _load(ptr, rows, cols, n_rows, n_cols, row_stride):
         """(rows, cols) tile of a row-major matrix (unit column stride); zeros out of bounds."""
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -98,13 +119,15 @@ if HAVE_TRITON:
         return tl.where(valid, r, 0.0)
 
     @triton.jit
-    def _states_kernel(K, V, S0, Z0, HS, ZS, N, D, DV, H, scale,
+    def _states_kernel(K, V, S0, Z0, HS, ZS, N, D, DV, H, scale, prefix_rows,
                        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                       NORMALISED: tl.constexpr, HAS_S0: tl.constexpr, FP64: tl.constexpr,
-                       UPCAST: tl.constexpr, PREC: tl.constexpr):
-        """HS[bh, c] = H_c (the (BK, BV) tile of this program), ZS[bh, c] = z_c: a scan over the chunks."""
-        pk, pv, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+                       NORMALISED: tl.constexpr, HAS_S0: tl.constexpr, MEAN_STATE: tl.constexpr,
+                       FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """HS[bh, c] = H_c (the (BK, BV) tile of this program), ZS[bh, c] = z_c: a scan over the chunks.
+        MEAN_STATE (fp16 states): H_c / (keys it sums) is stored, which cannot pass fp16's 65504 where
+        the sum would (a v with a mean over a long sequence); its readers multiply the count back."""
+        bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
         K += b * stride_kb + h * stride_kh
         V += b * stride_vb + h * stride_vh
@@ -120,7 +143,11 @@ if HAVE_TRITON:
         ZS += bh * n_chunks * D
         state_mask = (rk[:, None] < D) & (rv[None, :] < DV)
         for c in range(0, n_chunks):
-            tl.store(HS + c * D * DV + rk[:, None] * DV + rv[None, :], state.to(HS.dtype.element_ty),
+            if MEAN_STATE:
+                stored = state / _rows_before(c, CHUNK, prefix_rows, FP64)
+            else:
+                stored = state
+            tl.store(HS + c * D * DV + rk[:, None] * DV + rv[None, :], stored.to(HS.dtype.element_ty),
                      mask=state_mask)
             if NORMALISED:   # every column tile carries z; the first one writes it
                 tl.store(ZS + c * D + rk, zsum, mask=(rk < D) & (pv == 0))
@@ -133,16 +160,16 @@ if HAVE_TRITON:
                 zsum += tl.sum(fkt, 1)
 
     @triton.jit
-    def _output_kernel(Q, K, V, HS, ZS, O, RDEN, EPS_BH, N, D, DV, H, scale, count_offset,
+    def _output_kernel(Q, K, V, HS, ZS, O, RDEN, EPS_BH, N, D, DV, H, scale, count_offset, prefix_rows,
                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                        stride_vb, stride_vh, stride_vn,
                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                       MODE: tl.constexpr, EPS_PER_HEAD: tl.constexpr, FP64: tl.constexpr,
-                       UPCAST: tl.constexpr, PREC: tl.constexpr):
+                       MODE: tl.constexpr, EPS_PER_HEAD: tl.constexpr, MEAN_STATE: tl.constexpr,
+                       FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """out for one chunk and one (CHUNK, BV) column tile; RDEN (MODE 2) gets r for the backward.
         EPS_PER_HEAD: the normaliser's 1e-6 comes per batch x head from EPS_BH (a float key mask's
         weights are exp(mask - shift), so its epsilon is 1e-6 exp(-shift))."""
-        pv, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
         K += b * stride_kb + h * stride_kh
@@ -168,6 +195,8 @@ if HAVE_TRITON:
             if MODE == 2:
                 z = _wide(tl.load(ZS + rk, mask=rk < D, other=0.0), FP64)
                 den += tl.sum(fq * z[None, :], 1)
+        if MEAN_STATE:
+            acc = acc * _rows_before(c, CHUNK, prefix_rows, FP64)
         v = _load(V, rows, rv, N, DV, stride_vn)
         # the weights as the tensor cores see them; the normaliser sums the same rounded weights
         weights = tl.where(rc[:, None] >= rc[None, :], scores, 0.0).to(v.dtype)
@@ -189,7 +218,7 @@ if HAVE_TRITON:
     def _normaliser_grad_kernel(DO, O, RDEN, CG, N, DV,
                                 CHUNK: tl.constexpr, BV: tl.constexpr, FP64: tl.constexpr):
         """CG_i = c_i = -r_i (dO_i . out_i): the gradient reaching the normaliser of row i (MODE 2)."""
-        c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        bh, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         rows = c * CHUNK + tl.arange(0, CHUNK)
         DO += bh * N * DV
         O += bh * N * DV
@@ -210,7 +239,7 @@ if HAVE_TRITON:
                                UPCAST: tl.constexpr, PREC: tl.constexpr):
         """DHS[bh, c] = dH_c, DZS[bh, c] = dz_c (sums over the chunks after c): a scan from the last chunk;
         DS0 / DZ0 get the sums over every chunk (the gradient of the initial state)."""
-        pk, pv, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
         DO += bh * N * DV
@@ -247,7 +276,7 @@ if HAVE_TRITON:
                    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                    MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """dv for one chunk and one column tile: (r-scaled causal weights)^T dO + phi(k) dH_c."""
-        pv, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
         K += b * stride_kb + h * stride_kh
@@ -274,13 +303,14 @@ if HAVE_TRITON:
                  mask=(rows[:, None] < N) & (rv[None, :] < DV))
 
     @triton.jit
-    def _dqk_kernel(Q, K, V, DO, HS, ZS, DHS, DZS, RDEN, CG, DQ, DK, N, D, DV, H, scale, count_offset,
+    def _dqk_kernel(Q, K, V, DO, HS, ZS, DHS, DZS, RDEN, CG, DQ, DK, N, D, DV, H, scale, count_offset, prefix_rows,
                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn,
                     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                    MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                    MODE: tl.constexpr, MEAN_STATE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr,
+                    PREC: tl.constexpr):
         """dq and dk for one chunk and one (CHUNK, BK) head-dim tile."""
-        pk, c, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        bh, pk, c = _chunk_ids(D, BK)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
         K += b * stride_kb + h * stride_kh
@@ -303,6 +333,8 @@ if HAVE_TRITON:
             dscores += mm(do, tl.trans(v).to(do.dtype), UPCAST, PREC)
             dfq += mm(do, state_t.to(do.dtype), UPCAST, PREC)
             dfk += mm(v.to(do.dtype), dstate_t.to(do.dtype), UPCAST, PREC)
+        if MEAN_STATE:
+            dfq = dfq * _rows_before(c, CHUNK, prefix_rows, FP64)
         r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
         dscores = dscores * r[:, None]
         dfq = dfq * r[:, None]

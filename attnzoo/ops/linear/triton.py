@@ -45,6 +45,9 @@ CHUNK = 64
 # Under the interpreter: 16-row chunks and 16-wide head-dim tiles, so tiny test shapes still cross
 # several chunks (a partial last one) and, from D or Dv = 17 on, several tiles.
 INTERPRETER_TILE = 16
+# Input dtypes whose stored states are means (H_c / keys summed): fp16's range (65504) is too small for
+# a sum of N outer products (v with a mean over a long sequence); bf16 has fp32's range.
+MEAN_STATE_DTYPES = (torch.float16,)
 
 
 def device_reason(q):
@@ -124,7 +127,7 @@ def _unit_columns(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _states(k, v, s0, z0, scale, feature, normalised, cfg, flags):
+def _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags):
     """(HS, ZS): the state before every chunk (input dtype for half inputs: the dtype its matmul
     operand takes anyway; fp32/fp64 otherwise) and the normaliser's z_c (accumulator dtype)."""
     B, H, N, D = k.shape
@@ -136,20 +139,21 @@ def _states(k, v, s0, z0, scale, feature, normalised, cfg, flags):
     hs = torch.empty(B * H, n_chunks, D, DV, dtype=state_dtype, device=k.device)
     zs = torch.empty(B * H, n_chunks, D if normalised else 0, dtype=acc, device=k.device)
     dummy = k.new_empty(0, dtype=acc)
-    grid = (triton.cdiv(D, c["BK"]), triton.cdiv(DV, c["BV"]), B * H)
+    grid = (B * H * triton.cdiv(D, c["BK"]) * triton.cdiv(DV, c["BV"]),)
     ck._states_kernel[grid](k, v, dummy if s0 is None else s0, dummy if z0 is None else z0, hs, zs,
-                            N, D, DV, H, scale, *_bhn(k), *_bhn(v), FEATURE=feature, NORMALISED=normalised,
-                            HAS_S0=s0 is not None, **flags, **c)
+                            N, D, DV, H, scale, prefix_rows, *_bhn(k), *_bhn(v), FEATURE=feature, NORMALISED=normalised,
+                            HAS_S0=s0 is not None, MEAN_STATE=k.dtype in MEAN_STATE_DTYPES, **flags, **c)
     return hs, zs
 
 
 class _ChunkedCausalLinear(torch.autograd.Function):
     """out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels) for q, k, v of
     shape (B, H, N, .) with unit column stride; s0 (B, H, D, Dv) and z0 (B, H, D) in the accumulator
-    dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6."""
+    dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6; prefix_rows the
+    keys summed in s0."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s0, z0, eps_bh, scale, feature, mode, count_offset):
+    def forward(ctx, q, k, v, s0, z0, eps_bh, prefix_rows, scale, feature, mode, count_offset):
         B, H, N, D = q.shape
         DV = v.shape[-1]
         cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
@@ -158,20 +162,21 @@ class _ChunkedCausalLinear(torch.autograd.Function):
         out = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
         rden = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
         with torch.cuda.device(_device_index(q)):   # launch on q's GPU, not the current one
-            hs, zs = _states(k, v, s0, z0, scale, feature, normalised, cfg, flags)
+            hs, zs = _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags)
             c = cfg["output"]
-            grid = (triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            grid = (B * H * triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]))
             ck._output_kernel[grid](q, k, v, hs, zs, out, rden, rden if eps_bh is None else eps_bh, N, D, DV, H,
-                                    scale, count_offset, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode,
-                                    EPS_PER_HEAD=eps_bh is not None, **flags, **c)
+                                    scale, count_offset, prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature,
+                                    MODE=mode, EPS_PER_HEAD=eps_bh is not None, MEAN_STATE=q.dtype in MEAN_STATE_DTYPES,
+                                    **flags, **c)
         ctx.save_for_backward(q, k, v, out, rden, s0, z0)
-        ctx.args = (scale, feature, mode, count_offset)
+        ctx.args = (prefix_rows, scale, feature, mode, count_offset)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, rden, s0, z0 = ctx.saved_tensors
-        scale, feature, mode, count_offset = ctx.args
+        prefix_rows, scale, feature, mode, count_offset = ctx.args
         B, H, N, D = q.shape
         DV = v.shape[-1]
         cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
@@ -185,28 +190,29 @@ class _ChunkedCausalLinear(torch.autograd.Function):
         ds0 = None if s0 is None else torch.empty(B, H, D, DV, dtype=acc, device=q.device)
         dz0 = None if z0 is None else torch.empty(B, H, D, dtype=acc, device=q.device)
         with torch.cuda.device(_device_index(q)):
-            hs, zs = _states(k, v, s0, z0, scale, feature, normalised, cfg, flags)
+            hs, zs = _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags)
             cg = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
             if normalised:
                 c = cfg["grad"]
-                ck._normaliser_grad_kernel[(triton.cdiv(N, c["CHUNK"]), B * H)](do, out, rden, cg, N, DV,
+                ck._normaliser_grad_kernel[(B * H, triton.cdiv(N, c["CHUNK"]))](do, out, rden, cg, N, DV,
                                                                                 FP64=flags["FP64"], **c)
             dhs, dzs = torch.empty_like(hs), torch.empty_like(zs)
             c = cfg["reverse"]
-            grid = (triton.cdiv(D, c["BK"]), triton.cdiv(DV, c["BV"]), B * H)
+            grid = (B * H * triton.cdiv(D, c["BK"]) * triton.cdiv(DV, c["BV"]),)
             ck._reverse_states_kernel[grid](q, do, rden, cg, dhs, dzs, dummy if ds0 is None else ds0,
                                             dummy if dz0 is None else dz0, N, D, DV, H, scale, count_offset,
                                             *_bhn(q), FEATURE=feature, MODE=mode, HAS_S0=s0 is not None,
                                             **flags, **c)
             c = cfg["dv"]
-            grid = (triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            grid = (B * H * triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]))
             ck._dv_kernel[grid](q, k, do, dhs, rden, dv, N, D, DV, H, scale, count_offset, *_bhn(q), *_bhn(k),
                                 FEATURE=feature, MODE=mode, **flags, **c)
             c = cfg["dqk"]
-            grid = (triton.cdiv(D, c["BK"]), triton.cdiv(N, c["CHUNK"]), B * H)
+            grid = (B * H * triton.cdiv(D, c["BK"]), triton.cdiv(N, c["CHUNK"]))
             ck._dqk_kernel[grid](q, k, v, do, hs, zs, dhs, dzs, rden, cg, dq, dk, N, D, DV, H, scale, count_offset,
-                                 *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode, **flags, **c)
-        return dq, dk, dv, ds0, dz0, None, None, None, None, None
+                                 prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode,
+                                 MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, **flags, **c)
+        return dq, dk, dv, ds0, dz0, None, None, None, None, None, None
 
 
 def _causal(q, k, v, attn_mask, scale, feature_map):
@@ -247,11 +253,12 @@ def _causal(q, k, v, attn_mask, scale, feature_map):
     elif off < 0:                          # queries that see no key
         q_in = q_in[..., -off:, :]
     q_in, k_in, v = (_unit_columns(t) for t in (q_in, k_in, v))
-    out = _ChunkedCausalLinear.apply(q_in, k_in, v, s0, z0, eps_bh, float(kscale), feature, mode, 1 + max(off, 0))
+    out = _ChunkedCausalLinear.apply(q_in, k_in, v, s0, z0, eps_bh, max(off, 0), float(kscale), feature, mode,
+                                     1 + max(off, 0))
     if shift is not None and not normalised:
         out = (out.to(acc) * torch.exp(shift)).to(q.dtype)
     if off < 0:
-        out = torch.cat([out.new_zeros(out.shape[:-2] + (-off, out.shape[-1])), out], dim=-2)
+        out = torch.nn.functional.pad(out, (0, 0, -off, 0))   # not cat: CPU autocast's cat rejects fp64/fp16
     return out
 
 
