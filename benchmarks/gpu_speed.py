@@ -1,6 +1,6 @@
 """One GPU measurement that always comes back, in a few minutes.
 
-    python3 benchmarks/gpu_speed.py [--out DIR] [--budget-seconds 300] [--phases warm speed correctness train compile]
+    python3 benchmarks/gpu_speed.py [--out DIR] [--budget-seconds 420] [--phases warm speed correctness train compile]
 
 Phases, each with its own deadline, all results flushed as they come (rows.jsonl) so a killed run
 still leaves everything measured so far:
@@ -45,13 +45,13 @@ from gpu import compile_check, correctness, report, timing, train_speed, warm  #
 
 PHASES = ("warm", "speed", "correctness", "train", "compile")
 # share of the budget each phase may use (what a phase leaves unused goes to the next ones)
-SHARES = {"warm": 0.22, "speed": 0.38, "correctness": 0.14, "train": 0.14, "compile": 0.12}
+SHARES = {"warm": 0.32, "speed": 0.33, "correctness": 0.12, "train": 0.12, "compile": 0.11}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--budget-seconds", type=float, default=300)
+    p.add_argument("--budget-seconds", type=float, default=420)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -60,7 +60,7 @@ def parse(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="batch * N")
     p.add_argument("--hidden", type=int, default=2048, help="heads * head dim")
     p.add_argument("--max-call-ms", type=float, default=1500.0)
-    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--train-batch", type=int, default=128)
     p.add_argument("--only", nargs="*", default=None, help="substrings of case labels to keep")
     return p.parse_args(argv)
@@ -122,16 +122,18 @@ class Run:
         return [(c, s) for s in shapes for c in self.cases() if c.applies(s) and _flex_applies(c, s)]
 
     # -- phases -----------------------------------------------------------------------------------
+    def warm_jobs(self) -> list:
+        """Every compile the later phases will need, slowest kinds first so they never form the tail."""
+        dev = str(self.device)
+        jobs = [("compile", (dev, name)) for name in compile_check.NAMES]
+        jobs += [("train", (dev, spec, self.train_batch)) for spec in train_speed.LAYERS]
+        jobs += [("speed", (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
+        jobs += [("correctness", (dev, v, spec, b, shape, str(dt).replace("torch.", "")))
+                 for v, spec, b, shape, dt in correctness.cases(self.device, self.dtypes)]
+        return jobs
+
     def phase_warm(self):
-        if self.device.type != "cuda":
-            self.log("warm: skipped (CPU dry run)")
-            return None
-        jobs = [("speed", (c.label, _shape_fields(s))) for c, s in self.plan()]
-        for variant, spec in correctness.VARIANTS:
-            for backend in C.cuda_backends(variant):
-                for shape in correctness.SHAPES:
-                    if not (variant == "ot" and shape[2] > 160):
-                        jobs.append(("correctness", (variant, spec, backend, shape, "bfloat16")))
+        jobs = self.warm_jobs()
         self.log(f"warm: {len(jobs)} jobs on {self.args.workers} workers")
         return warm.warm(jobs, self.args.workers, self.deadline("warm"), self.log)
 
@@ -171,14 +173,21 @@ class Run:
         self.log(f"{row['case']:<34} D{row['head_dim']} N{row['n']}{' causal' if row['causal'] else ''}: "
                  f"{timings or row.get('skipped') or row.get('error')}")
 
+    @property
+    def dtypes(self):
+        return [torch.bfloat16, torch.float16, torch.float32] if self.device.type == "cuda" else [torch.float32]
+
+    @property
+    def train_batch(self):
+        return self.args.train_batch if self.device.type == "cuda" else 2
+
     def phase_correctness(self):
-        dtypes = [torch.bfloat16, torch.float16, torch.float32] if self.device.type == "cuda" else [torch.float32]
-        return correctness.run(self.device, dtypes, self.deadline("correctness"), self.log)
+        return correctness.run(self.device, self.dtypes, self.deadline("correctness"), self.log)
 
     def phase_train(self):
-        if self.device.type != "cuda":
-            return train_speed.run(self.device, self.deadline("train"), self.log, batch=2, warmup=1, steps=1)
-        return train_speed.run(self.device, self.deadline("train"), self.log, batch=self.args.train_batch)
+        steps = (3, 8) if self.device.type == "cuda" else (1, 1)
+        return train_speed.run(self.device, self.deadline("train"), self.log, batch=self.train_batch,
+                               warmup=steps[0], steps=steps[1])
 
     def phase_compile(self):
         return compile_check.run(self.device, self.deadline("compile"), self.log)

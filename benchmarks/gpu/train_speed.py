@@ -9,7 +9,7 @@ import torch
 
 import attnzoo
 
-LAYERS = ["timm", "softmax", "l2", "sigmoid", "relu", "fenchel(preference='t5')", "sinkhorn", "linear", "ot"]
+LAYERS = ["timm", "softmax", "l2", "sigmoid", "relu", "fenchel(preference='t5')", "sinkhorn", "ot"]
 
 
 def images_per_second(spec: str, device, batch: int, warmup: int, steps: int) -> dict:

@@ -24,56 +24,78 @@ def _worker_init():
         torch._dynamo.config.recompile_limit = 256
 
 
-def _warm_speed(label: str, shape_fields: dict) -> str:
+def _warm_speed(device: str, label: str, shape_fields: dict) -> str:
     import torch
 
     from .cases import Shape, attnzoo_cases, baseline_cases
-    device = torch.device("cuda")
+    dev = torch.device(device)
     shape = Shape(**{**shape_fields, "dtype": getattr(torch, shape_fields["dtype"])})
-    case = next(c for c in baseline_cases(device) + attnzoo_cases(device) if c.label == label)
-    built = case.build(shape, device, True)
+    case = next(c for c in baseline_cases(dev) + attnzoo_cases(dev) if c.label == label)
+    built = case.build(shape, dev, True)
     with torch.no_grad():
         built.forward()
     out = built.forward()
     out.backward(torch.randn_like(out))
-    torch.cuda.synchronize()
     return label
 
 
-def _warm_correctness(variant: str, spec: dict, backend: str, shape: tuple, dtype: str) -> str:
+def _warm_correctness(device: str, variant: str, spec: dict, backend: str, shape: tuple, dtype: str) -> str:
     import torch
 
-    from .correctness import check
-    check(variant, spec, backend, shape, getattr(torch, dtype), torch.device("cuda"))
+    from .correctness import check_any
+    check_any(variant, spec, backend, shape, getattr(torch, dtype), torch.device(device))
     return f"{variant}/{backend}"
+
+
+def _warm_train(device: str, spec: str, batch: int) -> str:
+    import torch
+
+    from .train_speed import images_per_second
+    images_per_second(spec, torch.device(device), batch, warmup=1, steps=1)
+    return spec
+
+
+def _warm_compile(device: str, name: str) -> str:
+    import torch
+
+    from .compile_check import check
+    check(name, torch.device(device))
+    return name
+
+
+WARMERS = {"speed": _warm_speed, "correctness": _warm_correctness, "train": _warm_train, "compile": _warm_compile}
 
 
 def _job(kind: str, args: tuple) -> tuple:
     start = time.time()
     try:
-        name = (_warm_speed if kind == "speed" else _warm_correctness)(*args)
+        name = WARMERS[kind](*args)
         return kind, name, time.time() - start, None
     except Exception as e:  # noqa: BLE001 - the main process records the failure itself
-        return kind, str(args[0]), time.time() - start, f"{type(e).__name__}: {e}"[:200] + traceback.format_exc()[-300:]
+        return kind, str(args[1]), time.time() - start, f"{type(e).__name__}: {e}"[:200] + traceback.format_exc()[-300:]
 
 
 def warm(jobs: list, workers: int, deadline: float, log) -> dict:
-    """Run ``jobs`` ((kind, args) pairs) on ``workers`` processes until done or ``deadline``."""
-    done, failed = 0, []
+    """Run ``jobs`` ((kind, args) pairs, args starting with the device) on ``workers`` processes until
+    done or ``deadline``; returns counts, failures and the seconds each kind took in all."""
+    done, failed, seconds = 0, [], {}
     ctx = multiprocessing.get_context("spawn")
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
     futures = [pool.submit(_job, kind, args) for kind, args in jobs]
     try:
         for fut in cf.as_completed(futures, timeout=max(1.0, deadline - time.time())):
-            kind, name, seconds, error = fut.result()
+            kind, name, took, error = fut.result()
+            seconds[kind] = seconds.get(kind, 0.0) + took
             done += 1
             if error:
                 failed.append((kind, name, error))
     except cf.TimeoutError:
         log(f"warm: deadline reached with {len(jobs) - done} of {len(jobs)} jobs left")
     finally:
+        processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(getattr(pool, "_processes", {}).values()):
+        for proc in processes:  # a worker still compiling is stopped, not waited for
             proc.terminate()
     log(f"warm: {done} jobs done, {len(failed)} failed")
-    return {"jobs": len(jobs), "done": done, "failed": failed[:20]}
+    return {"jobs": len(jobs), "done": done, "failed": failed[:20],
+            "worker_seconds": {k: round(v, 1) for k, v in seconds.items()}}

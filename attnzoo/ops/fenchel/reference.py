@@ -30,8 +30,8 @@ def preference_log_weights(log_u, attn_mask, is_causal, q, k):
     if log_u is not None:
         log_u = log_u.to(q.dtype)
         finite = log_u > -math.inf
-        if not bool(finite.all()):
-            keep = finite if keep is None else keep & finite
+        # no data-dependent branch: torch.compile traces this path (an all-True keep costs one bool tensor)
+        keep = finite if keep is None else keep & finite
         total = total + torch.where(finite, log_u, torch.zeros((), dtype=q.dtype, device=q.device))
     if bias is not None:
         total = total + bias.to(q.dtype)
