@@ -1,5 +1,9 @@
 """``attnzoo <command> ...``: each command is a module in attnzoo/commands/ exposing
-``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``."""
+``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+
+A command checks its arguments before it does any work and raises ``UsageError`` for bad ones;
+that, and the data / checkpoint errors whose messages say what to do, print as one
+``attnzoo COMMAND: error: ...`` line with exit status 2 (argparse's convention), no traceback."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +12,7 @@ import pkgutil
 import sys
 
 from . import commands
+from .commands import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_user_error(error: BaseException) -> bool:
+    if isinstance(error, UsageError):
+        return True
+    from .train import CheckpointError, DataNotFoundError
+    return isinstance(error, (CheckpointError, DataNotFoundError))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        print(f"attnzoo {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

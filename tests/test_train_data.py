@@ -13,9 +13,9 @@ from attnzoo.train.data import ImageDataset, PartnerDataset, build_datasets
 from attnzoo.train.datasets import DataNotFoundError, dataset_info, load_split, read_idx_gz
 from attnzoo.train.samplers import SameClassPartnerSampler
 
-from .train_helpers import tiny_config
+from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
 LABEL_CASES = [  # (labels, prob)
     (torch.arange(600) % 10, 0.5),
@@ -123,3 +123,17 @@ def test_missing_data_says_how_to_get_it(tmp_path, monkeypatch):
         load_split("cifar10", True, str(tmp_path), download=False)
     with pytest.raises(ValueError, match="data.dataset"):
         load_split("mnist", True)
+
+
+def test_digits_come_from_scikit_learn_with_a_fixed_split():
+    (xa, ya), (xb, yb) = load_split("digits", True), load_split("digits", False)
+    assert xa.shape == (1437, 1, 8, 8) and xb.shape == (360, 1, 8, 8) and xa.dtype == torch.uint8
+    assert set(ya.tolist()) == set(yb.tolist()) == set(range(10))
+    from sklearn.datasets import load_digits
+    raw = np.rint(load_digits().images * 255 / 16).astype(np.uint8).reshape(1797, 64)
+    ours = torch.cat([xa, xb]).reshape(1797, 64).numpy()
+    assert sorted(map(bytes, ours)) == sorted(map(bytes, raw))  # the two splits are the 1797 images, each once
+    info = dataset_info("digits")
+    x = xa.double() / 255
+    assert abs(x.mean() - info.mean[0]) < 1e-3 and abs(x.std() - info.std[0]) < 1e-3
+    assert torch.equal(load_split("digits", True)[0], xa)  # the same split every time

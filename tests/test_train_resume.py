@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from attnzoo.train import loop, train
 from attnzoo.train.checkpoint import load_checkpoint
 
-from .train_helpers import tiny_config
+from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
 TIMING = ("train_time_s", "images_per_s")
 # dropout, CIFAR augmentation and OT-ViT's partners all draw random numbers: all must replay exactly

@@ -15,9 +15,9 @@ from attnzoo.train import load_config, train
 from attnzoo.train.loop import model_from_config
 from attnzoo.train.datasets import dataset_info
 
-from .train_helpers import tiny_config
+from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
 VARIANTS = attnzoo.available()  # all ten registry names (masked = causal: odd for a ViT, but it runs)
 RUNS = [("vit", v) for v in VARIANTS] + [("otvit", v) for v in VARIANTS]
@@ -39,7 +39,7 @@ def test_one_epoch_trains(tmp_path, model, attention):
 
 
 CONFIGS = ["vit_cifar10", "otvit_cifar10", "vit_cifar100", "otvit_cifar100", "vit_fashion_mnist",
-           "otvit_fashion_mnist", "demo"]
+           "otvit_fashion_mnist", "demo", "demo_fashion_mnist"]
 SHRINK = ["model.embed_dim=16", "model.depth=2", "model.num_heads=2", "data.synthetic=true",
           "data.synthetic_train_size=16", "data.synthetic_test_size=8", "train.epochs=1", "train.batch_size=8",
           "train.progress=false", "train.device=cpu"]
@@ -79,6 +79,19 @@ BAD_CONFIG = [
     (["optim.lr=fast"], "optim.lr"),
     (["data.synthetic=maybe"], "data.synthetic"),
     (["nosection"], "key=value"),
+    (["train.epochs=0"], "train.epochs"),
+    (["train.batch_size=-8"], "train.batch_size"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.betas=[0.9]"], "optim.betas"),
+    (["optim.label_smoothing=1.5"], "optim.label_smoothing"),
+    (["data.dataset=mnist"], "data.dataset"),
+    (["data.partner_prob=2"], "data.partner_prob"),
+    (["data.train_subset=0"], "data.train_subset"),
+    (["train.device=gpu"], "train.device"),
+    (["model.depth=-1"], "depth"),
+    (["model.attention=softmaxx"], "softmaxx"),
+    (["model.patch_size=3"], "patch_size"),
+    (["model.name=resnet"], "model name"),
 ]
 
 
@@ -88,8 +101,20 @@ def test_bad_config_values_are_named(overrides, match):
         load_config("configs/demo.yaml", overrides)
 
 
-def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+@pytest.mark.parametrize("config", ["configs/demo.yaml", "configs/vit_fashion_mnist.yaml", "configs/otvit_cifar10.yaml"])
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys, config):
+    """Config errors come before any data is read: the same message whether or not the dataset is
+    installed (the fixture hides Fashion-MNIST and the network), and nothing is written."""
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
-    assert main(["train", "configs/demo.yaml", "--set", "model.depth=-1"]) == 2
-    assert "depth" in capsys.readouterr().err
+    assert main(["train", config, "--set", "model.depth=-1", "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "depth" in err and err.count("\n") == 1 and err.startswith("attnzoo train: error:")
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_dataset_is_one_error_line(tmp_path, capsys):
+    rc = main(["train", "configs/vit_fashion_mnist.yaml", "--set", "data.download=false", "--out-dir", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install dataset-fashion-mnist" in err

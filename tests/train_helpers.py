@@ -1,6 +1,8 @@
 """Tiny configs on generated data for the training tests (seconds on a CPU)."""
 from __future__ import annotations
 
+import pytest
+
 from attnzoo.train.config import apply_overrides, from_dict
 
 TINY_MODEL = {"embed_dim": 16, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0, "dropout": 0.0}
@@ -19,3 +21,18 @@ def tiny_config(out_dir, model="vit", dataset="fashion_mnist", overrides=(), **s
         data[section].update(values)
     return from_dict(apply_overrides(data, list(overrides)))
 
+
+
+@pytest.fixture
+def no_system_datasets(tmp_path_factory, monkeypatch):
+    """Behave as on a machine without Fashion-MNIST and without network: the Debian folder points at
+    an empty place and torchvision's download fails at once."""
+    from attnzoo.train import datasets as DS
+
+    monkeypatch.setattr(DS, "DEBIAN_FASHION_MNIST", tmp_path_factory.mktemp("no_datasets") / "fashion-mnist")
+
+    def offline(*args, **kwargs):
+        raise RuntimeError("no network in the tests")
+    import torchvision.datasets
+    for name in ("FashionMNIST", "CIFAR10", "CIFAR100"):
+        monkeypatch.setattr(torchvision.datasets, name, offline)

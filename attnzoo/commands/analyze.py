@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+from . import UsageError
+
 HELP = "check the papers with the library: Lipschitz, Wasserstein, dynamics, Fenchel dual, TopoLip"
 TOOLS = ("lipschitz", "wasserstein", "dynamics", "fenchel", "topolip")
 
@@ -49,7 +51,54 @@ def add_arguments(parser) -> None:
         q.add_argument("--threads", type=int, default=1)
 
 
+POSITIVE = ("tokens", "dim", "samples", "ascent_steps", "clouds", "particles", "steps", "rank_points", "images",
+            "max_points", "threads")
+
+
+def check_arguments(args) -> None:
+    """Every argument checked before any work or folder is made (UsageError)."""
+    from .. import registry
+    from ..analysis.fields import VARIANTS  # the fields the lipschitz / wasserstein formulas cover
+    allowed = {"lipschitz": (*VARIANTS, "multihead"), "wasserstein": VARIANTS}.get(args.tool)
+    if allowed is not None:
+        for v in args.variants:
+            if v not in allowed:
+                close = [a for a in allowed if a.startswith(v[:3])] if v else []
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise UsageError(f"--variants: {args.tool} covers {', '.join(allowed)}; got {v!r}{hint}")
+    elif args.tool == "topolip":
+        for v in args.variants:
+            try:
+                registry.parse_spec(v)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"--variants: {e}") from None
+    if getattr(args, "variants", None) == []:
+        raise UsageError("--variants must name at least one variant")
+    for name in POSITIVE:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name, low in (("radii", 0.0), ("train_seconds", -1.0), ("alpha", 0.0)):
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and not value > low:
+                raise UsageError(f"--{name.replace('_', '-')} must be {'> 0' if low == 0 else '>= 0'}, got {value}")
+    if args.tool == "fenchel":
+        if args.checkpoint and not args.config:
+            raise UsageError("--checkpoint needs --config (the YAML it was trained with, or the run's metrics.json)")
+        for option, value in (("--checkpoint", args.checkpoint), ("--config", args.config)):
+            if value and not Path(value).exists():
+                raise UsageError(f"{option} {value!r} does not exist")
+    if args.tool in ("fenchel", "topolip") and not (args.tool == "fenchel" and args.checkpoint):
+        from ..train.datasets import FASHION_MNIST_INSTALL, fashion_mnist_present
+        if not fashion_mnist_present():
+            raise UsageError(f"analyze {args.tool} trains on Fashion-MNIST, which is not installed: "
+                             f"{FASHION_MNIST_INSTALL}")
+
+
 def run(args) -> int:
+    check_arguments(args)
     import torch
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from . import UsageError
+
 HELP = "benchmark every attention variant and backend (time, TFLOP/s, tokens/s, peak memory) against SDPA"
 
 # CPU defaults are sized so the default run takes about a minute on a small machine; the GPU ones
@@ -118,9 +120,8 @@ def _config(args):
         measure_memory=not args.no_memory, seed=args.seed).validate()
 
 
-def _compare_only(args, console) -> int:
-    from ..bench import load, markdown_compare, rich_compare
-    old, new = (load(p) for p in args.compare)
+def _compare_only(args, console, old, new) -> int:
+    from ..bench import markdown_compare, rich_compare
     console.print(rich_compare(old, new, args.threshold))
     if args.out is not None:
         from ..bench.schema import write_text
@@ -169,23 +170,71 @@ def _from_rowlog(args, console) -> int:
     return 0
 
 
+def known_backends() -> set[str]:
+    """Every name --backends / --skip-backends can mean: attnzoo's backends of every variant, auto, baselines."""
+    from ..bench.baselines import BASELINE_NAMES
+    from ..bench.runner import ALL_VARIANTS
+    from ..bench.targets import AUTO, parse_variant
+    from ..ops import dispatch
+    names = {AUTO, *BASELINE_NAMES}
+    for v in ALL_VARIANTS:
+        names.update(dispatch.backends(parse_variant(v).kernel))
+    return names
+
+
+def check_arguments(args):
+    """Every argument checked before any work (UsageError); returns the loaded --compare results."""
+    from ..bench import load
+    from ..bench.targets import parse_variant
+    if args.compare is not None and len(args.compare) > 2:
+        raise UsageError("--compare takes OLD.json, or OLD.json NEW.json")
+    if args.compare is not None and args.from_jsonl is not None:
+        raise UsageError("--compare and --from-jsonl do not combine: rebuild the run first, then compare its JSON")
+    for path in [*(args.compare or []), *([args.from_jsonl] if args.from_jsonl is not None else [])]:
+        if not path.is_file():
+            raise UsageError(f"{str(path)!r} does not exist")
+    try:
+        compared = [load(p) for p in args.compare or []]
+    except ValueError as e:
+        raise UsageError(f"--compare: {e}") from None
+    if (args.compare is not None and len(args.compare) == 2) or args.from_jsonl is not None:
+        return compared
+    for spec in args.variants:
+        try:
+            parse_variant(spec)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--variants: {e}") from None
+    known = known_backends()
+    for option, names in (("--backends", args.backends or []),
+                          ("--skip-backends", [n for group in args.skip_backends for n in group])):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise UsageError(f"{option}: unknown backend(s) {unknown}; known: {', '.join(sorted(known))}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        _config(args)
+    except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch.device on a bad --device
+        raise UsageError(" ".join(str(e).split())) from None
+    return compared
+
+
 def run(args) -> int:
     import sys
     import time
+    compared = check_arguments(args)
     console = _console()
-    if args.compare is not None and len(args.compare) > 2:
-        raise SystemExit("--compare takes OLD.json, or OLD.json NEW.json")
     if args.compare is not None and len(args.compare) == 2:
-        return _compare_only(args, console)
+        return _compare_only(args, console, *compared)
     if args.from_jsonl is not None:
         return _from_rowlog(args, console)
     import torch
 
-    from ..bench import load, markdown_compare, rich_compare, run as run_bench, write_outputs
+    from ..bench import markdown_compare, rich_compare, run as run_bench, write_outputs
     from ..bench.environment import device_name, slug
     from ..bench.report import row_line
     from ..bench.rowlog import RowLog
-    old = load(args.compare[0]) if args.compare else None   # fail before a long run, not after it
+    old = compared[0] if compared else None   # loaded before a long run, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
     config = _config(args)

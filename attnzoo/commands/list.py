@@ -1,6 +1,8 @@
 """attnzoo list: the registered variants and what each can do."""
 from __future__ import annotations
 
+from . import UsageError
+
 HELP = "list the attention variants and their capabilities"
 
 
@@ -9,11 +11,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from .. import registry
+    try:
+        names = [registry.parse_spec(args.name)[0]] if args.name else registry.available()
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
     from rich.console import Console
     from rich.table import Table
 
-    from .. import registry
-    names = [registry.parse_spec(args.name)[0]] if args.name else registry.available()
     table = Table(title="attnzoo variants")
     for col in ("name", "class", "causal", "cross", "masks", "complexity", "parameters", "paper"):
         table.add_column(col, overflow="fold")

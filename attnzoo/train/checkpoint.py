@@ -1,9 +1,17 @@
-"""Checkpoints: weights in safetensors, the rest (optimizer, scheduler, RNG, step, history) in a
-torch file read back with ``weights_only=True``. Every file is written to a temporary name and
-renamed (atomic on POSIX); ``last.json`` / ``best.json`` name the pair of files that belong together
-and are themselves replaced atomically, so a crash at any moment leaves a loadable checkpoint."""
+"""Checkpoints: weights in safetensors, the rest (optimizer, scheduler, RNG, step, history, config) in
+a torch file read back with ``weights_only=True``.
+
+Integrity: every file is written to a temporary name, flushed and renamed (atomic on POSIX); a
+temporary left by a killed process is removed by the next save (``remove_stale_temporaries``).
+``last.json`` / ``best.json`` name the pair of files that belong together with their SHA-256
+checksums, and the state file records the weights' checksum too, so flipped bytes in either file
+are found whichever path the checkpoint is loaded by. A save writes the epoch's two files, then
+``best.json`` (when the epoch is the best), then ``last.json``: a crash at any moment leaves both
+pointers naming complete, verified files (``best.json`` can only run ahead of ``last.json``, by
+the epoch that ``--resume`` then trains again)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -15,6 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 STATE_FORMAT = "attnzoo-train-state/1"
+STATE_KEYS = ("epoch", "step", "best_acc", "optimizer", "scheduler", "rng", "history", "config")
+TMP_SUFFIX = ".tmp"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
@@ -29,7 +39,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     try:
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the usual permissions
@@ -43,21 +53,61 @@ def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
         raise
 
 
+def remove_stale_temporaries(folder: Union[str, Path]) -> list[Path]:
+    """Delete ``.NAME.XXXX.tmp`` files that ``_atomic_write`` left when its process was killed. Only
+    one process writes a run directory, so any temporary found before it writes is stale."""
+    folder = Path(folder)
+    removed = []
+    if folder.is_dir():
+        for f in folder.glob(f".*{TMP_SUFFIX}"):
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
+
+
+def sha256(path: Union[str, Path]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def save_checkpoint(ckpt_dir: Union[str, Path], epoch: int, weights: dict, state: dict,
                     is_best: bool = False) -> Path:
-    """Write epochNNNN.{safetensors,state.pt}, point last.json (and best.json) at them, drop the
-    files no pointer names any more."""
+    """Write epochNNNN.{safetensors,state.pt}, point best.json (when best) then last.json at them with
+    their checksums, drop the files no pointer names any more."""
     ckpt_dir = Path(ckpt_dir)
+    remove_stale_temporaries(ckpt_dir)
     stem = f"epoch{epoch:04d}"
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-    _atomic_write(ckpt_dir / f"{stem}.safetensors",
-                  lambda p: save_file(weights, p, metadata={"epoch": str(epoch), "format": STATE_FORMAT}))
-    _atomic_write(ckpt_dir / f"{stem}.state.pt", lambda p: torch.save({"format": STATE_FORMAT, **state}, p))
-    pointer = json.dumps({"epoch": epoch, "weights": f"{stem}.safetensors", "state": f"{stem}.state.pt"})
-    for name in (["last", "best"] if is_best else ["last"]):
+    weights_file, state_file = ckpt_dir / f"{stem}.safetensors", ckpt_dir / f"{stem}.state.pt"
+    _atomic_write(weights_file, lambda p: save_file(weights, p, metadata={"epoch": str(epoch), "format": STATE_FORMAT}))
+    weights_sum = sha256(weights_file)
+    _atomic_write(state_file, lambda p: torch.save({"format": STATE_FORMAT, "weights_sha256": weights_sum, **state}, p))
+    pointer = json.dumps({"epoch": epoch, "weights": weights_file.name, "weights_sha256": weights_sum,
+                          "state": state_file.name, "state_sha256": sha256(state_file)})
+    for name in (["best", "last"] if is_best else ["last"]):
         _atomic_write(ckpt_dir / f"{name}.json", lambda p: Path(p).write_text(pointer))
     _remove_unreferenced(ckpt_dir)
-    return ckpt_dir / f"{stem}.safetensors"
+    return weights_file
+
+
+def _read_pointer(p: Path) -> dict:
+    """A pointer's content, checked: plain file names in its own folder (never a path elsewhere)."""
+    try:
+        ref = json.loads(p.read_text())
+        names = (ref["weights"], ref["state"])
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError("file names must be strings")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint pointer {p} is corrupt ({e}); delete it or pass the "
+                              f".safetensors file directly") from None
+    for n in names:
+        if not n or Path(n).name != n or n in (".", ".."):
+            raise CheckpointError(f"checkpoint pointer {p} names {n!r}, which is not a file in {p.parent}; "
+                                  f"a pointer may only name files beside it")
+    return ref
 
 
 def _remove_unreferenced(ckpt_dir: Path) -> None:
@@ -65,44 +115,57 @@ def _remove_unreferenced(ckpt_dir: Path) -> None:
     for name in ("last", "best"):
         p = ckpt_dir / f"{name}.json"
         if p.is_file():
-            ref = json.loads(p.read_text())
+            ref = _read_pointer(p)
             keep |= {ref["weights"], ref["state"]}
     for f in ckpt_dir.glob("epoch*"):
         if f.name not in keep:
             f.unlink(missing_ok=True)
 
 
-def resolve(path: Union[str, Path], which: str = "last") -> tuple[Path, Path]:
-    """(weights file, state file) from a run dir, its checkpoints/ dir, a pointer .json, or a .safetensors."""
+def resolve(path: Union[str, Path], which: str = "last") -> tuple[Path, Path, dict]:
+    """(weights file, state file, expected checksums) from a run dir, its checkpoints/ dir, a pointer
+    .json, or a .safetensors (whose checksums come from a pointer beside it that names it, if any)."""
     p = Path(path)
     if p.is_dir():
         p = p / "checkpoints" / f"{which}.json" if (p / "checkpoints").is_dir() else p / f"{which}.json"
+    sums: dict = {}
     if p.suffix == ".safetensors":
         weights, state = p, p.with_name(p.name[:-len(".safetensors")] + ".state.pt")
+        for name in ("last", "best"):
+            pointer = p.parent / f"{name}.json"
+            if pointer.is_file():
+                ref = _read_pointer(pointer)
+                if ref["weights"] == p.name:
+                    sums = ref
+                    break
     else:
         if not p.is_file():
             raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r} (looked for {p}); train first or "
                                           f"pass a run directory, a {which}.json or a .safetensors file")
-        try:
-            ref = json.loads(p.read_text())
-            weights, state = p.parent / ref["weights"], p.parent / ref["state"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint pointer {p} is corrupt ({e}); delete it or pass the "
-                                  f".safetensors file directly") from None
+        sums = _read_pointer(p)
+        weights, state = p.parent / sums["weights"], p.parent / sums["state"]
     for f in (weights, state):
         if not f.is_file():
             raise CheckpointNotFoundError(f"checkpoint file {f} is missing (referenced from {path})")
-    return weights, state
+    return weights, state, {k: sums[k] for k in ("weights_sha256", "state_sha256") if k in sums}
 
 
-def load_weights(path: Union[str, Path]) -> dict:
+def _verify(path: Path, expected, what: str) -> None:
+    if expected is not None and sha256(path) != expected:
+        raise CheckpointError(f"checkpoint {what} {path} is corrupt: its SHA-256 differs from the one recorded "
+                              f"when it was saved (disk or copy damage); use another checkpoint or retrain")
+
+
+def load_weights(path: Union[str, Path], expected_sha256: str = None) -> dict:
+    _verify(Path(path), expected_sha256, "weights")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint weights {path} are corrupt or truncated ({e})") from None
 
 
-def load_state(path: Union[str, Path]) -> dict:
+def load_state(path: Union[str, Path], expected_sha256: str = None) -> dict:
+    _verify(Path(path), expected_sha256, "state")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types
@@ -110,11 +173,55 @@ def load_state(path: Union[str, Path]) -> dict:
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{path} is not an attnzoo training state (format {STATE_FORMAT})")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint state {path} lacks {missing}: not a complete attnzoo training state")
     return state
 
 
 def load_checkpoint(path: Union[str, Path], which: str = "last") -> tuple[dict, dict]:
-    """(weights, state) of a checkpoint; CheckpointNotFoundError / CheckpointError with the reason."""
-    weights_file, state_file = resolve(path, which)
-    weights, state = load_weights(weights_file), load_state(state_file)
+    """(weights, state) of a checkpoint, both verified against their checksums;
+    CheckpointNotFoundError / CheckpointError with the reason."""
+    weights_file, state_file, sums = resolve(path, which)
+    state = load_state(state_file, sums.get("state_sha256"))
+    weights = load_weights(weights_file, sums.get("weights_sha256") or state.get("weights_sha256"))
     return weights, state
+
+
+def _differences(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(k, "<absent>"), wanted.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: checkpoint {a!r}, config {b!r}")
+    return out
+
+
+def check_resumable(state: dict, config: dict, path) -> None:
+    """Refuse a checkpoint whose model (or dataset) differs from the config being resumed."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path} records no config, so it cannot be checked against this one")
+    diffs = _differences({"model": saved.get("model", {}), "dataset": saved.get("data", {}).get("dataset")},
+                         {"model": config["model"], "dataset": config["data"]["dataset"]})
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was trained with a different model: {'; '.join(diffs)}; resume with "
+                              f"the checkpoint's settings or train into a new train.out_dir")
+
+
+def restore(model: torch.nn.Module, optimizer, scheduler, weights: dict, state: dict, path) -> None:
+    """Load a verified checkpoint into the live objects; a mismatch is a CheckpointError, not a raw
+    RuntimeError/KeyError from torch."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"checkpoint {path} holds weights of another architecture ({first})") from None
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: optimizer/scheduler state does not fit this model "
+                              f"({type(e).__name__}: {e})") from None

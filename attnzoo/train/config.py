@@ -147,7 +147,67 @@ def _build(cls, data: dict, prefix: str):
 
 
 def from_dict(data: dict) -> TrainConfig:
-    return _build(TrainConfig, data, "")
+    return check(_build(TrainConfig, data, ""))
+
+
+def _require(ok: bool, key: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
+def check(cfg: TrainConfig) -> TrainConfig:
+    """Every value in range and the model buildable, before any data is read or any file written:
+    a ValueError naming the key. The model is built on the meta device (no memory, no RNG draw)."""
+    import torch
+
+    from .datasets import DATASETS, dataset_info
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    _require(d.dataset in DATASETS, "data.dataset", f"one of {sorted(DATASETS)}", d.dataset)
+    for key, value in (("data.train_subset", d.train_subset), ("data.test_subset", d.test_subset)):
+        _require(value is None or value > 0, key, "a positive integer or null", value)
+    for key, value in (("data.synthetic_train_size", d.synthetic_train_size),
+                       ("data.synthetic_test_size", d.synthetic_test_size), ("train.epochs", t.epochs),
+                       ("train.batch_size", t.batch_size), ("train.eval_batch_size", t.eval_batch_size)):
+        _require(value > 0, key, "a positive integer", value)
+    _require(d.num_workers >= 0, "data.num_workers", ">= 0", d.num_workers)
+    _require(0.0 <= d.partner_prob <= 1.0, "data.partner_prob", "in [0, 1]", d.partner_prob)
+    _require(o.lr > 0, "optim.lr", "> 0", o.lr)
+    _require(o.weight_decay >= 0, "optim.weight_decay", ">= 0", o.weight_decay)
+    _require(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optim.betas", "two numbers in [0, 1)",
+             list(o.betas))
+    _require(o.warmup_epochs >= 0, "optim.warmup_epochs", ">= 0", o.warmup_epochs)
+    _require(0 <= o.min_lr <= o.lr, "optim.min_lr", "in [0, optim.lr]", o.min_lr)
+    _require(0.0 <= o.label_smoothing < 1.0, "optim.label_smoothing", "in [0, 1)", o.label_smoothing)
+    _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "> 0 or null", o.grad_clip)
+    _require(t.threads is None or t.threads > 0, "train.threads", "a positive integer or null", t.threads)
+    _require(t.max_steps_per_epoch is None or t.max_steps_per_epoch > 0, "train.max_steps_per_epoch",
+             "a positive integer or null", t.max_steps_per_epoch)
+    _require(bool(t.out_dir), "train.out_dir", "a folder name", t.out_dir)
+    if t.device != "auto":
+        try:
+            device = torch.device(t.device)
+        except RuntimeError:
+            device = None
+        _require(device is not None and device.type in ("cpu", "cuda"), "train.device", "auto, cpu, cuda or cuda:N",
+                 t.device)
+    from ..models import build_model
+    info = dataset_info(d.dataset)
+    try:
+        with torch.device("meta"):
+            build_model(m.name, **model_kwargs(m, info))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"model: {e}") from None
+    return cfg
+
+
+def model_kwargs(m: ModelConfig, info) -> dict:
+    """build_model's keyword arguments for the ``model:`` section and a dataset's image shape."""
+    return dict(img_size=info.img_size, in_chans=info.channels, num_classes=info.num_classes,
+                patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads,
+                mlp_ratio=m.mlp_ratio, dropout=m.dropout, attn_dropout=m.attn_dropout, qkv_bias=m.qkv_bias,
+                attention=m.attention, ot_alpha=m.ot_alpha, ot_gamma=m.ot_gamma,
+                template_tokens=m.template_tokens, template_grad=m.template_grad,
+                ot_queries=m.ot_queries, ot_backend=m.ot_backend)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -1,8 +1,10 @@
-"""Image datasets as uint8 tensors (N, C, H, W) + int64 labels: Fashion-MNIST (Debian package files,
-a local copy, or torchvision's download), CIFAR-10/100 (torchvision), or generated look-alikes."""
+"""Image datasets as uint8 tensors (N, C, H, W) + int64 labels: scikit-learn's handwritten digits
+(shipped inside the scikit-learn wheel, so always available offline), Fashion-MNIST (Debian package
+files, a local copy, or torchvision's download), CIFAR-10/100 (torchvision), or generated look-alikes."""
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+# where the Debian package dataset-fashion-mnist puts the files; ATTNZOO_FASHION_MNIST_DIR points
+# elsewhere (tests use it to behave the same whether or not the package is installed)
+DEBIAN_FASHION_MNIST = Path(os.environ.get("ATTNZOO_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist"))
+FASHION_MNIST_INSTALL = "sudo apt-get install dataset-fashion-mnist"
 FASHION_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
                  False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 
@@ -26,6 +31,7 @@ class DatasetInfo:
 
 
 DATASETS = {
+    "digits": DatasetInfo(8, 1, 10, (0.3050,), (0.3756,)),
     "fashion_mnist": DatasetInfo(28, 1, 10, (0.2860,), (0.3530,)),
     "cifar10": DatasetInfo(32, 3, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": DatasetInfo(32, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
@@ -45,9 +51,30 @@ def dataset_info(name: str) -> DatasetInfo:
 def load_split(name: str, train: bool, data_dir: Optional[str] = None, download: bool = True):
     """(images uint8 (N, C, H, W), labels int64 (N,)) for one split of a named dataset."""
     dataset_info(name)
+    if name == "digits":
+        return _digits(train)
     if name == "fashion_mnist":
         return _fashion_mnist(train, data_dir, download)
     return _cifar(name, train, data_dir, download)
+
+
+# ---- scikit-learn's digits --------------------------------------------------------------------
+DIGITS_SPLIT_SEED = 0
+DIGITS_TEST_SIZE = 360  # of 1797: 1437 train / 360 test, the same fixed split everywhere
+
+
+def _digits(train: bool):
+    """The UCI handwritten digits (1797 8x8 images, 17 gray levels 0..16) as uint8 0..255."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataNotFoundError("the digits dataset comes with scikit-learn: pip install scikit-learn") from None
+    d = load_digits()
+    images = torch.from_numpy(np.rint(d.images * (255.0 / 16.0))).to(torch.uint8).unsqueeze(1)
+    labels = torch.from_numpy(d.target.astype(np.int64))
+    order = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
+    idx = order[DIGITS_TEST_SIZE:] if train else order[:DIGITS_TEST_SIZE]
+    return images[idx].contiguous(), labels[idx]
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------
@@ -73,6 +100,12 @@ def fashion_mnist_dirs(data_dir: Optional[str]) -> list[Path]:
     return dirs + [DEBIAN_FASHION_MNIST]
 
 
+def fashion_mnist_present(data_dir: Optional[str] = None) -> bool:
+    """True when both splits' files are on disk (nothing is downloaded)."""
+    return any(all((d / f).is_file() for f in FASHION_FILES[True] + FASHION_FILES[False])
+               for d in fashion_mnist_dirs(data_dir))
+
+
 def _fashion_mnist(train: bool, data_dir, download):
     image_file, label_file = FASHION_FILES[train]
     for d in fashion_mnist_dirs(data_dir):
@@ -80,7 +113,7 @@ def _fashion_mnist(train: bool, data_dir, download):
             images = read_idx_gz(d / image_file)
             labels = read_idx_gz(d / label_file)
             return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
-    how = ("install the Debian package (sudo apt-get install dataset-fashion-mnist, files in "
+    how = (f"install the Debian package ({FASHION_MNIST_INSTALL}, files in "
            f"{DEBIAN_FASHION_MNIST}), or put {image_file} and {label_file} in a folder passed as --data-dir")
     if not download:
         raise DataNotFoundError(f"Fashion-MNIST files not found in {[str(d) for d in fashion_mnist_dirs(data_dir)]}; {how}")

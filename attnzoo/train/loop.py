@@ -6,7 +6,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +15,11 @@ from tqdm.auto import tqdm
 
 from ..models import build_model, count_parameters
 from . import distributed as D
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig
+from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, remove_stale_temporaries, restore,
+                         save_checkpoint)
+from .config import TrainConfig, check, model_kwargs
 from .data import build_loaders
+from .datasets import dataset_info
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler
 
@@ -29,14 +31,7 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
 
 
 def model_from_config(cfg: TrainConfig, info) -> torch.nn.Module:
-    m = cfg.model
-    kwargs = dict(img_size=info.img_size, in_chans=info.channels, num_classes=info.num_classes,
-                  patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads,
-                  mlp_ratio=m.mlp_ratio, dropout=m.dropout, attn_dropout=m.attn_dropout, qkv_bias=m.qkv_bias,
-                  attention=m.attention, ot_alpha=m.ot_alpha, ot_gamma=m.ot_gamma,
-                  template_tokens=m.template_tokens, template_grad=m.template_grad,
-                  ot_queries=m.ot_queries, ot_backend=m.ot_backend)
-    return build_model(m.name, **kwargs)
+    return build_model(cfg.model.name, **model_kwargs(cfg.model, info))
 
 
 def _forward(model, batch, device):
@@ -123,22 +118,27 @@ def _print(*args, **kw):
     print(*args, **kw, flush=True)  # epoch lines show up promptly in nohup logs
 
 
-def train(cfg: TrainConfig, resume: Optional[str] = None, log=_print) -> dict:
-    """Train as configured; ``resume``: a run dir / checkpoint to continue from. Returns the summary."""
+def train(cfg: TrainConfig, resume: Optional[str] = None, log=_print,
+          on_epoch: Optional[Callable[[dict], None]] = None) -> dict:
+    """Train as configured; ``resume``: a run dir / checkpoint to continue from. ``on_epoch(row)`` is
+    called on the main process after each epoch with that epoch's metrics. Returns the summary."""
     info = D.setup(cfg.train.device)
     try:
-        return _train(cfg, resume, info, log if info.is_main else (lambda *a, **k: None))
+        return _train(cfg, resume, info, log if info.is_main else (lambda *a, **k: None),
+                      on_epoch if info.is_main else None)
     finally:
         D.cleanup(info)
 
 
-def _train(cfg: TrainConfig, resume, info: D.DistInfo, log) -> dict:
+def _train(cfg: TrainConfig, resume, info: D.DistInfo, log, on_epoch=None) -> dict:
+    check(cfg)  # every value, before any data is read or file written
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     out_dir = Path(cfg.train.out_dir)
     torch.manual_seed(cfg.train.seed)
+    # the model first: the loaders leave the global RNG untouched, so the order changes no number
+    model = model_from_config(cfg, dataset_info(cfg.data.dataset)).to(info.device)
     loaders = build_loaders(cfg, info.rank, info.world)
-    model = model_from_config(cfg, loaders.info).to(info.device)
     optimizer = build_optimizer(model, cfg.optim)
     steps = len(loaders.train)
     if cfg.train.max_steps_per_epoch is not None:
@@ -147,16 +147,21 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log) -> dict:
     start_epoch, history, best_acc = 0, [], -math.inf
     if resume:
         weights, state = load_checkpoint(resume)
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"], info.device)
+        check_resumable(state, cfg.to_dict(), resume)
+        restore(model, optimizer, scheduler, weights, state, resume)
+        try:
+            _set_rng_state(state["rng"], info.device)
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {resume}: its RNG state is unusable ({type(e).__name__}: {e})") from None
         start_epoch, history, best_acc = state["epoch"], list(state["history"]), state["best_acc"]
         log(f"resumed from {resume} after epoch {start_epoch}")
     n_params = count_parameters(model)
     log(f"{cfg.model.name} ({cfg.model.attention}) {n_params / 1e6:.2f}M parameters on {info.device}"
         f"{f' x{info.world} processes' if info.world > 1 else ''}; {len(loaders.train_set)} train / "
         f"{len(loaders.test.dataset)} test images of {cfg.data.dataset}{' (synthetic)' if cfg.data.synthetic else ''}")
+    if info.is_main:  # temporaries of a process killed while writing this run directory
+        for folder in (out_dir, out_dir / "checkpoints"):
+            remove_stale_temporaries(folder)
     net = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None) \
         if info.world > 1 else model
     summary = {}
@@ -184,6 +189,8 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log) -> dict:
             if cfg.train.plot:
                 plot_curves(history, out_dir / "curves.png",
                             title=f"{cfg.model.name} ({cfg.model.attention}) on {cfg.data.dataset}")
+            if on_epoch is not None:
+                on_epoch(row)
         D.barrier(info)
     if info.is_main and summary:
         log(f"best test accuracy {best_acc:.4f}; metrics in {out_dir}/metrics.csv, curves in {out_dir}/curves.png, "
