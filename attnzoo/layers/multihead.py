@@ -91,25 +91,48 @@ class MultiheadAttention(nn.Module):
         return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, backend=self.backend,
                   **self.kind_kwargs)
 
+    def _check_inputs(self, query, key, value) -> None:
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"{type(self).__name__}: query, key and value must all be batched (3-D) or all "
+                             f"unbatched (2-D, (L, E)), got {query.dim()}-D, {key.dim()}-D and {value.dim()}-D")
+        for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.shape[-1] != width:
+                raise ValueError(f"{type(self).__name__}: {name} must have {width} features (the last dim), "
+                                 f"got shape {tuple(t.shape)}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(f"{type(self).__name__}: key and value must agree in every dim but the last, got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False):
+        """As torch.nn.MultiheadAttention. Unbatched (L, E) inputs whatever ``batch_first`` says.
+        ``is_causal`` with an ``attn_mask`` is torch's hint that the mask is causal: when the mask is
+        exactly the causal mask, the kernel runs with ``is_causal=True`` (Sinkhorn then solves each
+        prefix, as causality requires, instead of normalising columns over the masked square);
+        otherwise the mask is applied as given. ``is_causal`` alone (torch requires the mask) is causal."""
+        self._check_inputs(query, key, value)
         batched = query.dim() == 3
-        if not batched:
+        if not batched:  # (L, E) -> (L, 1, E): sequence first, batch of one
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        if self.batch_first:
+        elif self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         L, B, _ = query.shape
         S = key.shape[0]
         H, hd = self.num_heads, self.head_dim
+        if is_causal and attn_mask is not None:
+            if is_causal_mask(attn_mask, L, S):
+                attn_mask = None  # causality goes to the kernel as is_causal
+            else:
+                is_causal = False  # torch's hint was wrong about this mask: apply the mask as given
         q, k, v = self._project(query, key, value)
         q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
         mask = _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
         out = self._attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
         out = out.permute(2, 0, 1, 3).reshape(L, B, self.embed_dim)
         out = self.out_proj(out)
-        if self.batch_first:
+        if batched and self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
             out = out.squeeze(1)
@@ -123,6 +146,20 @@ class MultiheadAttention(nn.Module):
         if not batched:
             weights = weights.squeeze(0)
         return out, weights
+
+
+def is_causal_mask(attn_mask: torch.Tensor, L: int, S: int) -> bool:
+    """Is a torch-MHA mask ((L, S) or (B*H, L, S); bool True = masked, or float with -inf) exactly the
+    causal mask that ``is_causal=True`` applies (key j hidden from query i when j > i + S - L; for
+    L == S the upper triangle, as nn.Transformer.generate_square_subsequent_mask makes)?"""
+    if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape[-2:]) != (L, S):
+        return False
+    from ..ops.masking import causal_keep
+    keep = causal_keep(L, S, attn_mask.device)
+    if attn_mask.dtype == torch.bool:
+        return bool((attn_mask == ~keep).all())
+    hidden = attn_mask == float("-inf")
+    return bool((hidden == ~keep).all()) and bool((attn_mask.masked_fill(hidden, 0) == 0).all())
 
 
 def _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
