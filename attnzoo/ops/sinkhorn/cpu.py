@@ -78,6 +78,13 @@ class TorchEngine:
     def _vec(self, p, n):
         return torch.zeros(p.q.shape[0], p.q.shape[1], n, dtype=self.acc_dtype(p), device=p.q.device)
 
+    def initial_g(self, p):
+        return self._vec(p, p.k.shape[-2])
+
+    def row_dot(self, a, b):
+        acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+        return (a.to(acc) * b.to(acc)).sum(-1)
+
     def lse_rows(self, p, g):
         acc = torch.full_like(self._vec(p, p.q.shape[-2]), -math.inf)
         for qs, ks, L in self._tiles(p):
@@ -184,5 +191,6 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
     kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode)
     engine = TorchEngine(block_q, block_k)
-    run = causal_by_prefix if is_causal else streaming_sinkhorn
-    return run(engine, q, k, v, keep, bias, **kw).to(out_dtype)
+    run = lambda q, k, v, keep, bias: streaming_sinkhorn(engine, q, k, v, keep, bias, **kw)
+    out = causal_by_prefix(run, q, k, v, (keep, bias)) if is_causal else run(q, k, v, keep, bias)
+    return out.to(out_dtype)

@@ -28,8 +28,13 @@ becomes a Neumann series dg <- e^{-c} P^T P dg run to convergence, and dL needs 
 W_g = sum_m dg_m, W_f = sum_m df_m: dL = dS - P (e^{-c} W_g + W_f). It matches the unrolled gradient
 only as n_iters grows (the forward must be near the fixed point).
 
-Causal attention is Sinkhorn on every prefix (paper 002 eq 2.6): ``causal_by_prefix`` runs the
-non-causal streaming function once per query row on the visible prefix. That is exact and O(N)
+An engine may also work with *reduced* potentials: for cost "l2", L_ij = 2a q_i.k_j - a|q_i|^2 - a|k_j|^2,
+and the norms can live in the potentials (f~_i = f_i - a|q_i|^2, g~_j = g_j - a|k_j|^2) so that
+every pass sees the dot-product logits 2a q.k. The iterations are the same with g~^0 = -a|k|^2
+(``engine.initial_g``); every exp(L + f + g) above is unchanged, and so are the outputs.
+
+Causal attention is Sinkhorn on every prefix (paper 002 eq 2.6): ``causal_by_prefix`` runs a
+non-causal function once per query row on the visible prefix. That is exact and O(N)
 memory, but costs O(n_iters N^3): no cheaper formulation exists for a fixed number of iterations,
 because every prefix has its own potentials.
 """
@@ -64,6 +69,8 @@ class Problem:
     scale: float
     eps: float
     cost: str
+    mask: Optional[torch.Tensor] = None   # the raw attn_mask (engines that read it as is; keep/bias None)
+    tune: bool = True                      # engines may autotune tiles for this shape
 
     @property
     def col_target(self) -> float:
@@ -77,8 +84,7 @@ class Problem:
 
 def sinkhorn_potentials(engine, p: Problem, n_iters: int):
     """The row potentials f^1..f^T and column potentials g^0..g^T (fp32, or fp64 for fp64 inputs)."""
-    B, H, nk = p.k.shape[0], p.k.shape[1], p.k.shape[2]
-    g = torch.zeros(B, H, nk, dtype=engine.acc_dtype(p), device=p.q.device)
+    g = engine.initial_g(p)
     fs, gs = [], [g]
     for _ in range(n_iters):
         f = -engine.lse_rows(p, g)
@@ -96,7 +102,9 @@ def _adjoint_unrolled(engine, p, fs, gs, dg):
     for t in range(T - 1, -1, -1):
         DG[t] = dg
         DF[t] = -engine.wsum_rows(p, fs[t], gs[t + 1] - c, dg)
-        if t > 0:  # g^0 = 0 is a constant: its adjoint is not needed
+        # g^0 is no iteration's output: 0, or -a|k|^2 with reduced potentials, whose gradient the
+        # engine takes from the column sums of dL (sum_i dL_ij is the adjoint of g^0_j)
+        if t > 0:
             dg = -engine.wsum_cols(p, fs[t], gs[t], DF[t])
     if T == 0:
         return None
@@ -151,18 +159,23 @@ class _StreamingSinkhorn(torch.autograd.Function):
     def backward(ctx, dout):
         keep, bias, scale, eps, cost, grad_mode, engine, T = ctx.meta
         q, k, v, out, lse, *pots = ctx.saved_tensors
-        fs, gs = pots[:T], pots[T:]
         p = Problem(q, k, v, keep, bias, scale, eps, cost)
-        dout = dout.contiguous()
-        acc = engine.acc_dtype(p)
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)          # dout_i . out_i
-        dv, dg = engine.grad_v_and_bias(p, gs[-1], lse, dout, delta)
-        if grad_mode == "implicit" and T > 0:
-            terms = _adjoint_implicit(engine, p, gs[-1], lse, dg)
-        else:
-            terms = _adjoint_unrolled(engine, p, fs, gs, dg)
-        dq, dk = engine.grad_qk(p, gs[-1], lse, dout, delta, terms)
+        dq, dk, dv = streaming_backward(engine, p, dout, out, lse, pots[:T], pots[T:], grad_mode)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def streaming_backward(engine, p: Problem, dout, out, lse, fs, gs, grad_mode):
+    """(dq, dk, dv) of one non-causal call from what its forward kept (output, final row lse,
+    potentials f^1..f^T, g^0..g^T), in the engine's accumulation dtype or the input dtype."""
+    dout = dout.contiguous()
+    delta = engine.row_dot(dout, out)                     # dout_i . out_i
+    dv, dg = engine.grad_v_and_bias(p, gs[-1], lse, dout, delta)
+    if grad_mode == "implicit" and len(fs) > 0:
+        terms = _adjoint_implicit(engine, p, gs[-1], lse, dg)
+    else:
+        terms = _adjoint_unrolled(engine, p, list(fs), list(gs), dg)
+    dq, dk = engine.grad_qk(p, gs[-1], lse, dout, delta, terms)
+    return dq, dk, dv
 
 
 def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode):
@@ -176,21 +189,22 @@ def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters
                                     scale, eps, cost, n_iters, grad_mode, engine)
 
 
-def causal_by_prefix(engine, q, k, v, keep, bias, **kw):
+def causal_by_prefix(run, q, k, v, masks=()):
     """Causal Sinkhorn (paper 002 eq 2.6): row i is row i of Sinkhorn on queries 0..i and the keys
     visible to query i (j <= i + Nk - Nq, bottom-right alignment), intersected with the mask.
 
-    Each prefix problem runs under activation checkpointing: what autograd keeps per row is then a
-    reference to the shared q, k, v and the output row, not the prefix's output and potentials
-    (O(N^2) over all rows); the backward recomputes each prefix's forward once.
+    ``run(q, k, v, *masks)`` is a non-causal Sinkhorn call; ``masks`` are tensors broadcastable to
+    (B, H, Nq, Nk) (or None) that are cut to each prefix. Each prefix problem runs under activation
+    checkpointing: what autograd keeps per row is then a reference to the shared q, k, v and the
+    output row, not the prefix's output and potentials (O(N^2) over all rows); the backward
+    recomputes each prefix's forward once.
     """
     B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    keep = None if keep is None else keep.expand(B, H, nq, nk)
-    bias = None if bias is None else bias.expand(B, H, nq, nk)
+    masks = tuple(None if t is None else t.expand(B, H, nq, nk) for t in masks)
 
     def last_row(i, m, q, k, v):
         sub = lambda t: None if t is None else t[..., : i + 1, :m]
-        out = streaming_sinkhorn(engine, q[..., : i + 1, :], k[..., :m, :], v[..., :m, :], sub(keep), sub(bias), **kw)
+        out = run(q[..., : i + 1, :], k[..., :m, :], v[..., :m, :], *(sub(t) for t in masks))
         return out[..., -1:, :]
 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -1,102 +1,202 @@
 """Sinkhorn attention with the streaming passes as Triton kernels (the "triton" backend).
 
-Same semantics and same algorithm as ``cpu.py`` (both are driven by ``streaming.py``); here each
-pass is one kernel launch over a (blocks, B*H) grid. Inputs fp16/bf16/fp32, potentials and every
-reduction float32. Causal attention runs the prefix loop of ``streaming.causal_by_prefix`` (exact,
-O(N) memory, O(n_iters N^3) work: one set of launches per query row).
+Same semantics as ``reference.py`` and the same algorithm as ``cpu.py`` (both driven by
+``streaming.py``); here each pass is one kernel launch over a (row blocks, B*H) grid, with the l2
+norms folded into the potentials (streaming.py, reduced potentials) so every kernel sees
+dot-product logits. Cost per call at n_iters = k (one pass = one sweep over the N x N logits,
+recomputed from q and k on the tensor cores): forward 2k logsumexp passes + 1 softmax-with-bias
+pass; backward 1 (dv and the last adjoint) + 2k - 1 (unrolled adjoint) + 1 (dq and dk, with
+FlashAttention-2's layout: key blocks own dk, dq is summed with float32 atomics). Inputs fp16 /
+bf16 / fp32, every potential and reduction float32; only O(n_iters N) vectors are kept.
+
+The forward and the two backwards are torch custom ops (``attnzoo::sinkhorn_fwd``, ``_bwd``,
+``_bwd_implicit``): torch.compile sees through the forward and the unrolled backward
+(``triton_op`` on a GPU); the implicit backward stops when its series converges, a data-dependent
+loop, so it is an opaque op. Causal attention runs the prefix loop of
+``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work).
+
+Tiles: on a GPU each kernel has a short list of (BLOCK_X, BLOCK_Y, warps, stages) candidates
+(``candidates``); large problems pick among them with ``triton.autotune`` (one compile per
+candidate, once per process), small ones take the first. Under TRITON_INTERPRET=1 every kernel
+runs 16 x 16 tiles, so tiny test shapes cross several blocks. Off a GPU without the interpreter
+the kernels cannot run at all; the only callers there are tools that intercept the launches
+(benchmarks/compile_triton_kernels.py, tests/mutation_probe.py), and they get one launch per
+candidate, so every tile a GPU may pick is compiled and analysed.
 """
 from __future__ import annotations
 
 import math
-import os
+from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
 
-from ..masking import split_mask
+from ..triton_utils import INTERPRETED, dot_precision, kernel_op, tracing_only
 from . import triton_kernels as K
 from .cpu import check_options
-from .streaming import Problem, causal_by_prefix, streaming_sinkhorn
+from .streaming import Problem, causal_by_prefix, sinkhorn_potentials, streaming_backward
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+COSTS = ("l2", "dot")
+# Largest head dim (D and Dv) the kernels are built for: every candidate below fits an H100's
+# 227 KB of shared memory per block up to it (benchmarks/compile_triton_kernels.py).
+MAX_HEAD_DIM = 256
+# B*H*Nx*Ny from which a launch autotunes among its candidates (a few ms of benchmarking per new
+# shape); below it the first candidate runs: tests and small layers do not pay the compiles.
+AUTOTUNE_MIN_WORK = 1 << 26
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return INTERPRETED
 
 
-# Largest head dim (D and Dv) the kernels are built for: up to it every launch below fits an H100's
-# 227 KB of shared memory per block (benchmarks/compile_triton_kernels.py compiles them all for sm_90
-# without a GPU; benchmarks/results/gpu/ptx_build_check.md). Above it the backward would not.
-MAX_HEAD_DIM = 256
+# (BLOCK_X, BLOCK_Y, num_warps, num_stages); the first of each list is the untuned choice.
+# "scan": the logsumexp and weighted-sum passes (q, k tiles only); "attend": + a (BLOCK_X, Dv)
+# fp32 accumulator; "grad_v": + (BLOCK_X, Dv) accumulator, dout tiles; "grad_qk": + k, v resident,
+# a (BLOCK_X, D) accumulator and three (BLOCK_X, BLOCK_Y) fp32 tiles. fp32 operands take twice the
+# shared memory of fp16 / bf16 ones and run off the tensor cores unless TF32 is allowed: one
+# candidate each. Checked to fit sm_90 (shared memory, no spills) by the build check.
+_HALF = {
+    "scan": {64: ((128, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3)),
+             128: ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
+             256: ((64, 64, 8, 2),)},
+    "attend": {64: ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
+               128: ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)),
+               256: ((64, 32, 8, 2),)},
+    "grad_v": {64: ((128, 64, 8, 3), (64, 64, 4, 3)),
+               128: ((128, 64, 8, 2), (64, 64, 4, 3)),
+               256: ((64, 32, 8, 2),)},
+    "grad_qk": {64: ((128, 64, 8, 2), (64, 64, 4, 3)),
+                128: ((128, 32, 8, 2), (64, 64, 8, 2)),
+                256: ((64, 32, 8, 1),)},
+}
+_FP32 = {
+    "scan": {64: ((64, 64, 4, 2),), 128: ((64, 32, 4, 2),), 256: ((32, 32, 8, 2),)},
+    "attend": {64: ((64, 64, 4, 2),), 128: ((32, 32, 8, 2),), 256: ((32, 32, 8, 1),)},
+    "grad_v": {64: ((64, 32, 4, 2),), 128: ((32, 32, 8, 2),), 256: ((32, 16, 8, 1),)},
+    "grad_qk": {64: ((64, 32, 4, 1),), 128: ((32, 32, 8, 1),), 256: ((32, 16, 8, 1),)},
+}
+_INTERPRETED_TILE = ((16, 16, 1, 1),)
 
 
-def launch_config(d: int, dv: int, dtype) -> dict:
-    """Tile size (BLOCK_M = BLOCK_N) and launch options for head dims d, dv and input dtype.
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
 
-    Interpreted runs use 16 x 16 tiles, so tiny test shapes still cross several blocks. On a GPU the
-    shared memory a launch needs grows with tile x padded head dim (the q/k/v/dout tiles, staged
-    num_stages times by the software pipeline) and the backward's fp32 dq / dk / dv accumulators.
-    Compiled for sm_90 (limit 232448 bytes), 64 x 64 tiles with 4 warps and 3 stages needed 254464
-    bytes in _grad_v_kernel at fp32 D = 128 with a float mask, and at fp32 D = 256 _grad_q_kernel
-    needed 262144 even with 8 warps and 1 stage. Wide heads therefore get 8 warps (half the registers
-    per thread), 2 stages, and 32-row tiles in fp32 (4-byte operands) or at D = 256. The math is the
-    same for any tile size; only the order of the float32 sums changes.
-    """
-    if interpreting():
-        return dict(block=16, num_warps=4, num_stages=1)
-    width = max(16, triton.next_power_of_2(max(d, dv)))
-    wide = width >= 128
-    block = 32 if width >= 256 or (wide and dtype == torch.float32) else 64
-    return dict(block=block, num_warps=8 if wide else 4, num_stages=2 if wide else 3)
+
+def candidates(kind: str, width: int, dtype, masked: bool = False) -> tuple:
+    """The tile candidates of a kernel kind for a padded head width (64 covers 16..64). With a
+    (BLOCK_X, BLOCK_Y) mask tile to read, tiles above 128 x 64 are left out: the mask's pointer
+    tile alone then needs more registers than a thread has (they spilled in the build check)."""
+    if INTERPRETED:
+        return _INTERPRETED_TILE
+    table = _HALF if dtype in (torch.float16, torch.bfloat16) else _FP32
+    cands = table[kind][max(64, _block(width))]
+    if masked:
+        cands = tuple(c for c in cands if c[0] * c[1] <= 128 * 64) or cands[:1]
+    return cands
+
+
+_TUNERS: dict = {}
+
+
+def _tuner(kernel, cands, reset):
+    key = (kernel.fn.__name__, cands)
+    if key not in _TUNERS:
+        configs = [triton.Config(dict(BLOCK_X=bx, BLOCK_Y=by), num_warps=w, num_stages=s) for bx, by, w, s in cands]
+        _TUNERS[key] = triton.autotune(configs, key=["Nx", "Ny", "D"], reset_to_zero=list(reset) or None)(kernel)
+    return _TUNERS[key]
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
+def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
+    """Launch ``kernel`` over (row blocks of nx, bh) with the tile of its kind (see the module doc).
+    ``tune``: the call may autotune (not for the causal prefix loop: every prefix is a new shape)."""
+    cands = candidates(kind, width, x.dtype, meta["MASK_KIND"] != 0)
+    if not tune:
+        cands = cands[:1]
+    if x.device.type == "cuda":
+        # an atomically accumulated output is zeroed between autotuning runs (reset_to_zero): done
+        # eagerly only, while tracing for torch.compile it takes the first candidate
+        if len(cands) > 1 and bh * nx * ny >= AUTOTUNE_MIN_WORK and not (reset and _is_fake(x)):
+            grid = lambda META: (triton.cdiv(nx, META["BLOCK_X"]), bh)
+            wrap_triton(_tuner(kernel, cands, reset))[grid](*args, **meta)
+            return
+        cands = cands[:1]
+    elif INTERPRETED:
+        cands = cands[:1]
+    for bx, by, warps, stages in cands:  # off a GPU without the interpreter: launches are intercepted
+        opts = {} if INTERPRETED else dict(num_warps=warps, num_stages=stages)
+        wrap_triton(kernel)[(triton.cdiv(nx, bx), bh)](*args, **meta, BLOCK_X=bx, BLOCK_Y=by, **opts)
 
 
 class TritonEngine:
-    """The passes of streaming.py as launches of the kernels in triton_kernels.py."""
-
-    def __init__(self, block_m: int | None = None, block_n: int | None = None):
-        self.block_m, self.block_n = block_m, block_n   # None: from launch_config
+    """The passes of streaming.py as launches of the kernels in triton_kernels.py, on reduced
+    potentials: the kernels see logits A q.k (A = 2a for l2, a for dot) and g^0 = -a|k|^2 (l2)."""
 
     @staticmethod
     def acc_dtype(p: Problem):
         return torch.float32
 
-    def _common(self, p: Problem):
+    def _setup(self, p: Problem) -> dict:
+        """Shapes, the dot factor, the mask as the kernels read it (rows and columns orientation)."""
+        s = getattr(p, "_triton", None)
+        if s is not None:
+            return s
         B, H, nq, D = p.q.shape
-        nk = p.k.shape[-2]
-        dummy = p.q.new_zeros(1)
-        keep = dummy if p.keep is None else p.keep
-        if keep.dtype == torch.bool:
-            keep = keep.view(torch.uint8)  # same item size: a view, strides (0 on broadcast dims) kept
-        bias = dummy if p.bias is None else p.bias
-        sk = keep.stride() if p.keep is not None else (0, 0, 0, 0)
-        sb = bias.stride() if p.bias is not None else (0, 0, 0, 0)
-        half = p.q.dtype in (torch.float16, torch.bfloat16)
-        cdt = tl.float32 if (interpreting() or not half) else _TL[p.q.dtype]
-        args = (H, nq, nk, D)
-        config = launch_config(D, p.v.shape[-1], p.q.dtype)
-        meta = dict(COST_L2=p.cost == "l2", HAS_KEEP=p.keep is not None, HAS_BIAS=p.bias is not None,
-                    BLOCK_M=self.block_m or config["block"], BLOCK_N=self.block_n or config["block"],
-                    BLOCK_D=max(16, triton.next_power_of_2(D)), CDT=cdt,
-                    PREC="ieee" if cdt == tl.float32 else "tf32")
-        if not interpreting():   # launch options; the interpreter takes none
-            meta.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
-        return keep, bias, (*sk, *sb), args, meta, B * H
-
-    def _grid(self, n, block, bh):
-        return (triton.cdiv(n, block), bh)
+        nk, DV = p.k.shape[2], p.v.shape[3]
+        mask, kind, rows, cols = p.q.new_zeros(1), 0, (0,) * 4, (0,) * 4
+        if p.mask is not None:
+            mask = p.mask.expand(B, H, nq, nk)
+            kind = 1 if mask.dtype == torch.bool else 2
+            if kind == 1:
+                mask = mask.view(torch.uint8)  # same item size: a view, broadcast strides kept
+            sb, sh, sm, sn = mask.stride()
+            rows, cols = (sb, sh, sm, sn), (sb, sh, sn, sm)
+        a = p.logit_scale
+        s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
+                 mask=mask, rows=rows, cols=cols,
+                 meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype)))
+        p._triton = s
+        return s
 
     def _vec(self, p, n):
         return torch.empty(p.q.shape[0], p.q.shape[1], n, dtype=torch.float32, device=p.q.device)
 
+    def _orient(self, p, s, rows):
+        """(X, Y, Nx, Ny, mask strides) of a row pass (X = q) or a column pass (X = k)."""
+        if rows:
+            return p.q, p.k, s["nq"], s["nk"], s["rows"]
+        return p.k, p.q, s["nk"], s["nq"], s["cols"]
+
+    def row_dot(self, a, b):
+        """sum_d a_d b_d per row, float32 (shape a.shape[:-1])."""
+        a, b = a.contiguous(), b.contiguous()
+        rows, d = a.numel() // a.shape[-1], a.shape[-1]
+        out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
+        block = 16 if INTERPRETED else 64
+        opts = {} if INTERPRETED else dict(num_warps=4)
+        wrap_triton(K._row_dot_kernel)[(triton.cdiv(rows, block),)](a, b, out, rows, d, BLOCK_R=block,
+                                                                      BLOCK_D=_block(d), **opts)
+        return out
+
+    def initial_g(self, p):
+        s = self._setup(p)
+        if p.cost == "l2":
+            return self.row_dot(p.k, p.k).mul_(-s["a"])
+        return torch.zeros(s["B"], s["H"], s["nk"], dtype=torch.float32, device=p.q.device)
+
     def _lse(self, p, other, rows):
-        keep, bias, strides, (H, nq, nk, D), meta, bh = self._common(p)
-        out = self._vec(p, nq if rows else nk)
-        grid = self._grid(nq if rows else nk, meta["BLOCK_M"] if rows else meta["BLOCK_N"], bh)
-        K._lse_kernel[grid](p.q, p.k, keep, bias, other.contiguous(), out, H, nq, nk, D, p.logit_scale,
-                            *strides, ROWS=rows, **meta)
+        s = self._setup(p)
+        X, Y, nx, ny, strides = self._orient(p, s, rows)
+        out = self._vec(p, nx)
+        args = (X, Y, other.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"], s["A"], *strides)
+        _launch(K._lse_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, s["meta"], p.tune)
         return out
 
     def lse_rows(self, p, g):
@@ -105,58 +205,147 @@ class TritonEngine:
     def lse_cols(self, p, f):
         return self._lse(p, f, False)
 
-    def _wsum(self, p, a, b, w, rows):
-        keep, bias, strides, (H, nq, nk, D), meta, bh = self._common(p)
-        out = self._vec(p, nq if rows else nk)
-        grid = self._grid(nq if rows else nk, meta["BLOCK_M"] if rows else meta["BLOCK_N"], bh)
-        K._wsum_kernel[grid](p.q, p.k, keep, bias, a.contiguous(), b.contiguous(), w.contiguous(), out,
-                             H, nq, nk, D, p.logit_scale, *strides, ROWS=rows, **meta)
+    def _wsum(self, p, xp, yp, w, rows):
+        s = self._setup(p)
+        X, Y, nx, ny, strides = self._orient(p, s, rows)
+        out = self._vec(p, nx)
+        args = (X, Y, xp.contiguous(), yp.contiguous(), w.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"],
+                s["A"], *strides)
+        _launch(K._wsum_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, s["meta"], p.tune)
         return out
 
     def wsum_rows(self, p, a, b, w):
+        """sum_j exp(L_ij + a_i + b_j) w_j."""
         return self._wsum(p, a, b, w, True)
 
     def wsum_cols(self, p, a, b, w):
-        return self._wsum(p, a, b, w, False)
+        """sum_i exp(L_ij + a_i + b_j) w_i."""
+        return self._wsum(p, b, a, w, False)
 
     def attend(self, p, g):
-        keep, bias, strides, (H, nq, nk, D), meta, bh = self._common(p)
-        dv = p.v.shape[-1]
-        out = torch.empty(p.q.shape[:-1] + (dv,), dtype=p.q.dtype, device=p.q.device)
-        lse = self._vec(p, nq)
-        K._attend_kernel[self._grid(nq, meta["BLOCK_M"], bh)](
-            p.q, p.k, p.v, keep, bias, g.contiguous(), out, lse, H, nq, nk, D, dv, p.logit_scale, *strides,
-            BLOCK_DV=max(16, triton.next_power_of_2(dv)), **meta)
+        s = self._setup(p)
+        out = torch.empty(p.q.shape[:-1] + (s["DV"],), dtype=p.q.dtype, device=p.q.device)
+        lse = self._vec(p, s["nq"])
+        args = (p.q, p.k, p.v, g.contiguous(), out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"], s["DV"],
+                s["A"], *s["rows"])
+        _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args,
+                dict(s["meta"], BLOCK_DV=_block(s["DV"])), p.tune)
         return out, lse
 
     def grad_v_and_bias(self, p, g, lse, dout, delta):
-        keep, bias, strides, (H, nq, nk, D), meta, bh = self._common(p)
-        dv_dim = p.v.shape[-1]
-        dv = torch.empty(p.v.shape, dtype=torch.float32, device=p.v.device)
-        dg = self._vec(p, nk)
-        K._grad_v_kernel[self._grid(nk, meta["BLOCK_N"], bh)](
-            p.q, p.k, p.v, keep, bias, g.contiguous(), lse, dout, delta.contiguous(), dv, dg,
-            H, nq, nk, D, dv_dim, p.logit_scale, *strides,
-            BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)), **meta)
+        s = self._setup(p)
+        dv = torch.empty_like(p.v)
+        dg = self._vec(p, s["nk"])
+        args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, dv, dg, s["mask"], s["H"], s["nk"], s["nq"],
+                s["D"], s["DV"], s["A"], *s["cols"])
+        _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
+                dict(s["meta"], BLOCK_DV=_block(s["DV"])), p.tune)
         return dv, dg
 
+    @staticmethod
+    def fold_terms(terms):
+        """(FT, GC, GR, DG, DF) of the adjoint -> (FQ, HK, U, RHO, DF) of _grad_qk_kernel.
+
+        Per term C_ij dg_j + R_ij df_i with C = exp(L + f_i + GC_j), R = exp(L + f_i + GR_j): both
+        share exp(L + f_i + max(GC, GR)_j) (<= 1: C's columns and R's rows sum to one) and differ by
+        rho_j = exp(-|GC_j - GR_j|) <= 1, so one exponential per term serves both without overflow."""
+        FT, GC, GR, DG, DF = terms
+        gap = GC - GR
+        rho = torch.exp(-gap.abs())
+        up = gap >= 0
+        U = torch.where(up, DG, DG * rho)
+        RHO = torch.where(up, rho, torch.ones_like(rho))
+        return FT.contiguous(), torch.maximum(GC, GR), U, RHO, DF.contiguous()
+
     def grad_qk(self, p, g, lse, dout, delta, terms):
-        keep, bias, strides, (H, nq, nk, D), meta, bh = self._common(p)
-        dv_dim = p.v.shape[-1]
+        s = self._setup(p)
         if terms is None:
-            zq, zk = self._vec(p, nq)[None], self._vec(p, nk)[None]
-            terms, T = (zq, zk, zk, zk, zq), 0
+            T, folded = 0, (lse,) * 5  # never read
         else:
-            T = terms[0].shape[0]
-        FT, GC, GR, DG, DF = (t.contiguous() for t in terms)
-        dq = torch.empty(p.q.shape, dtype=torch.float32, device=p.q.device)
-        dk = torch.empty(p.k.shape, dtype=torch.float32, device=p.k.device)
-        common = (p.q, p.k, p.v, keep, bias, g.contiguous(), lse, dout, delta.contiguous(), FT, GC, GR, DG, DF, T)
-        tail = (H, nq, nk, D, dv_dim, p.logit_scale, *strides)
-        meta = dict(meta, BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)))
-        K._grad_q_kernel[self._grid(nq, meta["BLOCK_M"], bh)](*common, dq, *tail, **meta)
-        K._grad_k_kernel[self._grid(nk, meta["BLOCK_N"], bh)](*common, dk, *tail, **meta)
-        return dq, dk
+            folded = self.fold_terms(terms)
+            T = folded[0].shape[0]
+        dq = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
+        dk = torch.empty_like(p.k)
+        args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, *folded, T, dq, dk, s["mask"], s["H"], s["nk"],
+                s["nq"], s["D"], s["DV"], s["A"], *s["cols"])
+        _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
+                dict(s["meta"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"])), p.tune, reset=("DQ",))
+        return dq.mul_(s["A"]), dk
+
+
+ENGINE = TritonEngine()
+
+
+def _problem(q, k, v, mask, scale, eps, l2, tune):
+    return Problem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", mask, tune)
+
+
+def _empty(q, *shape):
+    return torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+@kernel_op("attnzoo::sinkhorn_fwd", mutates_args=())
+def sinkhorn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, eps: float, l2: bool,
+                 n_iters: int, implicit: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out (B, H, Nq, Dv) in q's dtype, final row lse (B, H, Nq), F = f^1..f^T (T, B, H, Nq),
+    G = g^0..g^T (T + 1, B, H, Nk)), float32 reduced potentials. ``implicit`` picks the backward,
+    ``tune`` whether large launches may autotune (forward and backward)."""
+    B, H, nq, _ = q.shape
+    nk = k.shape[2]
+    if tracing_only(q):
+        return (q.new_empty(B, H, nq, v.shape[-1]), _empty(q, B, H, nq), _empty(q, n_iters, B, H, nq),
+                _empty(q, n_iters + 1, B, H, nk))
+    p = _problem(q, k, v, mask, scale, eps, l2, tune)
+    fs, gs = sinkhorn_potentials(ENGINE, p, n_iters)
+    out, lse = ENGINE.attend(p, gs[-1])
+    F = torch.stack(fs) if fs else _empty(q, 0, B, H, nq)
+    return out, lse, F, torch.stack(gs)
+
+
+def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode):
+    p = _problem(q, k, v, mask, scale, eps, l2, tune)
+    dq, dk, dv = streaming_backward(ENGINE, p, dout, out, lse, list(F.unbind(0)), list(G.unbind(0)), grad_mode)
+    return dq.to(q.dtype), dk, dv
+
+
+@kernel_op("attnzoo::sinkhorn_bwd", mutates_args=())
+def sinkhorn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor, lse: Tensor,
+                 F: Tensor, G: Tensor, scale: float, eps: float, l2: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the unrolled iterations (the exact gradient of what the forward computed)."""
+    if tracing_only(q):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled")
+
+
+@torch.library.custom_op("attnzoo::sinkhorn_bwd_implicit", mutates_args=())
+def sinkhorn_bwd_implicit(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
+                          lse: Tensor, F: Tensor, G: Tensor, scale: float, eps: float,
+                          l2: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the fixed point (implicit function theorem; streaming._adjoint_implicit)."""
+    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "implicit")
+
+
+@sinkhorn_bwd_implicit.register_fake
+def _(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, eps, l2, n_iters, implicit, tune = inputs
+    out, lse, F, G = output
+    ctx.save_for_backward(q, k, v, mask, out, lse, F, G)
+    ctx.args = (scale, eps, l2, implicit, tune)
+
+
+def _grad(ctx, dout, _dlse, _dF, _dG):
+    q, k, v, mask, out, lse, F, G = ctx.saved_tensors
+    scale, eps, l2, implicit, tune = ctx.args
+    op = sinkhorn_bwd_implicit if implicit and F.shape[0] > 0 else sinkhorn_bwd
+    dq, dk, dv = op(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+sinkhorn_fwd.register_autograd(_grad, setup_context=_setup_context)
 
 
 def unsupported_reason(q, attn_mask=None, dropout_p=0.0, v=None) -> str | None:
@@ -166,24 +355,39 @@ def unsupported_reason(q, attn_mask=None, dropout_p=0.0, v=None) -> str | None:
     if max(q.shape[-1], dv) > MAX_HEAD_DIM:
         return (f"head dims above {MAX_HEAD_DIM} are not supported by the Triton kernels (q D={q.shape[-1]}"
                 f"{'' if v is None else f', v Dv={dv}'}): use backend='cpu'")
-    if q.device.type != "cuda" and not interpreting():
+    if q.device.type != "cuda" and not INTERPRETED:
         return "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors, for testing)"
     if dropout_p > 0:
         return "dropout on the transport plan needs the N x N weights (use backend='reference')"
     if attn_mask is not None and attn_mask.requires_grad:
         return "no gradient is computed for a float attn_mask (use backend='reference')"
+    if attn_mask is not None and attn_mask.dim() > 4:
+        return f"attn_mask has {attn_mask.dim()} dims; at most 4 (broadcastable to (B, H, Nq, Nk))"
     return None
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0, grad_mode="unrolled", block_m=None, block_n=None):
-    """Same semantics as ``reference.sinkhorn_attention``, on Triton kernels (see ``cpu.py``)."""
+                       cost="l2", dropout_p=0.0, grad_mode="unrolled"):
+    """Same semantics as ``reference.sinkhorn_attention``, on Triton kernels.
+
+    The mask goes to the kernels as given (bool: False = masked; float: added, -inf = masked),
+    broadcast by strides. k and v are taken in q's dtype (a no-op unless they differ, e.g. mixed
+    autocast inputs); fp32 potentials whatever the dtype.
+    """
     check_options(dropout_p, grad_mode)
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {list(COSTS)}, got {cost!r}")
     why = unsupported_reason(q, attn_mask, dropout_p, v=v)
     if why is not None:
         raise ValueError(why)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
-    kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode)
-    run = causal_by_prefix if is_causal else streaming_sinkhorn
-    return run(TritonEngine(block_m, block_n), q, k, v, keep, bias, **kw)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    # the causal prefix loop never autotunes: every prefix is a new shape
+    flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit", not is_causal)
+
+    def run(q, k, v, mask):
+        return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags)[0]
+
+    if is_causal:
+        return causal_by_prefix(run, q, k, v, (attn_mask,))
+    return run(q, k, v, attn_mask)

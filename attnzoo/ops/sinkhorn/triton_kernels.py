@@ -1,17 +1,35 @@
-"""Triton kernels for the streaming Sinkhorn passes (see streaming.py for the math of each pass).
+"""Triton kernels for the streaming Sinkhorn passes (streaming.py gives the math of each pass).
 
-Layout: q (BH, Nq, D), k (BH, Nk, D), v (BH, Nk, Dv) contiguous; potentials (BH, N) float32;
-masks are (B, H, Nq, Nk) views given by their strides (0 on broadcast dims), so a key-padding
-mask is read, never expanded. Every tile is oriented (query block m, key block n). ROWS programs
-own a query block and stream over keys; column programs own a key block and stream over queries.
-Logits and every reduction are float32; dots take the input dtype with a float32 accumulator
-(exact products for fp16/bf16) except under TRITON_INTERPRET=1, where CDT upcasts to float32
-because the interpreter's bf16 dot is wrong.
+Logits. Every kernel sees the dot-product logits A x.y (A = 2a for cost "l2", a for "dot", a the
+logit scale); the l2 norms live in the potentials (streaming.py, reduced potentials), so no kernel
+reads a norm. Exponentials are base 2: a tile is t = A log2(e) x.y + (potentials) log2(e), and
+logsumexps are converted back to natural logs when stored, so every potential kept between kernels
+is in natural-log units.
+
+Orientation. A kernel owns a block of BLOCK_X rows of X and streams over BLOCK_Y rows of Y; a row
+pass over queries is launched on (X, Y) = (q, k), a column pass on (k, q) with the mask's strides
+swapped: one kernel for both. Layout: X (BH, Nx, D), Y (BH, Ny, D) contiguous; per-row vectors
+(BH, N) float32; the mask a (B, H, Nx, Ny) view given by strides (0 on broadcast dims), so a
+key-padding mask is read, never expanded.
+
+Out-of-range rows and columns need no 2-D bounds mask: the per-Y vectors are loaded with -inf
+(or +inf for a subtracted log-normaliser) past the end, which makes every exponential there 0, and
+the loaded X / Y rows are zeros there, so nothing is NaN. Masks (MASK_KIND 1 = bool as uint8,
+2 = float with -inf for masked entries) are applied to t once per tile.
+
+Precision: dots take the input dtype with a float32 accumulator (tensor cores for fp16 / bf16;
+``mm`` upcasts to float32 under TRITON_INTERPRET=1, whose bf16 dot is wrong); every exponential,
+reduction and accumulator is float32 whatever dtype the host hands in (bf16 under autocast too).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ..triton_utils import mm
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -21,280 +39,224 @@ def _load_rows(ptr, offs, n, offs_d, d):
 
 
 @triton.jit
-def _logits(Q, K, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a,
-            sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-            COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BLOCK_D: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
-    """Logits tile (BLOCK_M, BLOCK_N), float32, -inf where a key does not take part. Q, K point at
-    this (b, h)'s rows."""
+def _load_vec(ptr, offs, n, fill):
+    return tl.load(ptr + offs, mask=offs < n, other=fill)
+
+
+@triton.jit
+def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.constexpr):
+    """t (log2 units) with the attention mask: -inf where masked, a float mask's value added."""
+    if MASK_KIND != 0:
+        inside = (offs_x[:, None] < Nx) & (offs_y[None, :] < Ny)
+        ptrs = MASK + offs_x[:, None] * sm_x + offs_y[None, :] * sm_y
+        if MASK_KIND == 1:
+            t = tl.where(tl.load(ptrs, mask=inside, other=0) != 0, t, float("-inf"))
+        else:  # -inf entries give -inf; finite ones shift the logit
+            t = t + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    return t
+
+
+@triton.jit
+def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
+                sm_b, sm_h, sm_x, sm_y,
+                MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """OUT_x = lse_y(A x.y + OTHER_y) over the y taking part (natural log); 0 where none does."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
+    offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q, offs_m, Nq, offs_d, D)
-    k = _load_rows(K, offs_n, Nk, offs_d, D)
-    s = tl.dot(q.to(CDT), tl.trans(k.to(CDT)), input_precision=PREC)
-    if COST_L2:
-        qf = q.to(tl.float32)
-        kf = k.to(tl.float32)
-        d2 = tl.sum(qf * qf, 1)[:, None] + tl.sum(kf * kf, 1)[None, :] - 2.0 * s
-        L = -a * tl.maximum(d2, 0.0)
-    else:
-        L = a * s
-    valid = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
-    if HAS_BIAS:
-        L += tl.load(BIAS + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + offs_n[None, :] * sb_n,
-                     mask=valid, other=0.0).to(tl.float32)
-    if HAS_KEEP:
-        kp = tl.load(KEEP + b * sk_b + h * sk_h + offs_m[:, None] * sk_m + offs_n[None, :] * sk_n,
-                     mask=valid, other=0)
-        valid = valid & (kp != 0)
-    return tl.where(valid, L, float("-inf"))
-
-
-@triton.jit
-def _lse_kernel(Q, K, KEEP, BIAS, OTHER, OUT, H, Nq, Nk, D, a,
-                sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                ROWS: tl.constexpr, COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                CDT: tl.constexpr, PREC: tl.constexpr):
-    """ROWS: OUT_i = lse_j(L_ij + OTHER_j); else OUT_j = lse_i(L_ij + OTHER_i). Empty -> 0."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + bh * Nq * D
-    Kh = K + bh * Nk * D
-    if ROWS:
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(0, Nk, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            L = _logits(Qh, Kh, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a, sk_b, sk_h, sk_m, sk_n,
-                        sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-            s = L + tl.load(OTHER + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)[None, :]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-            m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        out = tl.where(l > 0, m_safe + tl.log(tl.where(l > 0, l, 1.0)), 0.0)
-        tl.store(OUT + bh * Nq + offs_m, out, mask=offs_m < Nq)
-    else:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_N], tl.float32)
-        for m0 in range(0, Nq, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            L = _logits(Qh, Kh, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a, sk_b, sk_h, sk_m, sk_n,
-                        sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-            s = L + tl.load(OTHER + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)[:, None]
-            m_new = tl.maximum(m, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[None, :]), 0)
-            m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        out = tl.where(l > 0, m_safe + tl.log(tl.where(l > 0, l, 1.0)), 0.0)
-        tl.store(OUT + bh * Nk + offs_n, out, mask=offs_n < Nk)
-
-
-@triton.jit
-def _wsum_kernel(Q, K, KEEP, BIAS, A, BV, W, OUT, H, Nq, Nk, D, a,
-                 sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                 ROWS: tl.constexpr, COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CDT: tl.constexpr, PREC: tl.constexpr):
-    """E_ij = exp(L_ij + A_i + BV_j) (a plan entry, <= 1 near the fixed point). ROWS: OUT_i =
-    sum_j E_ij W_j (W over keys); else OUT_j = sum_i E_ij W_i (W over queries)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + bh * Nq * D
-    Kh = K + bh * Nk * D
-    if ROWS:
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        am = tl.load(A + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-        acc = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(0, Nk, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            L = _logits(Qh, Kh, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a, sk_b, sk_h, sk_m, sk_n,
-                        sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-            bn = tl.load(BV + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)
-            wn = tl.load(W + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)
-            acc += tl.sum(tl.exp(L + am[:, None] + bn[None, :]) * wn[None, :], 1)
-        tl.store(OUT + bh * Nq + offs_m, acc, mask=offs_m < Nq)
-    else:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        bn = tl.load(BV + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for m0 in range(0, Nq, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            L = _logits(Qh, Kh, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a, sk_b, sk_h, sk_m, sk_n,
-                        sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-            am = tl.load(A + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-            wm = tl.load(W + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-            acc += tl.sum(tl.exp(L + am[:, None] + bn[None, :]) * wm[:, None], 0)
-        tl.store(OUT + bh * Nk + offs_n, acc, mask=offs_n < Nk)
-
-
-@triton.jit
-def _attend_kernel(Q, K, V, KEEP, BIAS, G, OUT, LSE, H, Nq, Nk, D, DV, a,
-                   sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                   COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   CDT: tl.constexpr, PREC: tl.constexpr):
-    """OUT_i = sum_j softmax_j(L_ij + G_j) V_j (online softmax); LSE_i of that softmax (0 if empty)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(0, Nk, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        L = _logits(Q + bh * Nq * D, K + bh * Nk * D, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a,
-                    sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-        s = L + tl.load(G + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)[None, :]
-        m_new = tl.maximum(m, tl.max(s, 1))
+    x = _load_rows(Xh, offs_x, Nx, offs_d, D)
+    a2 = A * LOG2E
+    m = tl.full([BLOCK_X], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_X], tl.float32)
+    for y0 in range(0, Ny, BLOCK_Y):
+        offs_y = y0 + tl.arange(0, BLOCK_Y)
+        y = _load_rows(Yh, offs_y, Ny, offs_d, D)
+        other = _load_vec(OTHER + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
+        t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + other[None, :]
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = _load_rows(V + bh * Nk * DV, offs_n, Nk, offs_dv, DV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v.to(CDT), input_precision=PREC)
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(t - m_safe[:, None]), 1)
         m = m_new
-    nonempty = l > 0
+    # l == 0: no y takes part. A NaN l (a NaN logit) stays NaN: it is not an empty row
+    out = tl.where(l == 0, 0.0, (m + tl.log2(tl.where(l == 0, 1.0, l))) * LN2)
+    tl.store(OUT + bh * Nx + offs_x, out, mask=offs_x < Nx)
+
+
+@triton.jit
+def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
+                 sm_b, sm_h, sm_x, sm_y,
+                 MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """OUT_x = sum_y exp(A x.y + XP_x + YP_y) W_y. The callers' exponents are entries of a transport
+    plan (<= 1 up to rounding), so no running maximum is needed."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
+    offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    offs_d = tl.arange(0, BLOCK_D)
+    x = _load_rows(Xh, offs_x, Nx, offs_d, D)
+    xp = _load_vec(XP + bh * Nx, offs_x, Nx, 0.0) * LOG2E
+    a2 = A * LOG2E
+    acc = tl.zeros([BLOCK_X], tl.float32)
+    for y0 in range(0, Ny, BLOCK_Y):
+        offs_y = y0 + tl.arange(0, BLOCK_Y)
+        y = _load_rows(Yh, offs_y, Ny, offs_d, D)
+        yp = _load_vec(YP + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
+        w = _load_vec(W + bh * Ny, offs_y, Ny, 0.0)
+        t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + yp[None, :]
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        acc += tl.sum(tl.exp2(t + xp[:, None]) * w[None, :], 1)
+    tl.store(OUT + bh * Nx + offs_x, acc, mask=offs_x < Nx)
+
+
+@triton.jit
+def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
+                   sm_b, sm_h, sm_x, sm_y,
+                   MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y (online softmax,
+    FlashAttention's forward with a per-key bias) and LSE_x of that softmax; zeros for an empty row."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
+    Vh = V + bh * Ny * DV
+    offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    x = _load_rows(Xh, offs_x, Nx, offs_d, D)
+    a2 = A * LOG2E
+    m = tl.full([BLOCK_X], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_X], tl.float32)
+    acc = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
+    for y0 in range(0, Ny, BLOCK_Y):
+        offs_y = y0 + tl.arange(0, BLOCK_Y)
+        y = _load_rows(Yh, offs_y, Ny, offs_d, D)
+        g = _load_vec(G + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
+        t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + g[None, :]
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        m_new = tl.maximum(m, tl.max(t, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(t - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = _load_rows(Vh, offs_y, Ny, offs_dv, DV)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST, PRECISION)
+        m = m_new
+    nonempty = l != 0  # a NaN l (a NaN logit) stays NaN, it is not an empty row
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tl.store(LSE + bh * Nq + offs_m, tl.where(nonempty, m_safe + tl.log(l_safe), 0.0), mask=offs_m < Nq)
-    tl.store(OUT + bh * Nq * DV + offs_m[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+    tl.store(LSE + bh * Nx + offs_x, tl.where(nonempty, (m + tl.log2(l_safe)) * LN2, 0.0), mask=offs_x < Nx)
+    tl.store(OUT + bh * Nx * DV + offs_x[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty),
+             mask=(offs_x[:, None] < Nx) & (offs_dv[None, :] < DV))
 
 
 @triton.jit
-def _plan_and_dS(L, G, LSE, DO, V, DELTA, bh, offs_m, offs_n, Nq, Nk, DV,
-                 BLOCK_DV: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
-    """P_ij = exp(L_ij + G_j - LSE_i) (the final plan) and dS_ij = P_ij (dout_i . v_j - DELTA_i)."""
-    offs_dv = tl.arange(0, BLOCK_DV)
-    g = tl.load(G + bh * Nk + offs_n, mask=offs_n < Nk, other=0.0)
-    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    p = tl.exp(L + g[None, :] - lse[:, None])
-    do = _load_rows(DO + bh * Nq * DV, offs_m, Nq, offs_dv, DV)
-    v = _load_rows(V + bh * Nk * DV, offs_n, Nk, offs_dv, DV)
-    dp = tl.dot(do.to(CDT), tl.trans(v.to(CDT)), input_precision=PREC)
-    return p, p * (dp - delta[:, None]), do
-
-
-@triton.jit
-def _grad_v_kernel(Q, K, V, KEEP, BIAS, G, LSE, DO, DELTA, DVOUT, DG, H, Nq, Nk, D, DV, a,
-                   sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                   COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   CDT: tl.constexpr, PREC: tl.constexpr):
-    """Per key block: dV_j = sum_i P_ij dout_i and dG_j = sum_i dS_ij (the adjoint of the last g)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    dg = tl.zeros([BLOCK_N], tl.float32)
-    for m0 in range(0, Nq, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        L = _logits(Q + bh * Nq * D, K + bh * Nk * D, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a,
-                    sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-        p, ds, do = _plan_and_dS(L, G, LSE, DO, V, DELTA, bh, offs_m, offs_n, Nq, Nk, DV, BLOCK_DV, CDT, PREC)
-        dv += tl.dot(tl.trans(p).to(CDT), do.to(CDT), input_precision=PREC)
-        dg += tl.sum(ds, 0)
-    tl.store(DVOUT + bh * Nk * DV + offs_n[:, None] * DV + offs_dv[None, :], dv,
-             mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
-    tl.store(DG + bh * Nk + offs_n, dg, mask=offs_n < Nk)
-
-
-@triton.jit
-def _dlogits(L, G, LSE, DO, V, DELTA, FT, GC, GR, DGT, DFT, T, BH, bh, offs_m, offs_n, Nq, Nk, DV,
-             BLOCK_DV: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
-    """dL_ij = dS_ij - sum_t [exp(L + FT_t,i + GC_t,j) DGT_t,j + exp(L + FT_t,i + GR_t,j) DFT_t,i]."""
-    _, dl, _ = _plan_and_dS(L, G, LSE, DO, V, DELTA, bh, offs_m, offs_n, Nq, Nk, DV, BLOCK_DV, CDT, PREC)
-    mm = offs_m < Nq
-    mn = offs_n < Nk
-    for t in range(T):
-        rq = t * BH * Nq + bh * Nq + offs_m
-        rk = t * BH * Nk + bh * Nk + offs_n
-        lf = L + tl.load(FT + rq, mask=mm, other=0.0)[:, None]
-        dl -= tl.exp(lf + tl.load(GC + rk, mask=mn, other=0.0)[None, :]) * tl.load(DGT + rk, mask=mn, other=0.0)[None, :]
-        dl -= tl.exp(lf + tl.load(GR + rk, mask=mn, other=0.0)[None, :]) * tl.load(DFT + rq, mask=mm, other=0.0)[:, None]
-    return dl
-
-
-@triton.jit
-def _grad_q_kernel(Q, K, V, KEEP, BIAS, G, LSE, DO, DELTA, FT, GC, GR, DGT, DFT, T, DQ, H, Nq, Nk, D, DV, a,
-                   sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                   COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   CDT: tl.constexpr, PREC: tl.constexpr):
-    """Per query block: dq_i = sum_j dL_ij dL_ij/dq_i (l2: 2a (k_j - q_i); dot: a k_j)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    BH = tl.num_programs(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+def _row_dot_kernel(A, B, OUT, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT_r = sum_d A_rd B_rd in float32 over R rows of width D (dout.out for the backward, |k|^2)."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    rowsum = tl.zeros([BLOCK_M], tl.float32)
-    for n0 in range(0, Nk, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        L = _logits(Q + bh * Nq * D, K + bh * Nk * D, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a,
-                    sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-        dl = _dlogits(L, G, LSE, DO, V, DELTA, FT, GC, GR, DGT, DFT, T, BH, bh, offs_m, offs_n, Nq, Nk, DV,
-                      BLOCK_DV, CDT, PREC)
-        k = _load_rows(K + bh * Nk * D, offs_n, Nk, offs_d, D)
-        dq += tl.dot(dl, k.to(tl.float32), input_precision="ieee")
-        rowsum += tl.sum(dl, 1)
-    if COST_L2:
-        q = _load_rows(Q + bh * Nq * D, offs_m, Nq, offs_d, D).to(tl.float32)
-        dq = 2.0 * a * (dq - q * rowsum[:, None])
-    else:
-        dq = a * dq
-    tl.store(DQ + bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], dq,
-             mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+    a = _load_rows(A, offs_r, R, offs_d, D).to(tl.float32)
+    b = _load_rows(B, offs_r, R, offs_d, D).to(tl.float32)
+    tl.store(OUT + offs_r, tl.sum(a * b, 1), mask=offs_r < R)
 
 
 @triton.jit
-def _grad_k_kernel(Q, K, V, KEEP, BIAS, G, LSE, DO, DELTA, FT, GC, GR, DGT, DFT, T, DK, H, Nq, Nk, D, DV, a,
-                   sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n,
-                   COST_L2: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   CDT: tl.constexpr, PREC: tl.constexpr):
-    """Per key block: dk_j = sum_i dL_ij dL_ij/dk_j (l2: 2a (q_i - k_j); dot: a q_i)."""
+def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV, A,
+                   sm_b, sm_h, sm_x, sm_y,
+                   MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
+    DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
+    the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries)."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    BH = tl.num_programs(1)
-    b = bh // H
-    h = bh % H
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
+    offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
     offs_d = tl.arange(0, BLOCK_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    colsum = tl.zeros([BLOCK_N], tl.float32)
-    for m0 in range(0, Nq, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        L = _logits(Q + bh * Nq * D, K + bh * Nk * D, KEEP, BIAS, b, h, offs_m, offs_n, Nq, Nk, D, a,
-                    sk_b, sk_h, sk_m, sk_n, sb_b, sb_h, sb_m, sb_n, COST_L2, HAS_KEEP, HAS_BIAS, BLOCK_D, CDT, PREC)
-        dl = _dlogits(L, G, LSE, DO, V, DELTA, FT, GC, GR, DGT, DFT, T, BH, bh, offs_m, offs_n, Nq, Nk, DV,
-                      BLOCK_DV, CDT, PREC)
-        q = _load_rows(Q + bh * Nq * D, offs_m, Nq, offs_d, D)
-        dk += tl.dot(tl.trans(dl), q.to(tl.float32), input_precision="ieee")
-        colsum += tl.sum(dl, 0)
-    if COST_L2:
-        k = _load_rows(K + bh * Nk * D, offs_n, Nk, offs_d, D).to(tl.float32)
-        dk = 2.0 * a * (dk - k * colsum[:, None])
+    offs_dv = tl.arange(0, BLOCK_DV)
+    x = _load_rows(Xh, offs_x, Nx, offs_d, D)
+    g = _load_vec(G + bh * Nx, offs_x, Nx, float("-inf")) * LOG2E
+    a2 = A * LOG2E
+    dv = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
+    pd = tl.zeros([BLOCK_X], tl.float32)
+    for y0 in range(0, Ny, BLOCK_Y):
+        offs_y = y0 + tl.arange(0, BLOCK_Y)
+        y = _load_rows(Yh, offs_y, Ny, offs_d, D)
+        lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
+        t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 - lse[None, :]
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        p = tl.exp2(t + g[:, None])
+        do = _load_rows(DO + bh * Ny * DV, offs_y, Ny, offs_dv, DV)
+        dv += mm(p.to(do.dtype), do, UPCAST, PRECISION)
+        pd += tl.sum(p * _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)[None, :], 1)
+    v = _load_rows(V + bh * Nx * DV, offs_x, Nx, offs_dv, DV).to(tl.float32)
+    tl.store(DG + bh * Nx + offs_x, tl.sum(v * dv, 1) - pd, mask=offs_x < Nx)
+    tl.store(DVOUT + bh * Nx * DV + offs_x[:, None] * DV + offs_dv[None, :], dv.to(DVOUT.dtype.element_ty),
+             mask=(offs_x[:, None] < Nx) & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, MASK, H, Nx, Ny, D, DV, A,
+                    sm_b, sm_h, sm_x, sm_y,
+                    L2: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
+
+        dL_yx = P_yx (dout_y . v_x - DELTA_y) - sum_t E^t_yx (U^t_x + RHO^t_x DF^t_y),
+        E^t_yx = exp(A x.y + HK^t_x + FQ^t_y)
+
+    (the unrolled adjoint's C^t dg^t + R^t df^t with one exponential per term: the host folds the
+    larger of C^t and R^t into HK^t and the ratio, <= 1, into U^t / RHO^t); then
+    DK_x = A (sum_y dL_yx q_y - [l2] k_x sum_y dL_yx)   (in K's dtype) and
+    DQ_y += sum_x dL_yx k_x over all key blocks (float32 atomics; the host multiplies by A). The
+    l2 term of dq, -q_y sum_x dL_yx, is omitted: every row of dL sums to zero (the outputs do not
+    change when a constant is added to a row of logits), while the column sums are the adjoint
+    of g^0 = -a|k|^2 and stay."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
+    BH = tl.num_programs(1)
+    offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    x = _load_rows(Xh, offs_x, Nx, offs_d, D)
+    v = _load_rows(V + bh * Nx * DV, offs_x, Nx, offs_dv, DV)
+    g = _load_vec(G + bh * Nx, offs_x, Nx, float("-inf")) * LOG2E
+    a2 = A * LOG2E
+    dk = tl.zeros([BLOCK_X, BLOCK_D], tl.float32)
+    colsum = tl.zeros([BLOCK_X], tl.float32)
+    for y0 in range(0, Ny, BLOCK_Y):
+        offs_y = y0 + tl.arange(0, BLOCK_Y)
+        y = _load_rows(Yh, offs_y, Ny, offs_d, D)
+        t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
+        p = tl.exp2(t + g[:, None] - lse[None, :])
+        do = _load_rows(DO + bh * Ny * DV, offs_y, Ny, offs_dv, DV)
+        dp = mm(v, tl.trans(do), UPCAST, PRECISION)
+        dl = p * (dp - _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)[None, :])
+        for it in range(T):
+            ry = it * BH * Ny + bh * Ny
+            rx = it * BH * Nx + bh * Nx
+            fq = _load_vec(FQ + ry, offs_y, Ny, float("-inf")) * LOG2E
+            hk = _load_vec(HK + rx, offs_x, Nx, float("-inf")) * LOG2E
+            e = tl.exp2(t + hk[:, None] + fq[None, :])
+            w = _load_vec(U + rx, offs_x, Nx, 0.0)[:, None] + \
+                _load_vec(RHO + rx, offs_x, Nx, 0.0)[:, None] * _load_vec(DF + ry, offs_y, Ny, 0.0)[None, :]
+            dl -= e * w
+        dk += mm(dl.to(y.dtype), y, UPCAST, PRECISION)
+        if L2:
+            colsum += tl.sum(dl, 1)
+        dq = mm(tl.trans(dl).to(x.dtype), x, UPCAST, PRECISION)
+        tl.atomic_add(DQ + bh * Ny * D + offs_y[:, None] * D + offs_d[None, :], dq,
+                      mask=(offs_y[:, None] < Ny) & (offs_d[None, :] < D), sem="relaxed")
+    if L2:
+        dk = A * (dk - x.to(tl.float32) * colsum[:, None])
     else:
-        dk = a * dk
-    tl.store(DK + bh * Nk * D + offs_n[:, None] * D + offs_d[None, :], dk,
-             mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
+        dk = A * dk
+    tl.store(DK + bh * Nx * D + offs_x[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=(offs_x[:, None] < Nx) & (offs_d[None, :] < D))
