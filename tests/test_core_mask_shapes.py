@@ -219,9 +219,8 @@ NAN_VARIANTS = {"softmax": {}, "l2": {}, "fenchel": {"alpha": 0.7}, "sigmoid": {
                 "linear_identity": {"feature_map": "identity"}, "sinkhorn": {"n_iters": 2}, "ot": {}}
 NAN_CASES = [(var, be, where) for var in NAN_VARIANTS for be in _backends(var.split("_")[0])
              for where in ("q", "k", "v") if not (_is_triton(be) and where == "v")]  # v: a plain matmul
-# Triton kernels (owned elsewhere) that drop NaN today: max(s, 0) and the Sinkhorn max skip it
-NAN_KNOWN = {("relu", "triton", "q"), ("relu", "triton", "k"), ("sinkhorn", "triton", "q"),
-             ("sinkhorn", "triton_implicit", "q")}
+# Triton kernels (owned elsewhere) that drop NaN today: max(s, 0) skips it
+NAN_KNOWN = {("relu", "triton", "q"), ("relu", "triton", "k")}
 
 
 @pytest.mark.parametrize("variant,backend,where", NAN_CASES, ids=["-".join(c) for c in NAN_CASES])
