@@ -14,13 +14,17 @@ Two ways in, both through transformers' ``AttentionInterface`` (every HF attenti
   ``attnzoo_kernel`` when it has one and SDPA otherwise (layers excluded by include=/exclude=). The HF
   module keeps its own q/k/v/out projections, so every original state_dict key is unchanged.
 
-The mask reaching the kernels is transformers' SDPA mask, built with the causal shortcut off: a bool
-(B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is masked.
+The mask transformers builds for these implementations is its SDPA mask with the causal shortcut off:
+a bool (B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is
+masked. In a causal module that mask holds causality AND padding; the kernel gets causality as
+``is_causal=True`` and the padding as a (B, 1, 1, Nk) mask (``kernel.causal_and_rest``), so that
+Sinkhorn solves each prefix and no later token moves an earlier output.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -28,7 +32,7 @@ from torch import nn
 
 from ..layers.base import AttentionLayer
 from .common import Change, describe_new_parameters, param_names
-from .kernel import kernel_layer, run_kernel
+from .kernel import causal_and_rest, kernel_layer, run_kernel
 from .spec import Target, resolve
 
 KERNEL_CHILD = "attnzoo_kernel"
@@ -73,20 +77,44 @@ def _run(kernel: AttentionLayer, target_scale: bool, module, query, key, value, 
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
-    if mask is not None:
-        is_causal = False  # the mask already holds causality, with HF's offsets
-    else:
-        is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    if mask is not None and causal:
+        # HF's mask holds causality AND padding: causality goes to the kernel as is_causal (see
+        # causal_and_rest); one split per forward, as every layer gets the same mask
+        mask, causal = _split_once(attention_mask, mask, kwargs.get("position_bias"), query.shape[-2], key.shape[-2])
     tokens = getattr(kernel, "_tokens", None)
-    # HF has separate classes for cross-attention (BertCrossAttention) or flags it on the module
-    self_attention = (query.shape[-2] == key.shape[-2] and "Cross" not in type(module).__name__
-                      and not getattr(module, "is_cross_attention", False))
-    out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=is_causal,
+    # HF has separate classes for cross-attention (BertCrossAttention), flags it on the module, or
+    # (BART & co.) marks a decoder's cross-attention as the decoder's module that is not causal
+    cross = ("Cross" in type(module).__name__ or bool(getattr(module, "is_cross_attention", False))
+             or (getattr(module, "is_decoder", False) is True and getattr(module, "is_causal", True) is False))
+    self_attention = query.shape[-2] == key.shape[-2] and not cross
+    # a decoder's cross-attention: its queries are causal positions (they must not see each other's future)
+    causal_queries = cross and (getattr(module, "is_decoder", False) is True
+                                or bool(getattr(module, "is_cross_attention", False))
+                                or bool(getattr(getattr(module, "config", None), "is_decoder", False)))
+    out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
                      scale=scaling if (target_scale and scaling is not None) else None, x=tokens,
-                     self_attention=self_attention)
+                     self_attention=self_attention, causal_queries=causal_queries)
     return out.transpose(1, 2).contiguous(), None
+
+
+_LAST_SPLIT: list = [None]  # (weak reference to an HF mask, its version and sizes, causal_and_rest's answer)
+
+
+def _split_once(attention_mask, mask, position_bias, nq: int, nk: int):
+    """causal_and_rest(mask), remembered for the last HF mask tensor: the layers of one forward share
+    it, and the split reads the mask's values (a device sync on a GPU) once instead of once per layer."""
+    if position_bias is not None or attention_mask is None:
+        return causal_and_rest(mask, nq, nk)
+    slot = (attention_mask._version, nq, nk, mask.dtype, mask.shape)
+    last = _LAST_SPLIT[0]
+    if last is not None and last[0]() is attention_mask and last[1] == slot:
+        return last[2]
+    answer = causal_and_rest(mask, nq, nk)
+    _LAST_SPLIT[0] = (weakref.ref(attention_mask), slot, answer)
+    return answer
 
 
 def _dispatch(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

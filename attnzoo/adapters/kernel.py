@@ -45,12 +45,53 @@ def drop_padded_queries(attn_mask, nq: int):
     return attn_mask.masked_fill(~rows, -math.inf)
 
 
+def causal_and_rest(attn_mask: torch.Tensor, nq: int, nk: int) -> tuple[Optional[torch.Tensor], bool]:
+    """A host's mask that already holds causality (Hugging Face builds one (B, 1, Nq, Nk) mask of
+    causal AND padding) -> (mask for the kernel, is_causal).
+
+    Causality must reach the kernel as ``is_causal=True``: for Sinkhorn that means each prefix is
+    solved on its own (paper 002 eq 2.6), whereas normalising columns over a lower-triangular mask lets
+    later tokens move earlier outputs. A mask that keeps nothing outside the causal pattern (key j for
+    query i only when j <= i + Nk - Nq) gives is_causal=True plus what is left: a per-key (B, 1, 1, Nk)
+    padding mask when the mask is exactly causal AND per-key padding, else the mask itself (causality
+    is then applied twice, which is harmless). A mask that keeps a later key (bidirectional parts) is
+    not causal: (mask, False)."""
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
+    from ..ops.masking import causal_keep
+    causal = causal_keep(nq, nk, attn_mask.device)
+    if bool((keep & ~causal).any()):
+        return attn_mask, False
+    per_key = keep[..., -1:, :]  # the last query sees every key causality allows: only padding is missing
+    exact = bool((keep == (per_key & causal)).all())
+    if exact and attn_mask.dtype != torch.bool:
+        exact = bool((attn_mask.masked_fill(~keep, 0) == 0).all())  # a float bias is not padding
+    if not exact:
+        return attn_mask, True
+    if bool(per_key.all()):
+        return None, True
+    return (per_key if attn_mask.dtype == torch.bool else attn_mask[..., -1:, :]), True
+
+
+def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x) -> torch.Tensor:
+    """Cross-attention whose queries are causal (a decoder's positions attending to an encoder's
+    tokens), for a variant that couples queries (Sinkhorn): query i is solved together with queries
+    0..i only, as paper 002 eq 2.6 defines causal attention, so a later decoder token cannot move an
+    earlier one's output through the column normalisation. One kernel call per query: O(Nq^2 Nk)."""
+    nq = q.shape[-2]
+    rows = []
+    for i in range(nq):
+        mask_i = attn_mask[..., :i + 1, :] if attn_mask is not None and attn_mask.shape[-2] == nq else attn_mask
+        rows.append(layer.attend(q[..., :i + 1, :], k, v, attn_mask=mask_i, is_causal=False, x=x)[..., -1:, :])
+    return torch.cat(rows, dim=-2)
+
+
 def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
-               self_attention: bool = False) -> torch.Tensor:
+               self_attention: bool = False, causal_queries: bool = False) -> torch.Tensor:
     """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``).
-    ``self_attention``: q and k come from the same tokens (see drop_padded_queries)."""
+    ``self_attention``: q and k come from the same tokens (see drop_padded_queries).
+    ``causal_queries``: the queries are a causal decoder's positions (see attend_each_prefix)."""
     if self_attention and couples_queries(layer):
         attn_mask = drop_padded_queries(attn_mask, q.shape[-2])
     if getattr(layer, "tie_qk", False):
@@ -65,4 +106,6 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     if scale is not None:
         layer.scale = float(scale)
     layer.attn_drop.p = float(dropout_p)  # the host decides dropout (0 at eval, for attention weights)
+    if causal_queries and not is_causal and not self_attention and q.shape[-2] > 1 and couples_queries(layer):
+        return attend_each_prefix(layer, q, k, v, attn_mask, x)
     return layer.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x)

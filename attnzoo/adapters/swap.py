@@ -132,6 +132,7 @@ def swap(model: nn.Module, spec: str, *, include=None, exclude=None, strict: boo
     for change in changes:
         change.apply()
     torch_nn.sync_nested_tensor_flags(model)
+    torch_nn.sync_decoder_hooks(model)
     object.__setattr__(model, "attnzoo_swap_report", report)
     return model
 
@@ -163,6 +164,7 @@ def unswap(model: nn.Module, *, include=None, exclude=None, dry_run: bool = Fals
     for change in changes:
         change.apply()
     torch_nn.sync_nested_tensor_flags(model)
+    torch_nn.sync_decoder_hooks(model)
     hf.restore_implementations(model)
     object.__setattr__(model, "attnzoo_swap_report", report)
     return model

@@ -17,11 +17,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers.multihead import MultiheadAttention
+from ..layers.multihead import MultiheadAttention, is_causal_mask
 from .common import Change, describe_new_parameters, exchange, get_origin, param_names, set_origin
 from .kernel import kernel_layer, run_kernel
 from .spec import Target
 
+CAUSAL_QUERIES = "_attnzoo_causal_queries"  # set per call on a decoder layer's cross-attention
+_DECODER_HOOK = "_attnzoo_decoder_hook"
 _PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
 
@@ -38,19 +40,28 @@ class SwappedMultiheadAttention(MultiheadAttention):
         self._key_tokens: Optional[torch.Tensor] = None
         self._self_attention = False
 
-    def forward(self, query, key, value, *args, **kwargs):
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
+                average_attn_weights: bool = True, is_causal: bool = False):
         # Fenchel's context preference reads the key tokens, batch-first
         tokens = key if key.dim() == 2 else (key if self.batch_first else key.transpose(0, 1))
         self._key_tokens = tokens.unsqueeze(0) if key.dim() == 2 else tokens
         self._self_attention = query is key
+        if not is_causal and attn_mask is not None:
+            seq = 1 if query.dim() == 3 and self.batch_first else 0
+            # in a swapped model the causal mask means causality: it reaches the kernel as is_causal
+            # (prefix Sinkhorn), whether or not the caller passed torch's is_causal hint
+            is_causal = is_causal_mask(attn_mask, query.shape[seq], key.shape[seq])
         try:
-            return super().forward(query, key, value, *args, **kwargs)
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+                                   is_causal=is_causal)
         finally:
             self._key_tokens = None
 
     def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
         return run_kernel(self.variant_layer, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                          dropout_p=dropout_p, x=self._key_tokens, self_attention=self._self_attention)
+                          dropout_p=dropout_p, x=self._key_tokens, self_attention=self._self_attention,
+                          causal_queries=getattr(self, CAUSAL_QUERIES, False) and not self._self_attention)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
@@ -123,3 +134,30 @@ def sync_nested_tensor_flags(root: nn.Module) -> None:
         elif not swapped and getattr(m, "_attnzoo_use_nested_tensor", False):
             m.use_nested_tensor = True
             object.__delattr__(m, "_attnzoo_use_nested_tensor")
+
+
+def _note_causal_queries(layer: nn.TransformerDecoderLayer, args, kwargs) -> None:
+    """Forward pre-hook: tell the layer's cross-attention whether this call's target is causal (then
+    its queries must not see each other's future either; see kernel.attend_each_prefix)."""
+    def arg(i, name, default):
+        return args[i] if len(args) > i else kwargs.get(name, default)
+    tgt, tgt_mask, tgt_is_causal = arg(0, "tgt", None), arg(2, "tgt_mask", None), arg(6, "tgt_is_causal", False)
+    if not tgt_is_causal and tgt_mask is not None and tgt is not None:
+        n = tgt.shape[1 if tgt.dim() == 3 and layer.self_attn.batch_first else 0]
+        tgt_is_causal = is_causal_mask(tgt_mask, n, n)
+    object.__setattr__(layer.multihead_attn, CAUSAL_QUERIES, bool(tgt_is_causal))
+
+
+def sync_decoder_hooks(root: nn.Module) -> None:
+    """nn.TransformerDecoderLayers whose cross-attention runs attnzoo get the pre-hook above; layers
+    swapped back lose it."""
+    for m in root.modules():
+        if not isinstance(m, nn.TransformerDecoderLayer):
+            continue
+        swapped = isinstance(getattr(m, "multihead_attn", None), SwappedMultiheadAttention)
+        hook = getattr(m, _DECODER_HOOK, None)
+        if swapped and hook is None:
+            object.__setattr__(m, _DECODER_HOOK, m.register_forward_pre_hook(_note_causal_queries, with_kwargs=True))
+        elif not swapped and hook is not None:
+            hook.remove()
+            object.__delattr__(m, _DECODER_HOOK)
