@@ -1,8 +1,18 @@
-"""Streaming CPU Sinkhorn vs the eager reference: peak memory and time of forward + backward.
+"""Streaming Sinkhorn: the CPU path vs the eager reference (memory, time), and on a GPU the Triton
+kernels vs SDPA softmax against the cost model.
 
     .venv/bin/python benchmarks/fused_sinkhorn.py            # B=1 H=4 D=64 N=4096 n_iters=3, fp32, 1 thread
     .venv/bin/python benchmarks/fused_sinkhorn.py --sweep 128 512 1024 2048   # one-shot, fresh processes
     .venv/bin/python benchmarks/fused_sinkhorn.py --steady 64 256 512 1024 2048  # warm, best of 3, time only
+    python benchmarks/fused_sinkhorn.py --gpu [--gpu-dims 64 128] [--gpu-lens 1024 4096 16384]
+
+--gpu (CUDA): bf16, batch * N = 16384 tokens, hidden 2048 (FlashAttention's benchmark shapes), per
+(D, N): SDPA softmax and ``AF.sinkhorn(q, k, v, n_iters=k, backend="triton")`` forward and forward +
+backward (median ms, triton.testing.do_bench), their ratio against the target k + 1, the extra peak
+memory of each (vs SDPA's: target <= 1.5x), and one launch of each Sinkhorn pass (logsumexp pass,
+final attend, dv / last adjoint, adjoint weighted sum, dq / dk) in ms and as a fraction of SDPA's
+forward: the cost model says a logsumexp pass is about half of it. Writes
+benchmarks/results/gpu/fused_sinkhorn_gpu.{json,md}.
 
 A one-shot run in a fresh process pays the page faults of every new allocation; in a training loop
 (--steady) the allocator reuses memory below glibc's mmap threshold (32 MB at most), so the eager
@@ -138,6 +148,87 @@ def plot_sweep(results: list, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int = 2048, device="cuda") -> list:
+    """The --gpu measurement (see the module doc); one dict per (D, N)."""
+    import torch
+    import torch.nn.functional as F
+    import triton.testing
+
+    import attnzoo.functional as AF
+    from attnzoo.ops.sinkhorn import triton as sk
+    from attnzoo.ops.sinkhorn.streaming import sinkhorn_potentials
+
+    dev = torch.device(device)
+    bench = lambda fn, leaves=(): float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(leaves),
+                                                                 return_mode="median"))
+
+    def peak_mb(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+    rows = []
+    for d in head_dims:
+        for n in seq_lens:
+            B, H = max(1, tokens // n), hidden // d
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q, k, v = (torch.randn(B, H, n, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+                       for _ in range(3))
+            grad = torch.randn_like(q)
+            calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+                     "sinkhorn": lambda: AF.sinkhorn(q, k, v, n_iters=n_iters, backend="triton")}
+            row = dict(D=d, N=n, B=B, H=H, n_iters=n_iters)
+            for name, call in calls.items():
+                call().backward(grad)  # compile and autotune outside the samples
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = bench(call)
+                    row[f"{name}_fwd_mb"] = peak_mb(call)
+                row[f"{name}_fwd_bwd_ms"] = bench(lambda: call().backward(grad), (q, k, v))
+                row[f"{name}_fwd_bwd_mb"] = peak_mb(lambda: call().backward(grad))
+            row["fwd_ratio"] = row["sinkhorn_fwd_ms"] / row["sdpa_fwd_ms"]
+            row["fwd_bwd_ratio"] = row["sinkhorn_fwd_bwd_ms"] / row["sdpa_fwd_bwd_ms"]
+            row["mem_ratio"] = row["sinkhorn_fwd_bwd_mb"] / row["sdpa_fwd_bwd_mb"]
+            # one launch of each pass, on the potentials of a real forward
+            eng = sk.ENGINE
+            with torch.no_grad():
+                p = sk._problem(q.detach(), k.detach(), v.detach(), None, d ** -0.5, 1.0, True, True)
+                fs, gs = sinkhorn_potentials(eng, p, n_iters)
+                out, lse = eng.attend(p, gs[-1])
+                dout = grad.contiguous()
+                delta = eng.row_dot(dout, out)
+                dv, dg = eng.grad_v_and_bias(p, gs[-1], lse, dout, delta)
+                c = p.col_target
+                terms = tuple(torch.stack(t) for t in (fs, [g - c for g in gs[1:]], gs[:-1], [dg] * n_iters,
+                                                       [delta] * n_iters))
+                passes = {"lse pass": lambda: eng.lse_rows(p, gs[-1]),
+                          "attend": lambda: eng.attend(p, gs[-1]),
+                          "dv + last adjoint": lambda: eng.grad_v_and_bias(p, gs[-1], lse, dout, delta),
+                          "adjoint wsum": lambda: eng.wsum_rows(p, fs[-1], gs[-1] - c, dg),
+                          "dq + dk": lambda: eng.grad_qk(p, gs[-1], lse, dout, delta, terms)}
+                row["passes_ms"] = {name: bench(fn) for name, fn in passes.items()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def gpu_markdown(rows, device_name: str, command: str) -> str:
+    k = rows[0]["n_iters"] if rows else 3
+    lines = [f"# Sinkhorn (n_iters={k}) Triton kernels vs SDPA softmax, {device_name}, bf16", "",
+             f"`{command}`. Targets (issue 15): fwd and fwd+bwd <= {k + 1}x SDPA, extra memory <= 1.5x SDPA's.", "",
+             "| D | N | B x H | SDPA fwd ms | Sinkhorn fwd ms | ratio | SDPA fwd+bwd ms | Sinkhorn fwd+bwd ms | ratio | "
+             "extra MB fwd+bwd (SDPA) | passes, ms (x SDPA fwd) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        passes = ", ".join(f"{name} {ms:.3g} ({ms / r['sdpa_fwd_ms']:.2f})" for name, ms in r["passes_ms"].items())
+        lines.append(f"| {r['D']} | {r['N']} | {r['B']} x {r['H']} | {r['sdpa_fwd_ms']:.3g} | {r['sinkhorn_fwd_ms']:.3g} | "
+                     f"{r['fwd_ratio']:.2f} | {r['sdpa_fwd_bwd_ms']:.3g} | {r['sinkhorn_fwd_bwd_ms']:.3g} | "
+                     f"{r['fwd_bwd_ratio']:.2f} | {r['sinkhorn_fwd_bwd_mb']:.0f} ({r['sdpa_fwd_bwd_mb']:.0f}) | {passes} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--B", type=int, default=1)
@@ -147,12 +238,25 @@ def main() -> None:
     ap.add_argument("--n-iters", type=int, default=3)
     ap.add_argument("--sweep", type=int, nargs="+", help="several N: a sweep JSON + plot instead")
     ap.add_argument("--steady", type=int, nargs="+", help="several N: warm in-process times, best of 3")
+    ap.add_argument("--gpu", action="store_true", help="Triton kernels vs SDPA on CUDA (see the module doc)")
+    ap.add_argument("--gpu-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--gpu-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # subprocess mode
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args()
     cfg = dict(B=args.B, H=args.H, N=args.N, D=args.D, n_iters=args.n_iters)
     if args.one:
         print(json.dumps(measure_one(args.one, **cfg)))
+        return
+    if args.gpu:
+        import torch
+        out = Path(__file__).resolve().parent / "results" / "gpu"
+        out.mkdir(parents=True, exist_ok=True)
+        rows = gpu_rows(args.gpu_dims, args.gpu_lens, args.n_iters)
+        command = "python benchmarks/fused_sinkhorn.py " + " ".join(sys.argv[1:])
+        (out / "fused_sinkhorn_gpu.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows,
+                                                                     command=command), indent=2) + "\n")
+        (out / "fused_sinkhorn_gpu.md").write_text(gpu_markdown(rows, torch.cuda.get_device_name(), command))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.steady:

@@ -79,6 +79,10 @@ def make_mask(kind, B, nq, nk, gen):
         keep[:, :, 0, :] = False
         keep[:, :, :, 1] = False
         return keep, keep, None
+    if kind == "query":  # broadcast along the key axis (B, 1, Nq, 1): query 0 sees no key, a few others neither
+        keep = torch.rand(B, 1, nq, 1, generator=gen) > 0.3
+        keep[:, :, 0] = False
+        return keep, keep, None
     if kind == "pad":  # key padding: the last 3 keys of batch 1 are padding
         keep = torch.ones(B, 1, 1, nk, dtype=torch.bool)
         keep[-1, ..., -3:] = False
@@ -122,6 +126,9 @@ TRITON_CASES = [
     case("t-bf16-eps0.05-dot", eps=0.05, cost="dot", dtype=torch.bfloat16, H=1),
     case("t-f16-bool", mask="bool", dtype=torch.float16, H=1),
     case("t-f32-causal", nq=3, nk=4, B=1, causal=True, H=1),
+    case("t-f32-query-mask-dot", nq=18, nk=7, mask="query", cost="dot", H=1),
+    # logits in the hundreds: reduced potentials and the one-exponential adjoint terms far from 1
+    case("t-f32-eps0.05-big-iters1", nq=19, nk=23, eps=0.05, big=2.0, n_iters=1, H=1),
 ]
 # tolerance on max|err| / max|expected| per input dtype (outputs are returned in the input dtype)
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -159,7 +166,7 @@ def check_against_math(c, run):
     for name, g, gw in zip("qkv", got_grads, want_grads):
         assert g.dtype == c["dtype"]
         assert rel_err(g, gw) < tol * 5, (f"d{name}", rel_err(g, gw))
-    if c["mask"] == "bool":  # query 0 sees no key: a zero row, and no gradient flows from it
+    if c["mask"] in ("bool", "query"):  # query 0 sees no key: a zero row, and no gradient flows from it
         assert (got[..., 0, :] == 0).all()
 
 
@@ -328,6 +335,132 @@ def test_eps_0_05_with_large_logits_stays_finite(fn, dtype, cost):
     rows = P.float().sum(-1)
     rows[..., 2] += 1
     assert torch.allclose(rows, torch.ones_like(rows), atol=2e-2)
+
+
+def test_folded_adjoint_terms_equal_the_two_exponentials():
+    """The dq/dk kernel forms C_ij dg_j + R_ij df_i (C = exp(L + f_i + GC_j), R = exp(L + f_i + GR_j))
+    with one exponential, exp(L + f_i + max(GC, GR)_j) (U_j + RHO_j df_i): exact, and finite in
+    float32 where one of C and R is astronomically small and the other's factor exp(GC - GR) would
+    overflow (potentials hundreds apart, as after one iteration at eps = 0.05)."""
+    if sk_triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(5)
+    T, nq, nk = 2, 5, 7
+    L = torch.randn(nq, nk, generator=gen, dtype=torch.float64) * 50
+    GC, GR = (torch.randn(T, 1, nk, generator=gen, dtype=torch.float64) * 300 for _ in range(2))
+    FT = -(L + torch.maximum(GC, GR)).amax(-1, keepdim=True)          # every max(C, R) <= 1, as for a plan
+    DG = torch.randn(T, 1, nk, generator=gen, dtype=torch.float64)
+    DF = torch.randn(T, nq, 1, generator=gen, dtype=torch.float64)
+    want = (torch.exp(L + FT + GC) * DG + torch.exp(L + FT + GR) * DF).sum(0)
+    for dtype in (torch.float64, torch.float32):
+        terms = tuple(t.to(dtype) for t in (FT, GC, GR, DG, DF))
+        FQ, HK, U, RHO, DFo = sk_triton.TritonEngine.fold_terms(terms)
+        got = (torch.exp(L.to(dtype) + FQ + HK) * (U + RHO * DFo)).sum(0)
+        assert torch.isfinite(got).all()
+        assert rel_err(got, want) < (1e-12 if dtype == torch.float64 else 1e-4)  # fp32 potentials ~300: 2e-5
+    assert not torch.isfinite(torch.exp((GC - GR).float())).all()   # the naive ratio overflows in float32
+
+
+# ---------------------------------------------------------------- compiled kernels on a GPU
+# FlashAttention's rule: error vs float64 <= 2x the eager reference's own error in the same dtype
+# (the reference computes half inputs in float32) plus a floor (tests/flash_rule.py).
+ON_GPU = sk_triton is not None and torch.cuda.is_available() and not INTERPRET
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels")
+GPU_SHAPES = {  # (B, H, Nq, Nk, D, Dv, cost, mask)
+    "d64-odd": (2, 3, 333, 517, 64, 64, "l2", None),
+    "d128-pad-dot": (1, 2, 300, 300, 128, 128, "dot", "pad"),
+    "d64-n4096": (1, 2, 4096, 4096, 64, 64, "l2", None),
+    "d128-bool": (1, 2, 200, 177, 128, 96, "l2", "bool"),
+}
+
+
+def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="cuda"):
+    from attnzoo.ops.sinkhorn import reference
+    from tests.flash_rule import assert_flash_rule
+    B, H, nq, nk, D, DV, cost, mask_kind = shape
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(B, H, n, D, generator=gen) for n in (nq, nk))
+    v = torch.randn(B, H, nk, DV, generator=gen)
+    mask, _, _ = make_mask(mask_kind, B, nq, nk, gen)
+    mask = None if mask is None else mask.to(device)
+    w = torch.randn(B, H, nq, DV, generator=gen).to(device)
+    kw = dict(attn_mask=mask, scale=D ** -0.5, n_iters=n_iters, eps=eps, cost=cost)
+
+    def run(fn, dt):
+        leaves = [t.to(device, dt).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, **kw)
+        return [out] + list(torch.autograd.grad((out.double() * w).sum(), leaves))
+
+    want = run(reference.sinkhorn_attention, torch.float64)
+    low = run(reference.sinkhorn_attention, dtype)
+    got = run(lambda *a, **k: sk_triton.sinkhorn_attention(*a, grad_mode=grad_mode, **k), dtype)
+    assert all(torch.isfinite(t).all() for t in got)
+    assert_flash_rule(f"sinkhorn {shape}", dtype, 1.0, list(zip(("out", "dq", "dk", "dv"), got, low, want)))
+
+
+@needs_interpreter
+def test_gpu_check_itself_runs_under_the_interpreter():
+    """The GPU tests' comparison, on CPU tensors and a tiny shape (fp32: the interpreter computes in fp32)."""
+    if not INTERPRET:
+        pytest.skip("the GPU tests run this on the GPU")
+    _gpu_check((1, 2, 19, 21, 20, 12, "l2", "query"), torch.float32, device="cpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", list(GPU_SHAPES), ids=str)
+def test_gpu_matches_float64_by_flash_rule(shape, dtype):
+    _gpu_check(GPU_SHAPES[shape], dtype)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("shape", ["d64-odd", "d128-pad-dot"])
+def test_gpu_every_tile_candidate(shape, index):
+    """Large calls autotune among a few tiles per kernel: each one must pass the same rule."""
+    with sk_triton.pinned_tile(index):
+        _gpu_check(GPU_SHAPES[shape], torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_implicit_gradient_matches_unrolled_near_the_fixed_point():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=gen).cuda() for _ in range(3))
+    grads = []
+    for mode in ("unrolled", "implicit"):
+        leaves = [t.clone().requires_grad_() for t in (q, k)]
+        out = sk_triton.sinkhorn_attention(*leaves, v, scale=0.125, n_iters=40, eps=2.0, grad_mode=mode)
+        grads.append(torch.autograd.grad(out.square().sum(), leaves))
+    for a, b in zip(*grads):
+        assert rel_err(b, a.double()) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_gpu_layer_compiles_fullgraph(autocast):
+    """torch.compile(fullgraph=True) of the layer: the forward and the unrolled backward are custom
+    ops torch.compile traces through; no data-dependent Python on the way (a graph break would fail)."""
+    import attnzoo
+    torch.manual_seed(0)
+    layer = attnzoo.SinkhornAttention(64, num_heads=2).cuda()
+    layer.backend = "triton"
+    x = torch.randn(2, 37, 64, device="cuda", requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True)
+    results = []
+    for fn in (layer, compiled):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(x)
+        grads = torch.autograd.grad(out.float().square().sum(), [x] + list(layer.parameters()))
+        results.append((out.float(), grads))
+    tol = 3e-2 if autocast else 2e-4
+    (out_e, g_e), (out_c, g_c) = results
+    assert (out_e - out_c).abs().max() <= tol * max(1.0, float(out_e.abs().max()))
+    for a, b in zip(g_e, g_c):
+        assert (a - b).abs().max() <= tol * max(1.0, float(a.abs().max()))
 
 
 # ---------------------------------------------------------------- bad input

@@ -4,7 +4,7 @@
   Nq * Nk >= 2^21 on, and for every causal call. benchmarks/fused_sinkhorn.py --steady (warm, 1 thread,
   B*H = 4): about the reference's time up to N = 1024 (the reference reuses its N x N buffers there),
   clearly faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
-- "triton": the same passes as Triton kernels (ops/sinkhorn/triton.py); auto on CUDA only.
+- "triton": the same passes as Triton kernels (ops/sinkhorn/triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
 """
@@ -72,7 +72,7 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
 if sinkhorn_triton is not None:
     register_backend("sinkhorn", "triton", eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "unrolled")),
                      _triton_supports, priority=20, auto_devices=("cuda",),
-                     description="Triton streaming kernels, O(N) memory, backward unrolled through the passes")
+                     description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
                      eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "implicit")),
                      _triton_supports, priority=2, auto_devices=(),

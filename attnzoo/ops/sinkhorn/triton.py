@@ -25,7 +25,9 @@ candidate, so every tile a GPU may pick is compiled and analysed.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from typing import Optional
 
 import torch
@@ -98,14 +100,33 @@ def candidates(kind: str, width: int, dtype, masked: bool = False) -> tuple:
     return cands
 
 
+AUTOTUNE_ENV = "ATTNZOO_TRITON_AUTOTUNE"   # "0": every launch takes its first candidate
 _TUNERS: dict = {}
+_PINNED: list = []
+
+
+@contextlib.contextmanager
+def pinned_tile(index: int):
+    """Every launch inside runs candidate ``index`` of its list (modulo its length), untuned: how the
+    GPU tests check the numbers of every tile the autotuner may pick."""
+    _PINNED.append(int(index))
+    try:
+        yield
+    finally:
+        _PINNED.pop()
+
+
+def length_bucket(n: int) -> int:
+    """The autotuning key's length bucket (the next power of two, at least 16)."""
+    return max(16, 1 << max(0, int(n) - 1).bit_length())
 
 
 def _tuner(kernel, cands, reset):
     key = (kernel.fn.__name__, cands)
     if key not in _TUNERS:
         configs = [triton.Config(dict(BLOCK_X=bx, BLOCK_Y=by), num_warps=w, num_stages=s) for bx, by, w, s in cands]
-        _TUNERS[key] = triton.autotune(configs, key=["Nx", "Ny", "D"], reset_to_zero=list(reset) or None)(kernel)
+        _TUNERS[key] = triton.autotune(configs, key=["tune_nx", "tune_ny", "D"],
+                                       reset_to_zero=list(reset) or None)(kernel)
     return _TUNERS[key]
 
 
@@ -117,8 +138,11 @@ def _is_fake(t: Tensor) -> bool:
 def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
     """Launch ``kernel`` over (row blocks of nx, bh) with the tile of its kind (see the module doc).
     ``tune``: the call may autotune (not for the causal prefix loop: every prefix is a new shape)."""
+    args = (*args, length_bucket(nx), length_bucket(ny))
     cands = candidates(kind, width, x.dtype, meta["MASK_KIND"] != 0)
-    if not tune:
+    if _PINNED:
+        cands = (cands[_PINNED[-1] % len(cands)],)
+    elif not tune or os.environ.get(AUTOTUNE_ENV, "1") == "0":
         cands = cands[:1]
     if x.device.type == "cuda":
         # an atomically accumulated output is zeroed between autotuning runs (reset_to_zero): done

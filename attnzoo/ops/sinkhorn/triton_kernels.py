@@ -12,6 +12,9 @@ swapped: one kernel for both. Layout: X (BH, Nx, D), Y (BH, Ny, D) contiguous; p
 (BH, N) float32; the mask a (B, H, Nx, Ny) view given by strides (0 on broadcast dims), so a
 key-padding mask is read, never expanded.
 
+tune_nx / tune_ny: power-of-two buckets of Nx / Ny, unused by the code: the autotuning key, so a
+new length retunes only when it changes bucket (triton.py).
+
 Out-of-range rows and columns need no 2-D bounds mask: the per-Y vectors are loaded with -inf
 (or +inf for a subtracted log-normaliser) past the end, which makes every exponential there 0, and
 the loaded X / Y rows are zeros there, so nothing is NaN. Masks (MASK_KIND 1 = bool as uint8,
@@ -58,7 +61,7 @@ def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.const
 
 @triton.jit
 def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
-                sm_b, sm_h, sm_x, sm_y,
+                sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                 MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = lse_y(A x.y + OTHER_y) over the y taking part (natural log); 0 where none does."""
@@ -88,7 +91,7 @@ def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
 
 @triton.jit
 def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
-                 sm_b, sm_h, sm_x, sm_y,
+                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                  MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = sum_y exp(A x.y + XP_x + YP_y) W_y. The callers' exponents are entries of a transport
@@ -115,7 +118,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
 
 @triton.jit
 def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
-                   sm_b, sm_h, sm_x, sm_y,
+                   sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y (online softmax,
@@ -166,7 +169,7 @@ def _row_dot_kernel(A, B, OUT, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexp
 
 @triton.jit
 def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV, A,
-                   sm_b, sm_h, sm_x, sm_y,
+                   sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
@@ -201,7 +204,7 @@ def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV
 
 @triton.jit
 def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, MASK, H, Nx, Ny, D, DV, A,
-                    sm_b, sm_h, sm_x, sm_y,
+                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                     L2: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
