@@ -239,15 +239,17 @@ def sinkhorn_calls(dtype_name):
                                                   cost=cost, grad_mode=grad_mode, n_iters=3)
 
 
-LINEAR_HEAD_DIMS = [(64, 64), (128, 128), (256, 255)]  # (D, Dv); D and Dv + 1 <= 256
+LINEAR_HEAD_DIMS = [(64, 64), (128, 128), (256, 255)]  # (D, Dv): one tile, 128-wide tiles, several and unaligned
 
 
 def linear_calls(dtype_name):
     dtype = TORCH_DTYPES[dtype_name]
     for d, dv in LINEAR_HEAD_DIMS:
-        # elu appends the normaliser's ones column to v (Dv + 1 columns), identity does not; Nk > Nq
-        # hands a prefix state s0, Nk < Nq a query slice. Only causal calls reach the kernels.
-        for feature_map, nq, nk, mask in (("elu", 64, 64, "none"), ("identity", 48, 80, "bool"), ("elu", 80, 48, "bool")):
+        # unmasked: phi, the normaliser (elu) or 1/n_i (identity) in the kernels; a key mask hands them
+        # host features; Nk > Nq hands a prefix state s0, Nk < Nq a query slice. Only causal calls reach
+        # the kernels.
+        for feature_map, nq, nk, mask in (("elu", 64, 64, "none"), ("identity", 64, 64, "none"), ("elu", 48, 80, "none"),
+                                          ("identity", 48, 80, "bool"), ("elu", 80, 48, "bool")):
             q, k, v = qkv(dtype, nq, nk, d, dv)
             label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} Nq={nq} Nk={nk} mask={mask} causal"
             yield label, lambda: forward_backward(linear_triton.linear_attention_triton, q, k, v, is_causal=True,

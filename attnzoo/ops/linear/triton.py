@@ -78,7 +78,8 @@ def launch_config(d, dv, dtype):
     sm_90 build check, benchmarks/compile_triton_kernels.py, compiles exactly these).
 
     - scans (``states``, ``reverse``): one program per (BK, BV) state tile walking the chunks; 64 x 64
-      fp32 is 32 registers a thread at 4 warps and makes 2 x 2 programs per head at D = Dv = 128;
+      fp32 is 32 registers a thread at 4 warps and makes 2 x 2 programs per head at D = Dv = 128
+      (8 warps for rows that are no multiple of 16 bytes);
     - ``output`` and ``dv``: a (C, BV) accumulator plus the (C, C) weights; BV up to 128 for half
       inputs so D = Dv = 128 computes the weights once per chunk (8 warps hold both);
     - ``dqk``: three accumulators ((C, BK) dq, dk and the (C, C) weight gradient): 8 warps (at 4 the
@@ -96,7 +97,9 @@ def launch_config(d, dv, dtype):
     chunk, width = (CHUNK, 64) if half else (32, 32)
     bk, bv = min(width, _pow2(d)), min(width, _pow2(dv))
     wide_v = min(128 if half else width, _pow2(dv))
-    scan = dict(CHUNK=chunk, BK=bk, BV=bv, num_warps=4, num_stages=2)
+    # rows that are no multiple of 16 bytes load element by element: the scans then spilled at 4 warps
+    aligned = (d * torch.finfo(dtype).bits // 8) % 16 == 0 and (dv * torch.finfo(dtype).bits // 8) % 16 == 0
+    scan = dict(CHUNK=chunk, BK=bk, BV=bv, num_warps=4 if aligned else 8, num_stages=2)
     out = dict(CHUNK=chunk, BK=bk, BV=wide_v, num_warps=8 if chunk * wide_v > 64 * 64 else 4, num_stages=2)
     return {
         "states": scan, "reverse": dict(scan), "output": out, "dv": dict(out),
