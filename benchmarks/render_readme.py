@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attnzoo.bench import load  # noqa: E402
-from attnzoo.bench.docs import render  # noqa: E402
+from attnzoo.bench.docs import front_page, render  # noqa: E402
 from attnzoo.bench.schema import write_text  # noqa: E402
 
 
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json")
     p.add_argument("--gpu-dir", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
-    p.add_argument("--out", type=Path, default=None, help="also write the section as a page of its own")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                   help="the full benchmark page (README.md gets a short section linking to it)")
     p.add_argument("--readme", type=Path, default=ROOT / "README.md",
                    help="file whose bench markers get the section too (paths made relative to it)")
     args = p.parse_args(argv)
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     gpu = newest_gpu_sweep(args.gpu_dir) if args.gpu_dir.exists() else []
     if args.out is not None:
         write_text(render(cpu, gpu, args.out), args.out)
-    replace_between_markers(args.readme, render(cpu, gpu, args.readme))
+    replace_between_markers(args.readme, front_page(cpu, gpu, args.readme, args.out))
     print(f"wrote {args.readme}{' and ' + str(args.out) if args.out else ''} from {'CPU ' + str(args.cpu) if cpu else 'no CPU results'} and {len(gpu)} GPU file(s)")
     return 0
 

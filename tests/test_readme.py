@@ -1,0 +1,53 @@
+"""The README is a front page: the two set-up commands first, links that resolve, and a benchmark
+section that is exactly what benchmarks/render_readme.py makes from the committed result files."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_two_setup_commands_come_first():
+    text = README.read_text()
+    first_block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert [line.split()[:2] for line in first_block.strip().splitlines()] == [["make", "demo"], ["make", "test"]]
+    assert len(text.splitlines()) <= 150  # a front page; the long sections live in docs/
+    makefile = (ROOT / "Makefile").read_text()
+    assert "apt-get" not in makefile and "sudo" not in makefile
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target) or target.startswith("#"):
+                continue
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def _render_readme_module():
+    spec = importlib.util.spec_from_file_location("render_readme", ROOT / "benchmarks" / "render_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_section_is_generated_from_committed_results():
+    from attnzoo.bench import load
+    from attnzoo.bench.docs import front_page
+    rr = _render_readme_module()
+    cpu_json = ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json"
+    cpu = (load(cpu_json), cpu_json) if cpu_json.exists() else None
+    gpu = rr.newest_gpu_sweep(ROOT / "benchmarks" / "results" / "gpu")
+    text = README.read_text()
+    section = text.split(rr.BEGIN + "\n", 1)[1].split(rr.END, 1)[0]
+    assert section == front_page(cpu, gpu, README, ROOT / "docs" / "benchmarks.md"), \
+        "README's benchmark section is stale: run benchmarks/render_readme.py"
+    assert "docs/benchmarks.md" in section
