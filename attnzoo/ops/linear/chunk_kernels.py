@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover
 
 FEATURE_NONE, FEATURE_ELU, FEATURE_RELU = 0, 1, 2
 MODE_PLAIN, MODE_COUNT, MODE_NORMALISED = 0, 1, 2
-EPS = 1e-6
 
 if HAVE_TRITON:
     from ..triton_utils import mm
