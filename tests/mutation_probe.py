@@ -23,6 +23,7 @@ import torch
 def _record_launches():
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     class _Sm90:
@@ -36,6 +37,7 @@ def _record_launches():
         return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
 
     JITFunction.__getitem__ = record  # wrap_triton(kernel)[grid](...) ends here too when not tracing
+    Autotuner.__getitem__ = record  # autotuned kernels: the analysis reads their first config's IR
     return launches
 
 
@@ -87,6 +89,7 @@ def main() -> None:
     launches = _record_launches()
     _allow_cpu_tensors()
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.runtime.autotuner import Autotuner
 
     writes: dict[str, set] = {}
     for name, call in _cases().items():
@@ -98,7 +101,8 @@ def main() -> None:
         for kernel, args, kwargs in launches:
             arguments = {**dict(zip(kernel.arg_names, args)), **kwargs}
             accessed = identify_accessed_tensors(kernel, arguments, {})
-            key = f"{kernel.fn.__module__}.{kernel.fn.__name__}"
+            jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
+            key = f"{jit.fn.__module__}.{jit.fn.__name__}"
             writes.setdefault(key, set()).update(dep.name for dep in accessed.read_writes.writes)
     print(json.dumps({key: sorted(names) for key, names in sorted(writes.items())}))
 

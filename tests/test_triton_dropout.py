@@ -36,6 +36,12 @@ SEED = 1234
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def default_tiles(monkeypatch):
+    """On a GPU: each kernel specialisation runs its default tiles, one compile each (no autotuning)."""
+    monkeypatch.setenv("ATTNZOO_TRITON_AUTOTUNE", "0")
+
+
 @dataclass
 class Case:
     name: str

@@ -15,7 +15,7 @@ import torch
 
 import attnzoo
 import attnzoo.functional as AF
-from attnzoo.ops.triton_utils import INTERPRETED
+from attnzoo.ops.triton_utils import HAVE_TRITON, INTERPRETED
 from tests.flash_rule import assert_flash_rule, max_error
 from tests.kernel_devices import leaves
 
@@ -32,7 +32,7 @@ class Case:
     d: int = 16
     b: int = 1
     h: int = 2
-    mask: str = "none"      # none | bool | float | padding | extreme
+    mask: str = "none"      # none | bool | float | padding | extreme | rows (Nq, 1) bool | keys (Nk,) float
     causal: bool = False
     bias: str = "default"   # default | scalar | head (1, H, 1, 1) | rows (B, H, Nq, 1)
     logit_size: float = 1.0
@@ -48,6 +48,9 @@ CASES = [
     Case("relu-causal-float-33", "relu", 33, 33, mask="float", causal=True),
     Case("relu-extreme-1e4", "relu", 7, 16, mask="extreme", logit_size=1e4),
     Case("sigmoid-extreme-1e4", "sigmoid", 7, 16, mask="extreme", logit_size=1e4),
+    # masks broadcast by strides along the key axis / over queries
+    Case("sigmoid-row-mask-33x20-causal", "sigmoid", 33, 20, mask="rows", causal=True),
+    Case("relu-key-mask-20x33", "relu", 20, 33, mask="keys"),
 ]
 LOW_PRECISION = [
     ("sigmoid-33x20-causal-bool", torch.bfloat16), ("sigmoid-head-bias-7x33-padding", torch.bfloat16),
@@ -74,6 +77,14 @@ def make_mask(case: Case):
         return m
     if case.mask == "extreme":
         return torch.randint(-1, 2, (1, 1, nq, nk)).float() * 1e4
+    if case.mask == "rows":  # (Nq, 1): whole query rows masked out
+        m = torch.rand(nq, 1) < 0.7
+        m[min(2, nq - 1)] = False
+        return m
+    if case.mask == "keys":  # (Nk,): a float bias per key, -inf removes a key
+        m = torch.randn(nk)
+        m[nk // 3] = -math.inf
+        return m
     return None
 
 
@@ -178,3 +189,42 @@ def test_op_is_a_registered_custom_op():
     bias = torch.zeros(1, 2, 1, requires_grad=True)
     torch.library.opcheck(torch.ops.attnzoo.pointwise_fwd.default, (q, k, v, None, bias, 0.0, 2, 0.25, False, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# --- the sigmoid evaluations of the kernels ---------------------------------------------------------
+
+SIGMOID_POINTS = torch.tensor([-float("inf"), -1e4, -88.0, -30.0, -17.3, -9.0, -4.5, -1.0, -1e-3, 0.0, 1e-3, 0.7,
+                               3.0, 11.0, 40.0, 1e4] + torch.linspace(-20, 20, 97).tolist())
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from attnzoo.ops.pointwise.triton_kernels import sigmoid
+
+    @triton.jit
+    def apply_sigmoid(X, Y, n, IMPL: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(Y + offs, sigmoid(tl.load(X + offs, mask=offs < n, other=0.0), IMPL), mask=offs < n)
+
+
+def run_sigmoid(x: torch.Tensor, impl: int) -> torch.Tensor:
+    """The kernels' ``sigmoid(x, IMPL)`` applied elementwise by a one-block Triton kernel."""
+    y = torch.empty_like(x)
+    apply_sigmoid[(1,)](x, y, x.numel(), IMPL=impl, BLOCK=triton.next_power_of_2(x.numel()))
+    return y
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("impl,rel_tol", [(0, 1e-6), (2, 3e-5)], ids=["exact", "exp2-newton"])
+def test_sigmoid_evaluations_are_accurate_for_small_weights_too(impl, rel_tol):
+    """Relative error against float64 everywhere, including sigmoid(x) ~ 1e-8 (where 0.5 tanh(x/2) + 0.5
+    loses everything to cancellation), and exactly 0 at -inf (keys that do not take part). The exp2 evaluation's Newton
+    reciprocal from a linear guess is within (1/17)^4 ~ 1.2e-5; the hardware tanh (impl 1) is PTX
+    asm and runs on a GPU only (tests/test_triton_gpu.py)."""
+    got = run_sigmoid(SIGMOID_POINTS.float(), impl).double()
+    want = torch.sigmoid(SIGMOID_POINTS.double())
+    assert got[0] == 0 and torch.isfinite(got).all()
+    rel = ((got - want).abs() / want.clamp_min(1e-300))[want > 1e-37]
+    assert float(rel.max()) <= rel_tol, float(rel.max())

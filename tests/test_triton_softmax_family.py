@@ -35,7 +35,7 @@ class Case:
     dv: int = 16
     b: int = 1
     h: int = 2
-    mask: str = "none"    # none | bool | float | padding | extreme
+    mask: str = "none"    # none | bool | float | padding | extreme | rows (Nq, 1) bool | keys (Nk,) float
     causal: bool = False
     bidirectional: bool = True
     alpha: float = 1.0
@@ -54,6 +54,10 @@ CASES = [
     Case("softmax-float-mask-d32-dv16", "softmax", 16, 16, d=32, dv=16, mask="float"),
     Case("softmax-extreme-1e4", "softmax", 16, 16, mask="extreme", logit_size=1e4),
     Case("softmax-large-logits", "softmax", 7, 16, q_gain=300.0, logit_size=3e3),
+    # masks broadcast along the key axis / over queries (stride 0), tiles cut by both lengths
+    Case("softmax-row-mask-33x20-causal", "softmax", 33, 20, mask="rows", causal=True),
+    Case("l2-key-mask-20x33", "l2", 20, 33, mask="keys"),
+    Case("fenchel-row-mask-32x48-causal", "fenchel", 32, 48, mask="rows", causal=True),  # whole blocks only
     Case("l2-cross-33x20", "l2", 33, 20),
     Case("l2-causal-bool-16", "l2", 16, 16, mask="bool", causal=True),
     Case("l2-padding-d24", "l2", 7, 16, d=24, dv=24, b=2, mask="padding"),
@@ -93,6 +97,14 @@ def make_mask(case: Case):
         return m
     if case.mask == "extreme":
         return torch.randint(-1, 2, (1, 1, nq, nk)).float() * 1e4
+    if case.mask == "rows":  # (Nq, 1): whole query rows masked out
+        m = torch.rand(nq, 1) < 0.7
+        m[min(2, nq - 1)] = False
+        return m
+    if case.mask == "keys":  # (Nk,): a float bias per key, -inf removes a key
+        m = torch.randn(nk)
+        m[nk // 3] = -math.inf
+        return m
     return None
 
 

@@ -36,12 +36,19 @@ if HAVE_TRITON:
         return seed, tl.cast(dropout_p, tl.float32)
 
     @triton.jit
-    def dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p):
-        """Z_ij / (1 - p) for one (BLOCK_M, BLOCK_N) tile, fp32: 0 where dropped, 1 / (1 - p) where kept.
-        ``pid_bh`` = b * H + h must be int64 so the offsets are computed in int64."""
-        offsets = (pid_bh * Nq + offs_m[:, None]) * Nk + offs_n[None, :]
+    def dropout_scale_at(seed, pid_bh, qi, kj, Nq, Nk, dropout_p):
+        """Z_ij / (1 - p) at query indices ``qi`` and key indices ``kj`` broadcast against each other
+        ([M, 1] x [1, N], or [1, M] x [N, 1] for a transposed dK/dV tile: the same Z either way), fp32:
+        0 where dropped, 1 / (1 - p) where kept. ``pid_bh`` = b * H + h must be int64 so the offsets
+        are computed in int64."""
+        offsets = (pid_bh * Nq + qi) * Nk + kj
         keep = tl.rand(seed, offsets) >= dropout_p
         return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+    @triton.jit
+    def dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p):
+        """Z_ij / (1 - p) for one (BLOCK_M, BLOCK_N) tile of queries offs_m and keys offs_n."""
+        return dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
 
     @triton.jit
     def dropout_mask_kernel(KEEP, SEED, dropout_p, H, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

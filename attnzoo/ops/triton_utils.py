@@ -2,8 +2,12 @@
 
 - ``mask_tile``: the one place where a (BLOCK_M, BLOCK_N) tile learns which keys take part (bounds,
   bottom-right causal, bool or float ``attn_mask``) and what finite number the float mask adds.
-- ``mm``: ``tl.dot`` with fp32 accumulation; under the interpreter half-precision operands are
-  upcast first (the interpreter's bf16 dot is wrong), on a GPU they stay on the tensor cores.
+- ``mm`` / ``mma``: ``tl.dot`` with fp32 accumulation (``mma`` adds into an accumulator, the
+  tensor cores' own accumulate); under the interpreter half-precision operands are upcast first
+  (the interpreter's bf16 dot is wrong), on a GPU they stay on the tensor cores.
+- ``load_tile`` / ``tile_logits``: the staged inner loops' loads and score masking. A loop stage
+  whose blocks lie inside the bounds and below the causal diagonal passes False for the bounds /
+  causal flags and gets loads without masks and no per-element masking arithmetic at all.
 - Host helpers: whether the kernels can run on a tensor's device, block sizes, how a mask is handed
   to a kernel (broadcast by strides, never copied to (B, H, Nq, Nk)).
 """
@@ -27,6 +31,7 @@ except ImportError:  # pragma: no cover - the dev environment has triton
 INTERPRETED = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+LOG2E = 1.4426950408889634  # the kernels run exp2: exp(x) = exp2(x * log2(e))
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
@@ -107,11 +112,12 @@ def tracing_only(t: torch.Tensor) -> bool:
 
 
 def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str, dtype=torch.bfloat16):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps).
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) of an untuned launch.
 
-    Interpreted runs use 16 x 16 tiles, so the tiny CI shapes still cross several blocks (partial
-    blocks, causal block skipping); on a GPU 64 x 64 tiles, 8 warps for the widest heads, and
-    32 x 32 tiles for fp32 heads wider than 64 (twice the registers per element). Untuned.
+    The softmax-family and pointwise kernels pick their tiles through ops/triton_tuning.py
+    (autotuned lists per tile class); this fixed choice is kept for callers that want one
+    configuration: 16 x 16 tiles under the interpreter, on a GPU 64 x 64 tiles, 8 warps for the
+    widest heads, and 32 x 32 tiles for fp32 heads wider than 64.
     """
     bd = max(16, triton.next_power_of_2(d))
     bdv = max(16, triton.next_power_of_2(dv))
@@ -143,6 +149,21 @@ def kernel_mask(attn_mask, B, H, nq, nk):
     if kind == MASK_BOOL:
         m = m.view(torch.uint8)
     return m, kind, tuple(m.stride())
+
+
+MASK_TILE, MASK_PER_KEY, MASK_PER_QUERY = 0, 1, 2
+
+
+def mask_shape(mask_strides) -> int:
+    """How the kernels load a mask with these (b, h, m, n) strides: one value per key when it is
+    broadcast over the queries (stride_m == 0, e.g. key padding (B, 1, 1, Nk)), one per query when
+    broadcast over the keys (stride_n == 0, e.g. (Nq, 1)), else a full tile."""
+    _, _, stride_m, stride_n = mask_strides
+    if stride_m == 0:
+        return MASK_PER_KEY
+    if stride_n == 0:
+        return MASK_PER_QUERY
+    return MASK_TILE
 
 
 def broadcast_rows(t, B, H, n):
@@ -188,6 +209,95 @@ if HAVE_TRITON:
             keep = keep & (mv > float("-inf"))
             s = s + tl.where(keep, mv, 0.0)
         return s, keep
+
+    @triton.jit
+    def mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a @ b, fp32."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def load_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols,
+                  ROW_MASK: tl.constexpr, COL_MASK: tl.constexpr):
+        """ptr[rows, cols] (zeros outside), masked only along the axes that may leave the tensor."""
+        ptrs = ptr + rows[:, None] * stride_r + cols[None, :] * stride_c
+        if ROW_MASK and COL_MASK:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+        elif ROW_MASK:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        elif COL_MASK:
+            x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def load_rows(ptr, rows, n, other, BOUND: tl.constexpr):
+        """ptr[rows] for a per-row vector (lse, delta, counts), ``other`` past n when BOUND."""
+        if BOUND:
+            x = tl.load(ptr + rows, mask=rows < n, other=other)
+        else:
+            x = tl.load(ptr + rows)
+        return x
+
+    @triton.jit
+    def tile_logits(s, qi, kj, qi_at, kj_at, Nq, Nk, mask_ptr, stride_mm, stride_mn, mask_unit,
+                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                    KEY_BOUND: tl.constexpr):
+        """Scores ``s`` of one tile with the attn_mask applied: -inf where the key does not take part
+        (bool mask False, float mask -inf, past Nk when KEY_BOUND, above the bottom-right diagonal
+        when CAUSAL_MASK), the float mask's finite values times ``mask_unit`` added.
+
+        qi / kj: query and key indices broadcastable to the tile ([M, 1] and [1, N], or [1, M] and
+        [N, 1] for the transposed tiles of a dK/dV kernel); qi_at / kj_at: the same indices clamped
+        into the tensor, used for addresses only, so mask loads need no bounds mask. MASK_SHAPE
+        (``mask_shape``): a mask broadcast over the queries (key padding) or over the keys is loaded
+        as one vector, not as a tile of per-element addresses."""
+        if MASK_KIND != 0:
+            if MASK_SHAPE == 1:
+                at = mask_ptr + kj_at * stride_mn
+            elif MASK_SHAPE == 2:
+                at = mask_ptr + qi_at * stride_mm
+            else:
+                at = mask_ptr + qi_at * stride_mm + kj_at * stride_mn
+            if MASK_KIND == 1:
+                s = tl.where(tl.load(at) != 0, s, float("-inf"))
+            else:
+                s = s + tl.load(at).to(tl.float32) * mask_unit
+        if KEY_BOUND and CAUSAL_MASK:
+            s = tl.where((kj < Nk) & (kj <= qi + (Nk - Nq)), s, float("-inf"))
+        elif KEY_BOUND:
+            s = tl.where(kj < Nk, s, float("-inf"))
+        elif CAUSAL_MASK:  # key j takes part for query i iff j <= i + Nk - Nq (bottom-right aligned)
+            s = tl.where(kj <= qi + (Nk - Nq), s, float("-inf"))
+        return s
+
+    @triton.jit
+    def visible_keys(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """(lo, hi) for a query block [start_m, start_m + BLOCK_M): key blocks [0, lo) are whole, in
+        bounds and visible to every query of the block (no masking needed); [lo, hi) holds the
+        diagonal blocks and the partial last block (masked); keys from hi on are skipped."""
+        if CAUSAL:
+            full = tl.minimum(tl.maximum(start_m + (Nk - Nq) + 1, 0), Nk)
+        else:
+            full = Nk
+        return (full // BLOCK_N) * BLOCK_N, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL)
+
+    @triton.jit
+    def visible_queries(start_n, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """(first, mid, full) for a key block [start_n, start_n + BLOCK_N), all multiples of BLOCK_M:
+        query blocks before ``first`` see none of its keys (skipped), [first, mid) are diagonal blocks
+        (causal masking), [mid, full) are whole and see every key of the block, [full, Nq) is the
+        partial last query block (bounds)."""
+        full = (Nq // BLOCK_M) * BLOCK_M
+        first = causal_start(start_n, Nq, Nk, BLOCK_M, CAUSAL)
+        if CAUSAL:  # the first query that sees the block's last key, rounded up to a block
+            last_key = start_n + BLOCK_N - 1 - (Nk - Nq)
+            mid = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_key, 0), BLOCK_M) * BLOCK_M, first), full)
+        else:
+            mid = first
+        return first, tl.maximum(mid, first), tl.maximum(full, first)
 
     @triton.jit
     def causal_end(start_m, Nq, Nk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):

@@ -15,16 +15,43 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import triton_tuning as tuning
 from ..triton_dropout import call_seed, dropout_flag
-from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason, dot_precision,
-                            kernel_mask, kernel_op, reduce_to_shape, tracing_only)
-from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
+                            kernel_op, mask_shape, reduce_to_shape, tracing_only)
+from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR, SIGMOID_EXACT, SIGMOID_EXP2, SIGMOID_TANH
 
 if HAVE_TRITON:
     import triton
     from torch.library import wrap_triton
 
     from .triton_kernels import pointwise_bwd_dkdv_kernel, pointwise_bwd_dq_kernel, pointwise_fwd_kernel
+
+    # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
+    TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "SIGMOID", "SIGMOID_IMPL", "BIAS_MODE", "MASK_KIND", "MASK_SHAPE",
+                  "CAUSAL", "DROPOUT", "PRECISION"]
+    FORWARD = tuning.TunedKernel(pointwise_fwd_kernel, tuning.FORWARD, tuning.FORWARD_DROPOUT, TUNING_KEY)
+    KEYS_BACKWARD = tuning.TunedKernel(pointwise_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
+                                       TUNING_KEY)
+    QUERIES_BACKWARD = tuning.TunedKernel(pointwise_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
+                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
+
+# How the kernels evaluate the sigmoid for fp16/bf16 inputs on a GPU (fp32 inputs and the interpreter
+# always use the exact evaluation): "exp2" (one exp2 and a Newton reciprocal, accurate for small
+# weights) or "tanh" (0.5 tanh(0.5 x) + 0.5 on the hardware tanh, FlashSigmoid's evaluation: fewer
+# instructions, absolute error up to ~2.4e-4 per weight). Read at each call; triton_kernels.py
+# describes both.
+FAST_SIGMOID = "exp2"
+_SIGMOID_IMPLS = {"exp2": SIGMOID_EXP2, "tanh": SIGMOID_TANH}
+
+
+def sigmoid_impl(dtype) -> int:
+    """The kernels' SIGMOID_IMPL for inputs of ``dtype``."""
+    if INTERPRETED or dtype == torch.float32:
+        return SIGMOID_EXACT
+    if FAST_SIGMOID not in _SIGMOID_IMPLS:
+        raise ValueError(f"FAST_SIGMOID must be one of {sorted(_SIGMOID_IMPLS)}, got {FAST_SIGMOID!r}")
+    return _SIGMOID_IMPLS[FAST_SIGMOID]
 
 
 def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
@@ -38,13 +65,13 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
         rows, bias_strides = torch.zeros(1, dtype=torch.float32, device=q.device), (0, 0, 0)
     else:
         bias_strides = tuple(rows.stride())
-    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), BIAS_MODE=int(bias_mode),
-                MASK_KIND=mask_kind, CAUSAL=bool(is_causal), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype),
-                DROPOUT=bool(dropout))
-    if q.device.type != "cpu":
-        meta.update(num_warps=warps, num_stages=2)
-    return m, mask_strides, rows, bias_strides, meta
+    bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
+    meta = dict(BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), SIGMOID_IMPL=sigmoid_impl(q.dtype) if sigmoid else 0,
+                BIAS_MODE=int(bias_mode), MASK_KIND=mask_kind, MASK_SHAPE=mask_shape(mask_strides),
+                CAUSAL=bool(is_causal), HEAD_MASK=(bd != D or bdv != DV),
+                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), DROPOUT=bool(dropout))
+    sizes = (H, Nq, Nk, D, DV, tuning.n_bucket(Nq), tuning.n_bucket(Nk))
+    return m, mask_strides, rows, bias_strides, meta, sizes
 
 
 if HAVE_TRITON:
@@ -59,13 +86,14 @@ if HAVE_TRITON:
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         n_rows = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         dropout = dropout_flag(dropout_p, seed)
-        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
+        m, ms, rows, bs, meta, sizes = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
         if tracing_only(q):
             return out, n_rows
-        wrap_triton(pointwise_fwd_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
+        kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, out, n_rows, m, rows, seed if dropout else m,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
-            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p, **meta)
+            *sizes, scale, bias_scalar, dropout_p, **meta, **tiles)
         return out, n_rows
 
     @kernel_op("attnzoo::pointwise_bwd", mutates_args=())
@@ -82,16 +110,19 @@ if HAVE_TRITON:
         has_bias = bias_mode == BIAS_ROWS
         dbias = torch.empty((B, H, Nq) if has_bias else (0,), dtype=torch.float32, device=q.device)
         dropout = dropout_flag(dropout_p, seed)
-        m, ms, rows, bs, meta = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
+        m, ms, rows, bs, meta, sizes = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
         if tracing_only(q):
             return dq, dk, dv, dbias
         seed_ptr = seed if dropout else m
         strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
-        sizes = (H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p)
-        wrap_triton(pointwise_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, **meta)
-        wrap_triton(pointwise_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes, **meta)
+        scalars = (scale, bias_scalar, dropout_p)
+        kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
+            q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, *scalars, **meta, **tiles)
+        kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes,
+            *scalars, **meta, **tiles)
         return dq, dk, dv, dbias
 
     def _setup_context(ctx, inputs, output):

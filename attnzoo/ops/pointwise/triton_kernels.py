@@ -5,11 +5,23 @@ out_i = sum_j w_ij v_j with, for the keys taking part (mask, causal) and s_ij = 
              tensor (per head, or -log n + a learned per-head shift) with gradient db_i = sum_j dS_ij;
     relu:    w_ij = relu(s_ij) / max(n_i, 1),
 and n_i the number of keys taking part in row i (counted in the kernel; stored for the backward).
+Keys that do not take part get s = -inf, which both weights map to w = 0 and dw/ds = 0.
 Backward: dV = W^T dO, dW = dO V^T, dS = dW * f'(s), dq = scale dS K, dk = scale dS^T Q.
 Dropout (DROPOUT flag): W becomes Z * W / (1 - p) with Z regenerated per tile from (seed, offset) by
 ops/triton_dropout.py in every kernel, so dV = (Z * W / (1 - p))^T dO and dS = Z * (dO V^T) f'(s) / (1 - p)
 (the bias gradient db_i = sum_j dS_ij included); n_i and b_i do not depend on Z. With DROPOUT False no
 random number is drawn.
+
+The sigmoid (SIGMOID_IMPL) is the throughput limit of these kernels: one transcendental per weight
+against two small dots. Three evaluations, all overflow-free at logits of +-1e4:
+    0 exact:  e = exp(-|x|), w = 1 / (1 + e) or e / (1 + e) (IEEE division); fp32 inputs and the interpreter;
+    1 tanh:   w = 0.5 tanh(0.5 x) + 0.5 on the hardware tanh (PTX tanh.approx.f32, FlashSigmoid's trick):
+              one MUFU op and two FMAs, max relative error of tanh 2^-10.987 (PTX ISA), i.e. an absolute
+              error of up to ~2.4e-4 in w, large next to w itself where sigmoid(x) << 1;
+    2 exp2:   e = exp2(-|x| log2(e)) (one MUFU op), 1 / (1 + e) by two Newton steps from a linear guess
+              on [1, 2] (FMAs only, relative error < 2e-5), w = r or e r: accurate for small w too.
+Loops run in stages as in the softmax-family kernels: whole, in-bounds blocks below the causal
+diagonal without masking arithmetic; the dK/dV kernel works on transposed (keys x queries) tiles.
 The eager version is ops/pointwise/reference.py.
 """
 from __future__ import annotations
@@ -17,13 +29,17 @@ from __future__ import annotations
 from ..triton_utils import HAVE_TRITON
 
 BIAS_DEFAULT, BIAS_SCALAR, BIAS_ROWS = 0, 1, 2
+SIGMOID_EXACT, SIGMOID_TANH, SIGMOID_EXP2 = 0, 1, 2
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..triton_dropout import dropout_args, dropout_scale
-    from ..triton_utils import causal_end, causal_start, mask_tile, mm
+    from ..triton_dropout import dropout_args, dropout_scale_at
+    from ..triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, tile_logits,
+                                visible_keys, visible_queries)
+
+    LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
     def key_count(offs_m, Nq, Nk, mask_ptr, stride_mm, stride_mn, end_n,
@@ -44,20 +60,43 @@ if HAVE_TRITON:
         return n
 
     @triton.jit
-    def weights_tile(s, keep, bias, inv_n, SIGMOID: tl.constexpr):
-        """(w, dw/ds) of one tile; both 0 where the key does not take part."""
-        if SIGMOID:
-            x = s + bias[:, None]
-            e = tl.exp(-tl.abs(x))  # never overflows, unlike 1 / (1 + exp(-x)) at x = -1e4
-            w = tl.where(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
-            dw = w * (1.0 - w)
-        else:
-            w = tl.maximum(s, 0.0) * inv_n[:, None]
-            dw = tl.where(s > 0.0, inv_n[:, None] + tl.zeros_like(s), 0.0)
-        return tl.where(keep, w, 0.0), tl.where(keep, dw, 0.0)
+    def fast_tanh(x):
+        """tanh on the SFU (PTX tanh.approx.f32, sm_75+)."""
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
     @triton.jit
-    def row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE: tl.constexpr):
+    def sigmoid(x, IMPL: tl.constexpr):
+        """sigmoid(x) in fp32 by the evaluation IMPL (module docstring); 0 at x = -inf."""
+        if IMPL == 1:
+            w = 0.5 * fast_tanh(0.5 * x) + 0.5
+        elif IMPL == 2:
+            e = tl.math.exp2(-tl.abs(x) * LOG2E)  # in [0, 1]
+            d = 1.0 + e  # in [1, 2]
+            r = 1.411764705882353 - 0.47058823529411764 * d  # 24/17 - 8/17 d: 1/d within 1/17
+            r = r + r * (1.0 - d * r)  # each Newton step squares the relative error
+            r = r + r * (1.0 - d * r)
+            w = tl.where(x >= 0.0, r, e * r)
+        else:
+            e = tl.exp(-tl.abs(x))  # never overflows, unlike 1 / (1 + exp(-x)) at x = -1e4
+            w = tl.where(x >= 0.0, 1.0 / (1.0 + e), e / (1.0 + e))
+        return w
+
+    @triton.jit
+    def weights(s, bias, inv_n, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr):
+        """(w, dw/ds) of one tile from scores s (-inf for keys that do not take part: w = dw = 0) and
+        per-row bias / 1/n broadcast to the tile."""
+        if SIGMOID:
+            w = sigmoid(s + bias, SIGMOID_IMPL)
+            dw = w * (1.0 - w)
+        else:
+            w = tl.maximum(s, 0.0) * inv_n
+            dw = tl.where(s > 0.0, inv_n, 0.0)
+        return w, dw
+
+    @triton.jit
+    def row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE: tl.constexpr,
+                 BOUND: tl.constexpr):
         """(b_i, 1/max(n_i, 1)) for the rows of the block from their key counts n_i."""
         n = tl.maximum(n, 1.0)
         if BIAS_MODE == 0:
@@ -65,18 +104,57 @@ if HAVE_TRITON:
         elif BIAS_MODE == 1:
             bias = tl.zeros_like(n) + bias_scalar
         else:
-            bias = tl.load(BIAS + b * sbb + h * sbh + offs_m * sbm, mask=offs_m < Nq, other=0.0).to(tl.float32)
+            rows = BIAS + b * sbb + h * sbh + offs_m * sbm
+            if BOUND:
+                bias = tl.load(rows, mask=offs_m < Nq, other=0.0).to(tl.float32)
+            else:
+                bias = tl.load(rows).to(tl.float32)
         return bias, 1.0 / n
+
+    @triton.jit
+    def key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, mask_ptr, stride_mm, stride_mn,
+                        MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr, EDGE: tl.constexpr,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) scores s = scale q.k + mask, -inf where the key does not take part."""
+        s = mm(q, tl.trans(k), UPCAST, PRECISION) * scale
+        if EDGE:
+            kj_at = tl.minimum(offs_n, Nk - 1)
+        else:
+            kj_at = offs_n
+        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                           mask_ptr, stride_mm, stride_mn, 1.0, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+
+    @triton.jit
+    def fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                  Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p,
+                  BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, MASK_KIND: tl.constexpr,
+                  MASK_SHAPE: tl.constexpr,
+                  CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  DROPOUT: tl.constexpr, EDGE: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
+            v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
+            s = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, MASK_KIND, MASK_SHAPE,
+                                CAUSAL, EDGE, UPCAST, PRECISION)
+            w, _ = weights(s, bias[:, None], inv_n[:, None], SIGMOID, SIGMOID_IMPL)
+            if DROPOUT:
+                w = w * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
+            acc = mma(w.to(v.dtype), v, acc, UPCAST, PRECISION)
+        return acc
 
     @triton.jit
     def pointwise_fwd_kernel(
             Q, K, V, O, N_ROWS, MASK, BIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-            smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+            SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
+            MASK_SHAPE: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
+        # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
@@ -87,47 +165,76 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
+        qi_at = tl.minimum(offs_m, Nq - 1)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + h * skh
         V += b * svb + h * svh
         MASK += b * smb + h * smh
-        end_n = causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL)
 
-        n = key_count(offs_m, Nq, Nk, MASK, smm, smn, end_n, BLOCK_M, BLOCK_N, MASK_KIND, CAUSAL)
+        n = key_count(offs_m, Nq, Nk, MASK, smm, smn, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL),
+                      BLOCK_M, BLOCK_N, MASK_KIND, CAUSAL)
         tl.store(N_ROWS + pid_bh * Nq + offs_m, n, mask=offs_m < Nq)
-        bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE)
-        q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
+        bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, True)
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + offs_n0
-            k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-            s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
-            s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
-            w, _ = weights_tile(s, keep, bias, inv_n, SIGMOID)
-            if DROPOUT:
-                w = w * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-            acc += mm(w.to(v.dtype), v, UPCAST, PRECISION)
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
+                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID, SIGMOID_IMPL,
+                        MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False)
+        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID, SIGMOID_IMPL,
+                        MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True)
         O += b * sob + h * soh
         tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, acc.to(O.dtype.element_ty),
                  mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
 
     @triton.jit
+    def dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h, bias_scalar,
+                   offs_n, kj_at, offs_d, offs_dv, lo, hi, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh,
+                   dropout_p, BLOCK_M: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr,
+                   BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                   HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr, DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                   QUERY_BOUND: tl.constexpr):
+        """dK (unscaled), dV over the query blocks [lo, hi) on transposed (keys x queries) tiles."""
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, QUERY_BOUND, HEAD_MASK)
+            do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, QUERY_BOUND, HEAD_MASK)
+            n = load_rows(N_ROWS + pid_bh * Nq, offs_m, Nq, 1.0, QUERY_BOUND)
+            bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, QUERY_BOUND)
+            if QUERY_BOUND:
+                qi_at = tl.minimum(offs_m, Nq - 1)
+            else:
+                qi_at = offs_m
+            s = mm(k, tl.trans(q), UPCAST, PRECISION) * scale
+            # keys past Nk (a partial last key block) compute gradients that are never stored
+            s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
+                            MASK, smm, smn, 1.0, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
+            w, dw = weights(s, bias[None, :], inv_n[None, :], SIGMOID, SIGMOID_IMPL)
+            # rows past Nq (QUERY_BOUND) have finite w and zero dO: they add nothing to dV or dK
+            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
+                z = dropout_scale_at(seed, pid_bh, offs_m[None, :], offs_n[:, None], Nq, Nk, dropout_p)
+                w = w * z
+                dw = dw * z
+            dv = mma(w.to(do.dtype), do, dv, UPCAST, PRECISION)
+            ds = mm(v, tl.trans(do), UPCAST, PRECISION) * dw
+            dk = mma(ds.to(q.dtype), q, dk, UPCAST, PRECISION)
+        return dk, dv
+
+    @triton.jit
     def pointwise_bwd_dkdv_kernel(
             Q, K, V, DO, N_ROWS, MASK, BIAS, DK, DV_OUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+            SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
+            MASK_SHAPE: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
@@ -137,7 +244,7 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_m0 = tl.arange(0, BLOCK_M)
+        kj_at = tl.minimum(offs_n, Nk - 1)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
@@ -145,30 +252,24 @@ if HAVE_TRITON:
         V += b * svb + h * svh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
-        k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                    mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
+        k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
+        v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, True, HEAD_MASK)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        for start_m in range(causal_start(start_n, Nq, Nk, BLOCK_M, CAUSAL), Nq, BLOCK_M):
-            offs_m = start_m + offs_m0
-            q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                        mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DO + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                         mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV), other=0.0)
-            n = tl.load(N_ROWS + pid_bh * Nq + offs_m, mask=offs_m < Nq, other=1.0)
-            bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE)
-            s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
-            s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
-            w, dw = weights_tile(s, keep, bias, inv_n, SIGMOID)
-            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
-                z = dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-                w = w * z
-                dw = dw * z
-            dv += mm(tl.trans(w.to(do.dtype)), do, UPCAST, PRECISION)
-            ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
-            dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
+        first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if CAUSAL:  # diagonal blocks: causal masking
+            dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, scale, MASK,
+                                smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
+                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, False)
+        dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                            bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, scale, MASK, smm,
+                            smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
+                            MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False)
+        dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                            bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, scale, MASK, smm,
+                            smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
+                            MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True)
         dk = scale * dk
         DK += pid_bh * Nk * D  # gradients are written contiguous (B, H, N, D)
         DV_OUT += pid_bh * Nk * DV
@@ -178,15 +279,37 @@ if HAVE_TRITON:
                  mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
 
     @triton.jit
+    def dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                 Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p,
+                 BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr,
+                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
+            v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
+            s = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, MASK_KIND, MASK_SHAPE,
+                                CAUSAL, EDGE, UPCAST, PRECISION)
+            _, dw = weights(s, bias[:, None], inv_n[:, None], SIGMOID, SIGMOID_IMPL)
+            if DROPOUT:
+                dw = dw * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
+            ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
+            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
+            if BIAS_MODE == 2:
+                dbias += tl.sum(ds, 1)
+        return dq, dbias
+
+    @triton.jit
     def pointwise_bwd_dq_kernel(
             Q, K, V, DO, N_ROWS, MASK, BIAS, DQ, DBIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, sbb, sbh, sbm,
-            H, Nq, Nk, D, DV, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            SIGMOID: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+            SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
+            MASK_SHAPE: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
@@ -196,7 +319,7 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
+        qi_at = tl.minimum(offs_m, Nq - 1)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
@@ -204,28 +327,21 @@ if HAVE_TRITON:
         V += b * svb + h * svh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
-        q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                     mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV), other=0.0)
-        n = tl.load(N_ROWS + pid_bh * Nq + offs_m, mask=offs_m < Nq, other=1.0)
-        bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE)
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
+        do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, True, HEAD_MASK)
+        n = load_rows(N_ROWS + pid_bh * Nq, offs_m, Nq, 1.0, True)
+        bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, True)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dbias = tl.zeros([BLOCK_M], tl.float32)
-        for start_n in range(0, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL), BLOCK_N):
-            offs_n = start_n + offs_n0
-            k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-            s = scale * mm(q, tl.trans(k), UPCAST, PRECISION)
-            s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, MASK, smm, smn, MASK_KIND, CAUSAL)
-            _, dw = weights_tile(s, keep, bias, inv_n, SIGMOID)
-            if DROPOUT:
-                dw = dw * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-            ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
-            dq += mm(ds.to(k.dtype), k, UPCAST, PRECISION)
-            dbias += tl.sum(ds, 1)
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
+                             0, lo, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID,
+                             SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
+                             DROPOUT, False)
+        dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
+                             lo, hi, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID,
+                             SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
+                             DROPOUT, True)
         dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
         tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),

@@ -27,14 +27,24 @@ from torch import Tensor
 
 from .. import validate as V
 from ..triton_dropout import call_seed, dropout_flag
-from ..triton_utils import (HAVE_TRITON, INTERPRETED, block_sizes, broadcast_rows, common_reason,
-                            dot_precision, kernel_mask, kernel_op, reduce_to_shape, tracing_only)
+from .. import triton_tuning as tuning
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
+                            kernel_op, mask_shape, reduce_to_shape, tracing_only)
 
 if HAVE_TRITON:
     import triton
     from torch.library import wrap_triton
 
     from .triton_kernels import softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel, softmax_fwd_kernel
+
+    # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
+    TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "L2", "MASK_KIND", "MASK_SHAPE", "HAS_PREF", "HAS_T5", "CAUSAL",
+                  "DROPOUT", "PRECISION"]
+    FORWARD = tuning.TunedKernel(softmax_fwd_kernel, tuning.FORWARD, tuning.FORWARD_DROPOUT, TUNING_KEY)
+    KEYS_BACKWARD = tuning.TunedKernel(softmax_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
+                                       TUNING_KEY)
+    QUERIES_BACKWARD = tuning.TunedKernel(softmax_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
+                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
 
 
 def _dummy(device, dtype):
@@ -60,18 +70,23 @@ def _prepare(q, k, mask, pref, table, lut):
         table_strides = tuple(table.stride())
     else:
         table, table_strides, lut = _dummy(dev, torch.float32), (0, 0), _dummy(dev, torch.int32)
-    flags = dict(MASK_KIND=mask_kind, HAS_PREF=pref is not None, HAS_T5=has_t5)
+    flags = dict(MASK_KIND=mask_kind, MASK_SHAPE=mask_shape(mask_strides), HAS_PREF=pref is not None, HAS_T5=has_t5)
     return m, mask_strides, p, pref_strides, table, table_strides, lut, flags
 
 
-def _launch_config(q, k, v, is_causal, l2, dropout):
-    B, H, Nq, D = q.shape
-    Nk, DV = k.shape[2], v.shape[3]
-    bm, bn, bd, bdv, warps = block_sizes(Nq, Nk, D, DV, q.device.type, q.dtype)
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal),
+def _launch_flags(q, k, v, is_causal, l2, dropout):
+    """The constexprs every launch of a call shares (tiles come from ops/triton_tuning.py)."""
+    D, DV = q.shape[-1], v.shape[-1]
+    bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
+    return dict(BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal), HEAD_MASK=(bd != D or bdv != DV),
                 UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), DROPOUT=bool(dropout))
-    launch = {} if q.device.type == "cpu" else {"num_warps": warps, "num_stages": 2}
-    return meta, launch
+
+
+def _sizes(q, k, v):
+    """H, Nq, Nk, D, DV and the autotuning key's length buckets, in the kernels' argument order."""
+    _, H, Nq, D = q.shape
+    Nk, DV = k.shape[2], v.shape[3]
+    return H, Nq, Nk, D, DV, tuning.n_bucket(Nq), tuning.n_bucket(Nk)
 
 
 if HAVE_TRITON:
@@ -79,22 +94,24 @@ if HAVE_TRITON:
     def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
                            table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
                            l2: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32; +inf for rows with no key).
-        With dropout_p > 0, ``seed`` (1-element int64) picks the keep-mask; lse is the undropped one."""
+        """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32 in base 2: log2 sum_j exp(l_ij), the
+        kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2, see
+        triton_kernels.py); +inf for rows with no key. With dropout_p > 0, ``seed`` (1-element int64)
+        picks the keep-mask; lse is the undropped one."""
         B, H, Nq, D = q.shape
         Nk, DV = k.shape[2], v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         dropout = dropout_flag(dropout_p, seed)
-        meta, launch = _launch_config(q, k, v, is_causal, l2, dropout)
+        meta = _launch_flags(q, k, v, is_causal, l2, dropout)
         if tracing_only(q):
             return out, lse
-        grid = (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)
-        wrap_triton(softmax_fwd_kernel)[grid](
+        kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts,
-            H, Nq, Nk, D, DV, scale, dropout_p, **meta, **flags, **launch)
+            *_sizes(q, k, v), scale, dropout_p, **meta, **flags, **tiles)
         return out, lse
 
     @kernel_op("attnzoo::softmax_family_bwd", mutates_args=())
@@ -117,17 +134,22 @@ if HAVE_TRITON:
         dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
         dropout = dropout_flag(dropout_p, seed)
-        meta, launch = _launch_config(q, k, v, is_causal, l2, dropout)
+        meta = _launch_flags(q, k, v, is_causal, l2, dropout)
         if tracing_only(q):
             return dq, dk, dv, dpref, dtable
         seed_ptr = seed if dropout else lut
-        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, H, Nq, Nk, D, DV, scale,
+        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *_sizes(q, k, v), scale,
                   dropout_p)
-        wrap_triton(softmax_bwd_dkdv_kernel)[(triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
+        # the T5 table gradient accumulates with atomics: autotuning would rerun it on the same
+        # output, so that flavour launches the default tiles
+        kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout,
+                                             tune=not flags["HAS_T5"])
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
             q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
-            dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common, **meta, **flags, **launch)
-        wrap_triton(softmax_bwd_dq_kernel)[(triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common, **meta, **flags, **launch)
+            dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
+        kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
+        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
         return dq, dk, dv, dpref, dtable
 
     def _setup_context(ctx, inputs, output):

@@ -2,17 +2,29 @@
 
 One kernel computes softmax_j(l_ij) v_j for the logits
     l_ij = scale * q_i . k_j                                   (plain, Fenchel first order with scale*alpha)
-    l_ij = -scale * ||q_i - k_j||^2                             (L2 = True, via row and column norms)
+    l_ij = 2 scale q_i . k_j - scale ||k_j||^2                  (L2 = True)
 plus, chosen by constexpr flags, a float attn_mask, a per-key log-preference g_j (B, H, Nk) and a
-T5 relative-position bias table[bucket(j - i), h]. Keys that do not take part (bounds, causal,
-bool mask, -inf in the float mask or in g) get -inf; a row with no key left outputs zeros and
-stores lse = +inf so the backward sees p = 0 there (never NaN).
+T5 relative-position bias table[bucket(j - i), h]. The L2 logits are -scale ||q_i - k_j||^2 without
+the row constant -scale ||q_i||^2, which cancels in the softmax: the output and every gradient are
+exactly those of the L2 formula, without subtracting a large ||q||^2 in fp32. Keys that do not take
+part (bounds, causal, bool mask, -inf in the float mask or in g) get -inf; a row with no key left
+outputs zeros and stores lse = +inf so the backward sees p = 0 there (never NaN).
 
-Backward (FlashAttention-2): with P = exp(l - lse) recomputed per tile and delta_i = dO_i . O_i,
+Base 2 (FlashAttention-2 / the Triton tutorial): the kernels work on log2(e) * l, i.e. scale * log2(e)
+is folded into the one multiply of q.k, the mask / preference / bias terms are multiplied by log2(e),
+and exp2 replaces exp. The stored LSE is in the same units, lse2_i = log2 sum_j 2^(log2(e) l_ij), so the
+backward recomputes P = exp2(log2(e) l - lse2) exactly as the forward normalised it.
+
+Loops run in stages (the tutorial's two-stage loop): whole, in-bounds key blocks below the causal
+diagonal run without any masking arithmetic or masked loads; only the diagonal blocks and the
+partial last block apply the causal / bounds masks. The dK/dV kernel works on transposed tiles
+(keys x queries: S^T = K Q^T), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q straight from
+registers, with no transpose of a register tile.
+
+Backward (FlashAttention-2): with delta_i = dO_i . O_i precomputed,
 dV = P^T dO, dS = P * (dO V^T - delta), and dS flows into
     dq_i = scale * sum_j dS_ij k_j             dk_j = scale * sum_i dS_ij q_i          (plain)
-    dq_i = 2 scale (sum_j dS_ij k_j - q_i sum_j dS_ij)
-    dk_j = 2 scale (sum_i dS_ij q_i - k_j sum_i dS_ij)                                (L2)
+    dq_i = 2 scale sum_j dS_ij k_j             dk_j = 2 scale (sum_i dS_ij q_i - k_j sum_i dS_ij)   (L2)
     dg_j = sum_i dS_ij,      dtable[b, h] = sum over (i, j) with bucket(j - i) = b of dS_ij.
 Dropout (DROPOUT flag, FlashAttention's way): P and lse are the undropped softmax; the forward
 accumulates out = sum_j Z_ij P_ij v_j / (1 - p) with Z regenerated per tile from (seed, offset) by
@@ -32,42 +44,102 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..triton_dropout import dropout_args, dropout_scale
-    from ..triton_utils import causal_end, causal_start, mask_tile, mm
+    from ..triton_dropout import dropout_args, dropout_scale_at
+    from ..triton_utils import (load_rows, load_tile, mm, mma, tile_logits, visible_keys,
+                                visible_queries)
+
+    LOG2E = tl.constexpr(1.4426950408889634)
+    ABSENT = tl.constexpr(2147483647)  # LUT-load sentinel of the T5 gradient: this key does not take part
 
     @triton.jit
-    def logits_tile(qk, q_sq, k_sq, offs_m, offs_n, Nq, Nk, scale,
-                    mask_ptr, stride_mm, stride_mn, pref_ptr, stride_pn, table_ptr, stride_tb, lut_ptr,
-                    L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr,
-                    HAS_T5: tl.constexpr, CAUSAL: tl.constexpr):
-        """Logits of one tile with -inf where the key does not take part."""
+    def key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale,
+                  L2: tl.constexpr, HAS_PREF: tl.constexpr, BOUND: tl.constexpr):
+        """Per-key part of the log2-unit logits: -scale log2(e) ||k_j||^2 (L2) + log2(e) g_j (preference);
+        -inf past Nk when BOUND."""
+        t = tl.zeros([k.shape[0]], tl.float32)
         if L2:
-            s = scale * (2.0 * qk - q_sq[:, None] - k_sq[None, :])
-        else:
-            s = scale * qk
-        s, keep = mask_tile(s, offs_m, offs_n, Nq, Nk, mask_ptr, stride_mm, stride_mn, MASK_KIND, CAUSAL)
+            kf = k.to(tl.float32)
+            t = t - qk_scale * tl.sum(kf * kf, 1)
         if HAS_PREF:
-            g = tl.load(pref_ptr + offs_n * stride_pn, mask=offs_n < Nk, other=0.0).to(tl.float32)
-            keep = keep & (g > float("-inf"))[None, :]
-            s = s + tl.where(keep, g[None, :], 0.0)
+            if BOUND:
+                g = tl.load(pref_ptr + offs_n * stride_pn, mask=offs_n < Nk, other=float("-inf"))
+            else:
+                g = tl.load(pref_ptr + offs_n * stride_pn)
+            t = t + g.to(tl.float32) * LOG2E
+        if BOUND:
+            t = tl.where(offs_n < Nk, t, float("-inf"))
+        return t
+
+    @triton.jit
+    def t5_bias(qi_at, kj_at, Nq, table_ptr, stride_tb, lut_ptr):
+        """log2(e) * table[bucket(j - i), h] at clamped indices; the LUT is indexed by j - i + Nq - 1."""
+        bucket = tl.load(lut_ptr + (kj_at - qi_at + (Nq - 1)))
+        return tl.load(table_ptr + bucket * stride_tb).to(tl.float32) * LOG2E
+
+    @triton.jit
+    def scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale,
+               mask_ptr, stride_mm, stride_mn, pref_ptr, stride_pn, table_ptr, stride_tb, lut_ptr,
+               L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+               HAS_T5: tl.constexpr,
+               CAUSAL: tl.constexpr, EDGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) log2-unit logits of queries offs_m against keys offs_n; EDGE applies the
+        key bounds and the causal diagonal (diagonal and partial blocks only)."""
+        if L2:
+            s = mm(q, tl.trans(k), UPCAST, PRECISION) * (2.0 * qk_scale)
+        else:
+            s = mm(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
+        if L2 or HAS_PREF:
+            s = s + key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale, L2, HAS_PREF, EDGE)[None, :]
+        if EDGE:
+            kj_at = tl.minimum(offs_n, Nk - 1)
+        else:
+            kj_at = offs_n
         if HAS_T5:
-            # offset j - i with the bottom-right shift, as an index into the (Nq + Nk - 1) bucket LUT
-            rel = offs_n[None, :] - offs_m[:, None] + (Nq - 1)
-            bucket = tl.load(lut_ptr + rel, mask=keep, other=0)
-            s = s + tl.load(table_ptr + bucket * stride_tb, mask=keep, other=0.0).to(tl.float32)
-        return tl.where(keep, s, float("-inf"))
+            s = s + t5_bias(qi_at[:, None], kj_at[None, :], Nq, table_ptr, stride_tb, lut_ptr)
+        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                           mask_ptr, stride_mm, stride_mn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+
+    @triton.jit
+    def fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                  BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                  HAS_PREF: tl.constexpr,
+                  HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
+        """Online softmax over the key blocks [lo, hi) (FlashAttention-2's inner loop, base 2)."""
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
+            v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
+            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT,
+                       L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums the undropped weights
+            if DROPOUT:
+                p = p * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
+            m_i = m_new
+        return acc, l_i, m_i
 
     @triton.jit
     def softmax_fwd_kernel(
             Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale, dropout_p,
+            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
+        # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
@@ -75,7 +147,7 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
+        qi_at = tl.minimum(offs_m, Nq - 1)  # rows past Nq: any valid address (their output is not stored)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
@@ -85,51 +157,102 @@ if HAVE_TRITON:
         PREF += b * spb + h * sph
         TABLE += h * sth
 
-        q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-        q_sq = tl.sum(q.to(tl.float32) * q.to(tl.float32), 1)
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        end_n = causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL)  # block skipping above the diagonal
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + offs_n0
-            k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-            k_sq = tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)
-            qk = mm(q, tl.trans(k), UPCAST, PRECISION)
-            s = logits_tile(qk, q_sq, k_sq, offs_m, offs_n, Nq, Nk, scale, MASK, smm, smn, PREF, spn,
-                            TABLE, stb, LUT, L2, MASK_KIND, HAS_PREF, HAS_T5, CAUSAL)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp(-inf) = 0
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums the undropped weights
-            if DROPOUT:
-                p = p * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-            acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST, PRECISION)
-            m_i = m_new
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # keys from hi on are skipped
+        acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
+                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh,
+                                  dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
+                                  UPCAST, PRECISION, DROPOUT, False)
+        acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh,
+                                  dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
+                                  UPCAST, PRECISION, DROPOUT, True)
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("inf"))
+        lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
         O += b * sob + h * soh
         tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
                  mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
-        tl.store(LSE + pid_bh * Nq + offs_m, lse, mask=offs_m < Nq)
+        tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
+
+    @triton.jit
+    def dkdv_stage(dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE,
+                   sqm, sqd, sdom, sdod, offs_n, kj_at, offs_d, offs_dv, lo, hi,
+                   Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                   BLOCK_M: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                   HAS_PREF: tl.constexpr,
+                   HAS_T5: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr, QUERY_BOUND: tl.constexpr):
+        """dK, dV (and column sums of dS, T5 table atomics) over the query blocks [lo, hi), on
+        transposed (keys x queries) tiles."""
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, QUERY_BOUND, HEAD_MASK)
+            do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, QUERY_BOUND, HEAD_MASK)
+            lse2 = load_rows(LSE, offs_m, Nq, float("inf"), QUERY_BOUND)  # +inf: p = 0 for absent rows
+            delta = load_rows(DELTA, offs_m, Nq, 0.0, QUERY_BOUND)
+            if QUERY_BOUND:
+                qi_at = tl.minimum(offs_m, Nq - 1)
+            else:
+                qi_at = offs_m
+            if L2:
+                s = mm(k, tl.trans(q), UPCAST, PRECISION) * (2.0 * qk_scale)
+            else:
+                s = mm(k, tl.trans(q), UPCAST, PRECISION) * qk_scale
+            if L2 or HAS_PREF or HAS_T5:
+                s = s + key_bias[:, None]  # also -inf for keys past Nk
+            if HAS_T5:
+                s = s + t5_bias(qi_at[None, :], kj_at[:, None], Nq, TABLE, stb, LUT)
+            s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
+                            MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
+            p = tl.math.exp2(s - lse2[None, :])  # -inf logits and +inf lse (empty rows) both give 0
+            dp = mm(v, tl.trans(do), UPCAST, PRECISION)
+            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
+                z = dropout_scale_at(seed, pid_bh, offs_m[None, :], offs_n[:, None], Nq, Nk, dropout_p)
+                dv = mma((p * z).to(do.dtype), do, dv, UPCAST, PRECISION)
+                dp = dp * z
+            else:
+                dv = mma(p.to(do.dtype), do, dv, UPCAST, PRECISION)
+            ds = p * (dp - delta[None, :])
+            dk = mma(ds.to(q.dtype), q, dk, UPCAST, PRECISION)
+            if L2 or HAS_PREF:
+                ds_colsum += tl.sum(ds, 1)
+            if HAS_T5:
+                keep = s > float("-inf")
+                rel = kj_at[:, None] - qi_at[None, :] + (Nq - 1)
+                # Every atomic address is computed from the LUT load alone, not from `keep`: inductor's
+                # mutation analysis follows an atomic's address back through everything it is computed
+                # from, and an address derived from `keep` made it mark TABLE, LUT, MASK and PREF as
+                # written (saved inputs of the backward, the table a parameter). The load's sentinel
+                # (`other`) marks the keys that do not take part, so the tile's bucket range needs no `keep`.
+                loaded = tl.load(LUT + rel, mask=keep, other=ABSENT)
+                absent = loaded == ABSENT
+                bucket = tl.where(absent, 0, loaded)
+                lo_b = tl.min(loaded)
+                hi_b = tl.max(tl.where(absent, -1, loaded))
+                if lo_b == hi_b:  # far from the diagonal the whole tile is one bucket: one atomic
+                    tl.atomic_add(DTABLE + lo_b * stb, tl.sum(tl.sum(ds, 1), 0))
+                elif lo_b <= hi_b:
+                    tl.atomic_add(DTABLE + bucket * stb, ds, mask=keep)
+        return dk, dv, ds_colsum
 
     @triton.jit
     def softmax_bwd_dkdv_kernel(
             Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale, dropout_p,
+            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
@@ -137,7 +260,7 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_m0 = tl.arange(0, BLOCK_M)
+        kj_at = tl.minimum(offs_n, Nk - 1)  # keys past Nk: any valid address (their gradients are not stored)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
@@ -151,54 +274,31 @@ if HAVE_TRITON:
         LSE += pid_bh * Nq
         DELTA += pid_bh * Nq
 
-        k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                    mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                    mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-        k_sq = tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)
+        k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
+        v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, True, HEAD_MASK)
+        # per-key logit terms, hoisted out of the query loop; -inf past Nk keeps those keys out of the
+        # T5 atomics (other flavours let them compute gradients that are never stored)
+        key_bias = key_terms(k, offs_n, Nk, PREF, spn, qk_scale, L2, HAS_PREF, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         ds_colsum = tl.zeros([BLOCK_N], tl.float32)
-        for start_m in range(causal_start(start_n, Nq, Nk, BLOCK_M, CAUSAL), Nq, BLOCK_M):
-            offs_m = start_m + offs_m0
-            q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                        mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DO + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                         mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV), other=0.0)
-            lse = tl.load(LSE + offs_m, mask=offs_m < Nq, other=float("inf"))
-            delta = tl.load(DELTA + offs_m, mask=offs_m < Nq, other=0.0)
-            q_sq = tl.sum(q.to(tl.float32) * q.to(tl.float32), 1)
-            qk = mm(q, tl.trans(k), UPCAST, PRECISION)
-            s = logits_tile(qk, q_sq, k_sq, offs_m, offs_n, Nq, Nk, scale, MASK, smm, smn, PREF, spn,
-                            TABLE, stb, LUT, L2, MASK_KIND, HAS_PREF, HAS_T5, CAUSAL)
-            p = tl.exp(s - lse[:, None])  # -inf logits and +inf lse (empty rows) both give 0
-            dp = mm(do, tl.trans(v), UPCAST, PRECISION)
-            if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
-                z = dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-                dv += mm(tl.trans((p * z).to(do.dtype)), do, UPCAST, PRECISION)
-                dp = dp * z
-            else:
-                dv += mm(tl.trans(p.to(do.dtype)), do, UPCAST, PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += mm(tl.trans(ds.to(q.dtype)), q, UPCAST, PRECISION)
-            ds_colsum += tl.sum(ds, 0)
-            if HAS_T5:
-                keep = s > float("-inf")
-                rel = offs_n[None, :] - offs_m[:, None] + (Nq - 1)
-                # Every atomic address is computed from the LUT load alone, not from `keep`: inductor's
-                # mutation analysis follows an atomic's address back through everything it is computed
-                # from, and an address derived from `keep` made it mark TABLE, LUT, MASK and PREF as
-                # written (saved inputs of the backward, the table a parameter). The load's sentinel
-                # (`other`) marks the keys that do not take part, so the tile's bucket range needs no `keep`.
-                loaded = tl.load(LUT + rel, mask=keep, other=2147483647)
-                absent = loaded == 2147483647
-                bucket = tl.where(absent, 0, loaded)
-                lo = tl.min(loaded)
-                hi = tl.max(tl.where(absent, -1, loaded))
-                if lo == hi:  # far from the diagonal the whole tile is one bucket: one atomic
-                    tl.atomic_add(DTABLE + lo * stb, tl.sum(tl.sum(ds, 1), 0))
-                elif lo <= hi:
-                    tl.atomic_add(DTABLE + bucket * stb, ds, mask=keep)
+        first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if CAUSAL:  # diagonal blocks: causal masking
+            dk, dv, ds_colsum = dkdv_stage(
+                dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
+                offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
+                dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
+                DROPOUT, True, False)
+        dk, dv, ds_colsum = dkdv_stage(  # whole query blocks that see every key of the block
+            dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
+            offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
+            dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
+            False, False)
+        dk, dv, ds_colsum = dkdv_stage(  # the partial last query block
+            dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
+            offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
+            dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
+            CAUSAL, True)
         if L2:
             dk = 2.0 * scale * (dk - k.to(tl.float32) * ds_colsum[:, None])
         else:
@@ -214,16 +314,41 @@ if HAVE_TRITON:
             tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
 
     @triton.jit
+    def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                 Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                 BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                 HAS_PREF: tl.constexpr,
+                 HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
+        """dQ (unscaled: sum_j dS_ij k_j) over the key blocks [lo, hi)."""
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
+            v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
+            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT,
+                       L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = mm(do, tl.trans(v), UPCAST, PRECISION)
+            if DROPOUT:
+                dp = dp * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
+            ds = p * (dp - delta[:, None])
+            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
+        return dq
+
+    @triton.jit
     def softmax_bwd_dq_kernel(
             Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, scale, dropout_p,
+            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            L2: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PREF: tl.constexpr, HAS_T5: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-        # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1).to(tl.int64)
@@ -231,7 +356,7 @@ if HAVE_TRITON:
         h = pid_bh % H
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
+        qi_at = tl.minimum(offs_m, Nq - 1)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
@@ -242,34 +367,22 @@ if HAVE_TRITON:
         PREF += b * spb + h * sph
         TABLE += h * sth
 
-        q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                    mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
-                     mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV), other=0.0)
-        lse = tl.load(LSE + pid_bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf"))
-        delta = tl.load(DELTA + pid_bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-        q_sq = tl.sum(q.to(tl.float32) * q.to(tl.float32), 1)
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
+        do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, True, HEAD_MASK)
+        lse2 = load_rows(LSE + pid_bh * Nq, offs_m, Nq, float("inf"), True)
+        delta = load_rows(DELTA + pid_bh * Nq, offs_m, Nq, 0.0, True)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        ds_rowsum = tl.zeros([BLOCK_M], tl.float32)
-        for start_n in range(0, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL), BLOCK_N):
-            offs_n = start_n + offs_n0
-            k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                        mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV), other=0.0)
-            k_sq = tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)
-            qk = mm(q, tl.trans(k), UPCAST, PRECISION)
-            s = logits_tile(qk, q_sq, k_sq, offs_m, offs_n, Nq, Nk, scale, MASK, smm, smn, PREF, spn,
-                            TABLE, stb, LUT, L2, MASK_KIND, HAS_PREF, HAS_T5, CAUSAL)
-            p = tl.exp(s - lse[:, None])
-            dp = mm(do, tl.trans(v), UPCAST, PRECISION)
-            if DROPOUT:
-                dp = dp * dropout_scale(seed, pid_bh, offs_m, offs_n, Nq, Nk, dropout_p)
-            ds = p * (dp - delta[:, None])
-            dq += mm(ds.to(k.dtype), k, UPCAST, PRECISION)
-            ds_rowsum += tl.sum(ds, 1)
-        if L2:  # the -scale ||q||^2 term: its gradient is -2 scale q sum_j dS_ij (zero up to rounding)
-            dq = 2.0 * scale * (dq - q.to(tl.float32) * ds_rowsum[:, None])
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
+                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                      BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
+                      DROPOUT, False)
+        dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                      BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
+                      DROPOUT, True)
+        if L2:
+            dq = (2.0 * scale) * dq
         else:
             dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)

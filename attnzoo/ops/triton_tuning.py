@@ -1,0 +1,171 @@
+"""Tile configurations of the softmax-family and pointwise Triton kernels, and their autotuning.
+
+Each kernel has a short list of ``triton.Config`` (BLOCK_M, BLOCK_N, num_warps, num_stages) per
+*tile class*: element size (fp32 vs fp16/bf16), head width (the padded head dim BLOCK_D / BLOCK_DV:
+<= 64, 128 or 256) and whether the launch drops weights in the kernel (Philox state is
+register-hungry, so dropout flavours get smaller tiles per thread). The lists hold configurations
+known to do well on Hopper and Ampere (the Triton fused-attention tutorial's search space: BLOCK_M
+64/128, BLOCK_N 32/64/128, 4/8 warps, 2-4 stages), pruned to 2-4 per class because every
+configuration costs one compile per kernel specialisation; `benchmarks/compile_triton_kernels.py`
+compiles every one of them for sm_90 and checks that it fits (shared memory, spills). The first
+configuration of a list is its default.
+
+How a launch picks its tiles (``TunedKernel.launch``):
+- under the interpreter: 16 x 16 tiles (``INTERPRETER_TILES``), so the tiny CI shapes still cross
+  several blocks (partial blocks, causal block skipping) and stay fast;
+- on a GPU: ``triton.autotune`` over the class's list, keyed on the tuning key (the kernel's
+  flavour constexprs, D, DV, a power-of-two bucket of Nq and of Nk, and the dtypes of the tensor
+  arguments, which Triton adds itself). Each key is tuned once per process;
+- on a GPU with ``ATTNZOO_TRITON_AUTOTUNE=0``, or for a launch that must not be repeated (the T5
+  table gradient accumulates with atomics, and autotuning runs each candidate several times on the
+  same output): the default configuration;
+- inside ``pinned_config(i)`` (tests): configuration i of the list, without tuning.
+
+Grids are functions of the chosen configuration (``META["BLOCK_M"]``), which is what both
+``triton.autotune`` and torch.compile's ``wrap_triton`` expect.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .triton_utils import HAVE_TRITON, INTERPRETED
+
+if HAVE_TRITON:
+    import triton
+
+AUTOTUNE_ENV = "ATTNZOO_TRITON_AUTOTUNE"
+INTERPRETER_TILES = {"BLOCK_M": 16, "BLOCK_N": 16}
+WIDTHS = (64, 128, 256)  # head-width classes: the padded head dim rounded up to one of these
+
+_pinned: list = []  # innermost pinned_config index last (a plain list: dynamo never traces these)
+
+
+def autotune_enabled() -> bool:
+    """Autotuning runs on a GPU unless ATTNZOO_TRITON_AUTOTUNE=0 (read at each launch)."""
+    return not INTERPRETED and os.environ.get(AUTOTUNE_ENV, "1") != "0"
+
+
+@contextlib.contextmanager
+def pinned_config(index: int):
+    """Every tuned launch inside uses configuration ``index`` of its list (modulo its length), without
+    autotuning: how the GPU tests check each configuration's numbers."""
+    _pinned.append(int(index))
+    try:
+        yield
+    finally:
+        _pinned.pop()
+
+
+def tile_class(dtype: torch.dtype, block_d: int, block_dv: int) -> tuple[bool, int]:
+    """(fp32 operands?, head-width class) of a launch."""
+    widest = max(block_d, block_dv)
+    width = next((w for w in WIDTHS if widest <= w), WIDTHS[-1])
+    return dtype == torch.float32, width
+
+
+def n_bucket(n: int) -> int:
+    """The autotuning key's sequence-length bucket: the next power of two (at least 16), so a new
+    length retunes only when it changes bucket."""
+    return max(16, 1 << max(0, int(n) - 1).bit_length())
+
+
+def configs(table):
+    """{(fp32, width): [triton.Config]} from {(fp32, width): [(BLOCK_M, BLOCK_N, warps, stages)]}."""
+    return {cls: [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in rows]
+            for cls, rows in table.items()}
+
+
+class TunedKernel:
+    """One ``@triton.jit`` kernel, its configurations per tile class and its autotuning key.
+
+    ``launch(dtype, block_d, block_dv, dropout, tune=True)`` returns (the object to launch through
+    ``wrap_triton``, the launch keywords to add): an Autotuner with no extra keywords, or the kernel
+    itself with BLOCK_M / BLOCK_N / num_warps / num_stages. One Autotuner per tile class is kept for
+    the process, so its cache of tuned keys persists across calls."""
+
+    def __init__(self, fn, table, dropout_table, key):
+        self.fn = fn
+        self.configs = {(False,) + cls: rows for cls, rows in configs(table).items()}
+        self.configs.update({(True,) + cls: rows for cls, rows in configs(dropout_table).items()})
+        self.key = list(key)
+        self._tuners = {}
+
+    def configs_for(self, dtype, block_d, block_dv, dropout=False):
+        return self.configs[(bool(dropout),) + tile_class(dtype, block_d, block_dv)]
+
+    def launch(self, dtype, block_d, block_dv, dropout=False, tune=True):
+        if INTERPRETED:
+            return self.fn, dict(INTERPRETER_TILES)
+        cls = (bool(dropout),) + tile_class(dtype, block_d, block_dv)
+        candidates = self.configs[cls]
+        if _pinned or not tune or not autotune_enabled() or len(candidates) == 1:
+            chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
+            return self.fn, {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
+        if cls not in self._tuners:
+            self._tuners[cls] = triton.autotune(configs=candidates, key=self.key)(self.fn)
+        return self._tuners[cls], {}
+
+
+# --- the configuration lists ------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first row of each list is its default.
+# Hopper's wgmma gives each warpgroup (4 warps) 64 rows of a dot's M dimension, so 8 warps go with
+# 128-row tiles (M = BLOCK_M for the forward and dQ, BLOCK_N for dK/dV's transposed tiles). The lists
+# keep configurations that compile for sm_90 without register spills in the plain flavours
+# (benchmarks/results/gpu/ptx_build_check.md).
+# Forward and dQ: one program per BLOCK_M queries streaming BLOCK_N keys. dK/dV: one program per
+# BLOCK_N keys streaming BLOCK_M queries (small BLOCK_M, wide BLOCK_N, as in the tutorial's backward).
+# fp32 operands take twice the registers and shared memory per element, wide heads more again.
+
+FORWARD = {
+    (False, 64): [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3)],
+    (False, 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    (False, 256): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+    (True, 64): [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+    (True, 128): [(64, 32, 4, 3), (64, 64, 8, 2), (32, 32, 4, 3)],
+    (True, 256): [(32, 32, 4, 2), (64, 32, 8, 2)],
+}
+KEYS_BACKWARD = {  # dK/dV: BLOCK_M is the streamed (query) block
+    (False, 64): [(64, 128, 8, 3), (32, 128, 8, 4), (32, 64, 4, 4)],
+    (False, 128): [(32, 128, 8, 3), (32, 64, 4, 3), (32, 128, 8, 2)],
+    (False, 256): [(32, 64, 8, 2), (32, 32, 4, 2)],
+    (True, 64): [(32, 64, 4, 3), (64, 64, 8, 2), (32, 32, 4, 3)],
+    (True, 128): [(32, 64, 8, 2), (32, 32, 4, 2)],
+    (True, 256): [(16, 32, 4, 2), (32, 32, 8, 2)],
+}
+QUERIES_BACKWARD = {  # dQ: BLOCK_N is the streamed (key) block
+    (False, 64): [(128, 64, 8, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 32, 4, 4)],
+    (False, 128): [(128, 32, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3)],
+    (False, 256): [(64, 32, 8, 2), (32, 32, 4, 2)],
+    (True, 64): [(64, 32, 4, 3), (64, 64, 8, 2), (32, 32, 4, 3)],
+    (True, 128): [(64, 32, 8, 2), (32, 32, 4, 2)],
+    (True, 256): [(32, 16, 4, 2), (32, 32, 8, 2)],
+}
+# In-kernel dropout draws one Philox number per weight, whose state takes many registers per
+# element of the tile: its flavours get tiles with fewer elements per thread.
+FORWARD_DROPOUT = {
+    (False, 64): [(64, 64, 4, 3), (128, 64, 8, 3)],
+    (False, 128): [(64, 64, 4, 3), (128, 64, 8, 2)],
+    (False, 256): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    (True, 64): [(64, 32, 4, 3), (64, 64, 8, 2)],
+    (True, 128): [(64, 32, 4, 2), (32, 32, 4, 3)],
+    (True, 256): [(32, 32, 4, 2), (32, 32, 8, 2)],
+}
+KEYS_BACKWARD_DROPOUT = {
+    (False, 64): [(32, 64, 4, 3), (64, 64, 8, 3)],
+    (False, 128): [(32, 64, 8, 3), (32, 64, 4, 2)],
+    (False, 256): [(32, 32, 4, 2), (32, 64, 8, 2)],
+    (True, 64): [(32, 64, 4, 3), (32, 32, 4, 3)],
+    (True, 128): [(32, 32, 4, 2), (32, 64, 8, 2)],
+    (True, 256): [(16, 32, 4, 2), (32, 32, 8, 2)],
+}
+QUERIES_BACKWARD_DROPOUT = {
+    (False, 64): [(64, 32, 4, 3), (64, 64, 8, 3)],
+    (False, 128): [(64, 32, 4, 3), (64, 64, 8, 2)],
+    (False, 256): [(32, 32, 4, 2), (64, 32, 8, 2)],
+    (True, 64): [(64, 32, 4, 3), (32, 32, 4, 3)],
+    (True, 128): [(32, 32, 4, 2), (64, 32, 8, 2)],
+    (True, 256): [(32, 16, 4, 2), (32, 32, 8, 2)],
+}
