@@ -50,6 +50,8 @@ def test_flavour_names_what_changes_the_winner():
     assert measured.flavour("l2", {}) == "plain"
     assert measured.flavour("l2", {"attn_mask": mask}) == "mask"
     assert measured.flavour("fenchel", {"log_u": torch.zeros(3)}) == "log_u"
+    assert measured.flavour("linear", {"feature_map": "identity"}) == "identity"
+    assert measured.flavour("linear", {"feature_map": "elu"}) == "plain"
     assert measured.flavour("ot", {"templates_k": torch.zeros(1), "dropout_p": 0.1}) == "templates+dropout"
 
 

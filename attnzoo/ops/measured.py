@@ -37,6 +37,8 @@ def flavour(variant: str, kwargs: dict) -> str:
         parts.append("mask")
     if variant == "fenchel" and kwargs.get("log_u") is not None:
         parts.append("log_u")
+    if variant == "linear" and kwargs.get("feature_map", "elu") != "elu":
+        parts.append(kwargs["feature_map"])
     if variant == "ot" and kwargs.get("templates_k") is not None:
         parts.append("templates")
     if kwargs.get("dropout_p", 0.0):

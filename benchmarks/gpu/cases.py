@@ -180,6 +180,7 @@ VARIANT_FLAVOURS = [
     ("relu", "plain", "relu", _none, 2, lambda s: True),
     ("sinkhorn", "plain", "sinkhorn", _none, 2, lambda s: True),
     ("linear", "plain", "linear", _none, 1, lambda s: True),
+    ("linear", "identity", "linear", lambda s, d, g: ({"feature_map": "identity"}, []), 1, lambda s: s.n >= 4096),
     ("ot", "plain", "ot", _none, 3, lambda s: s.n <= 1024 and not s.causal and s.head_dim == 64),
     ("ot", "templates", "ot", _templates, 3, lambda s: s.n <= 1024 and not s.causal and s.head_dim == 64),
 ]
