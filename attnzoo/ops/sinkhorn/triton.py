@@ -89,8 +89,9 @@ def _block(n: int) -> int:
 
 def candidates(kind: str, width: int, dtype, masked: bool = False) -> tuple:
     """The tile candidates of a kernel kind for a padded head width (64 covers 16..64). With a
-    (BLOCK_X, BLOCK_Y) mask tile to read, tiles above 128 x 64 are left out: the mask's pointer
-    tile alone then needs more registers than a thread has (they spilled in the build check)."""
+    (BLOCK_X, BLOCK_Y) mask tile to read (not a vector: key padding is one), tiles above 128 x 64 are
+    left out: the mask's pointer tile alone then needs more registers than a thread has (they
+    spilled in the build check)."""
     if INTERPRETED:
         return _INTERPRETED_TILE
     table = _HALF if dtype in (torch.float16, torch.bfloat16) else _FP32
@@ -139,7 +140,7 @@ def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
     """Launch ``kernel`` over (row blocks of nx, bh) with the tile of its kind (see the module doc).
     ``tune``: the call may autotune (not for the causal prefix loop: every prefix is a new shape)."""
     args = (*args, length_bucket(nx), length_bucket(ny))
-    cands = candidates(kind, width, x.dtype, meta["MASK_KIND"] != 0)
+    cands = candidates(kind, width, x.dtype, meta["MASK_KIND"] != 0 and meta["MASK_SHAPE"] == 0)
     if _PINNED:
         cands = (cands[_PINNED[-1] % len(cands)],)
     elif not tune or os.environ.get(AUTOTUNE_ENV, "1") == "0":
@@ -182,9 +183,10 @@ class TritonEngine:
                 mask = mask.view(torch.uint8)  # same item size: a view, broadcast strides kept
             sb, sh, sm, sn = mask.stride()
             rows, cols = (sb, sh, sm, sn), (sb, sh, sn, sm)
+        shape = lambda st: 1 if st[2] == 0 else 2 if st[3] == 0 else 0  # see _apply_mask
         a = p.logit_scale
         s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
-                 mask=mask, rows=rows, cols=cols,
+                 mask=mask, rows=rows, cols=cols, shape_rows=shape(rows), shape_cols=shape(cols),
                  meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype)))
         p._triton = s
         return s
@@ -193,10 +195,10 @@ class TritonEngine:
         return torch.empty(p.q.shape[0], p.q.shape[1], n, dtype=torch.float32, device=p.q.device)
 
     def _orient(self, p, s, rows):
-        """(X, Y, Nx, Ny, mask strides) of a row pass (X = q) or a column pass (X = k)."""
+        """(X, Y, Nx, Ny, mask strides, meta) of a row pass (X = q) or a column pass (X = k)."""
         if rows:
-            return p.q, p.k, s["nq"], s["nk"], s["rows"]
-        return p.k, p.q, s["nk"], s["nq"], s["cols"]
+            return p.q, p.k, s["nq"], s["nk"], s["rows"], dict(s["meta"], MASK_SHAPE=s["shape_rows"])
+        return p.k, p.q, s["nk"], s["nq"], s["cols"], dict(s["meta"], MASK_SHAPE=s["shape_cols"])
 
     def row_dot(self, a, b):
         """sum_d a_d b_d per row, float32 (shape a.shape[:-1])."""
@@ -217,10 +219,10 @@ class TritonEngine:
 
     def _lse(self, p, other, rows):
         s = self._setup(p)
-        X, Y, nx, ny, strides = self._orient(p, s, rows)
+        X, Y, nx, ny, strides, meta = self._orient(p, s, rows)
         out = self._vec(p, nx)
         args = (X, Y, other.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"], s["A"], *strides)
-        _launch(K._lse_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, s["meta"], p.tune)
+        _launch(K._lse_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, meta, p.tune)
         return out
 
     def lse_rows(self, p, g):
@@ -231,11 +233,11 @@ class TritonEngine:
 
     def _wsum(self, p, xp, yp, w, rows):
         s = self._setup(p)
-        X, Y, nx, ny, strides = self._orient(p, s, rows)
+        X, Y, nx, ny, strides, meta = self._orient(p, s, rows)
         out = self._vec(p, nx)
         args = (X, Y, xp.contiguous(), yp.contiguous(), w.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"],
                 s["A"], *strides)
-        _launch(K._wsum_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, s["meta"], p.tune)
+        _launch(K._wsum_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, meta, p.tune)
         return out
 
     def wsum_rows(self, p, a, b, w):
@@ -253,7 +255,7 @@ class TritonEngine:
         args = (p.q, p.k, p.v, g.contiguous(), out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"], s["DV"],
                 s["A"], *s["rows"])
         _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args,
-                dict(s["meta"], BLOCK_DV=_block(s["DV"])), p.tune)
+                dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"])), p.tune)
         return out, lse
 
     def grad_v_and_bias(self, p, g, lse, dout, delta):
@@ -263,7 +265,7 @@ class TritonEngine:
         args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, dv, dg, s["mask"], s["H"], s["nk"], s["nq"],
                 s["D"], s["DV"], s["A"], *s["cols"])
         _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
-                dict(s["meta"], BLOCK_DV=_block(s["DV"])), p.tune)
+                dict(s["meta"], MASK_SHAPE=s["shape_cols"], BLOCK_DV=_block(s["DV"])), p.tune)
         return dv, dg
 
     @staticmethod
@@ -293,7 +295,8 @@ class TritonEngine:
         args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, *folded, T, dq, dk, s["mask"], s["H"], s["nk"],
                 s["nq"], s["D"], s["DV"], s["A"], *s["cols"])
         _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
-                dict(s["meta"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"])), p.tune, reset=("DQ",))
+                dict(s["meta"], MASK_SHAPE=s["shape_cols"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"])), p.tune,
+                reset=("DQ",))
         return dq.mul_(s["A"]), dk
 
 

@@ -18,7 +18,8 @@ new length retunes only when it changes bucket (triton.py).
 Out-of-range rows and columns need no 2-D bounds mask: the per-Y vectors are loaded with -inf
 (or +inf for a subtracted log-normaliser) past the end, which makes every exponential there 0, and
 the loaded X / Y rows are zeros there, so nothing is NaN. Masks (MASK_KIND 1 = bool as uint8,
-2 = float with -inf for masked entries) are applied to t once per tile.
+2 = float with -inf for masked entries) are applied to t once per tile; a mask broadcast along
+one axis of the tile (key padding, a per-query mask) is read as one vector.
 
 Precision: dots take the input dtype with a float32 accumulator (tensor cores for fp16 / bf16;
 ``mm`` upcasts to float32 under TRITON_INTERPRET=1, whose bf16 dot is wrong); every exponential,
@@ -47,22 +48,29 @@ def _load_vec(ptr, offs, n, fill):
 
 
 @triton.jit
-def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.constexpr):
-    """t (log2 units) with the attention mask: -inf where masked, a float mask's value added."""
+def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr):
+    """t (log2 units) with the attention mask: -inf where masked, a float mask's value added.
+    MASK_SHAPE 1: the mask is constant along x (sm_x == 0, e.g. key padding in a row pass) and is
+    read as one vector over y; 2: constant along y (sm_y == 0), one vector over x; 0: a full tile."""
     if MASK_KIND != 0:
-        inside = (offs_x[:, None] < Nx) & (offs_y[None, :] < Ny)
-        ptrs = MASK + offs_x[:, None] * sm_x + offs_y[None, :] * sm_y
+        if MASK_SHAPE == 1:
+            mv = tl.load(MASK + offs_y * sm_y, mask=offs_y < Ny, other=0)[None, :]
+        elif MASK_SHAPE == 2:
+            mv = tl.load(MASK + offs_x * sm_x, mask=offs_x < Nx, other=0)[:, None]
+        else:
+            mv = tl.load(MASK + offs_x[:, None] * sm_x + offs_y[None, :] * sm_y,
+                         mask=(offs_x[:, None] < Nx) & (offs_y[None, :] < Ny), other=0)
         if MASK_KIND == 1:
-            t = tl.where(tl.load(ptrs, mask=inside, other=0) != 0, t, float("-inf"))
+            t = tl.where(mv != 0, t, float("-inf"))
         else:  # -inf entries give -inf; finite ones shift the logit
-            t = t + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * LOG2E
+            t = t + mv.to(tl.float32) * LOG2E
     return t
 
 
 @triton.jit
 def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = lse_y(A x.y + OTHER_y) over the y taking part (natural log); 0 where none does."""
     pid = tl.program_id(0)
@@ -79,7 +87,7 @@ def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         other = _load_vec(OTHER + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
         t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + other[None, :]
-        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(t - m_safe[:, None]), 1)
@@ -92,7 +100,7 @@ def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
 @triton.jit
 def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
                  sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                 MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = sum_y exp(A x.y + XP_x + YP_y) W_y. The callers' exponents are entries of a transport
     plan (<= 1 up to rounding), so no running maximum is needed."""
@@ -111,7 +119,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
         yp = _load_vec(YP + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
         w = _load_vec(W + bh * Ny, offs_y, Ny, 0.0)
         t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + yp[None, :]
-        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         acc += tl.sum(tl.exp2(t + xp[:, None]) * w[None, :], 1)
     tl.store(OUT + bh * Nx + offs_x, acc, mask=offs_x < Nx)
 
@@ -119,7 +127,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
 @triton.jit
 def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                   MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y (online softmax,
     FlashAttention's forward with a per-key bias) and LSE_x of that softmax; zeros for an empty row."""
@@ -140,7 +148,7 @@ def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         g = _load_vec(G + bh * Ny, offs_y, Ny, float("-inf")) * LOG2E
         t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + g[None, :]
-        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -170,7 +178,7 @@ def _row_dot_kernel(A, B, OUT, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexp
 @triton.jit
 def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV, A,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                   MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
@@ -191,7 +199,7 @@ def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
         t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 - lse[None, :]
-        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         p = tl.exp2(t + g[:, None])
         do = _load_rows(DO + bh * Ny * DV, offs_y, Ny, offs_dv, DV)
         dv += mm(p.to(do.dtype), do, UPCAST, PRECISION)
@@ -205,7 +213,7 @@ def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV
 @triton.jit
 def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, MASK, H, Nx, Ny, D, DV, A,
                     sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                    L2: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
+                    L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
@@ -236,7 +244,7 @@ def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, M
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2
-        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND)
+        t = _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
         p = tl.exp2(t + g[:, None] - lse[None, :])
         do = _load_rows(DO + bh * Ny * DV, offs_y, Ny, offs_dv, DV)
