@@ -217,4 +217,6 @@ def causal_by_prefix(run, q, k, v, masks=()):
             rows.append(checkpoint(last_row, i, m, q, k, v, use_reentrant=False))
         else:
             rows.append(last_row(i, m, q, k, v))
-    return torch.cat(rows, dim=-2)
+    # every row has the output dtype already; CPU autocast's cat rejects float16 rows outright
+    with torch.autocast(q.device.type, enabled=False):
+        return torch.cat(rows, dim=-2)
