@@ -87,7 +87,7 @@ def test_bad_arguments_are_one_line_before_any_work(tmp_path, capsys, no_program
 @pytest.mark.parametrize("name", list(demo.CONFIGS.values()))
 def test_demo_configs_are_small_and_offline(name):
     cfg = load_config(f"configs/{name}")
-    assert cfg.model.embed_dim <= 64 and cfg.model.depth <= 4 and cfg.train.device == "cpu"
+    assert cfg.model.embed_dim <= 64 and cfg.model.depth <= 4 and cfg.train.device == "cpu" and cfg.train.threads == 1
     assert cfg.data.dataset in demo.CONFIGS
     assert cfg.data.dataset == "digits" or not cfg.data.download  # the demo never downloads
     tokens = (8 if cfg.data.dataset == "digits" else 28) // cfg.model.patch_size
