@@ -145,14 +145,17 @@ def run(args) -> int:
     dataset, note = pick_dataset(args.dataset, args.data_dir)
     runs = plan_runs(args, dataset)
     otvit = " (OT-ViT: softmax layers, OT attention in the last one)" if OTVIT in args.variants else ""
-    print(f"attnzoo demo: {len(runs)} models on {dataset}, CPU, {torch.get_num_threads()} threads{otvit}", flush=True)
+    threads = runs[0][1].train.threads or torch.get_num_threads()
+    print(f"attnzoo demo: {len(runs)} models on {dataset}, {runs[0][1].train.device}, "
+          f"{threads} thread{'' if threads == 1 else 's'}{otvit}", flush=True)
     print(note, flush=True)
     rows = [train_with_bar(v, cfg, i + 1, len(runs)) for i, (v, cfg) in enumerate(runs)]
     out = Path(args.out)
-    title = f"attnzoo demo on {dataset} ({platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()  # what training ran with
+    title = f"attnzoo demo on {dataset} ({platform.machine()}, {threads} thread{'' if threads == 1 else 's'})"
     print_table(rows, title)
     plot_comparison({r["label"]: r["history"] for r in rows}, out / "test_curves.png", title=f"{dataset}: test curves")
-    summary = {"dataset": dataset, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    summary = {"dataset": dataset, "threads": threads, "torch": torch.__version__,
                "machine": platform.machine(), "runs": rows}
     _atomic_write(out / "summary.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2)))
     _atomic_write(out / "summary.md", lambda p: Path(p).write_text(f"{title}\n\n{markdown_table(rows)}"))
