@@ -218,14 +218,15 @@ def gpu_markdown(rows, device_name: str, command: str) -> str:
     k = rows[0]["n_iters"] if rows else 3
     lines = [f"# Sinkhorn (n_iters={k}) Triton kernels vs SDPA softmax, {device_name}, bf16", "",
              f"`{command}`. Targets (issue 15): fwd and fwd+bwd <= {k + 1}x SDPA, extra memory <= 1.5x SDPA's.", "",
-             "| D | N | B x H | SDPA fwd ms | Sinkhorn fwd ms | ratio | SDPA fwd+bwd ms | Sinkhorn fwd+bwd ms | ratio | "
-             "extra MB fwd+bwd (SDPA) | passes, ms (x SDPA fwd) |",
+             "| D | N | B x H | SDPA fwd ms | Sinkhorn fwd ms | ratio | SDPA fwd+bwd ms | Sinkhorn fwd+bwd ms "
+             "| ratio | extra MB fwd+bwd (SDPA) | passes, ms (x SDPA fwd) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         passes = ", ".join(f"{name} {ms:.3g} ({ms / r['sdpa_fwd_ms']:.2f})" for name, ms in r["passes_ms"].items())
-        lines.append(f"| {r['D']} | {r['N']} | {r['B']} x {r['H']} | {r['sdpa_fwd_ms']:.3g} | {r['sinkhorn_fwd_ms']:.3g} | "
-                     f"{r['fwd_ratio']:.2f} | {r['sdpa_fwd_bwd_ms']:.3g} | {r['sinkhorn_fwd_bwd_ms']:.3g} | "
-                     f"{r['fwd_bwd_ratio']:.2f} | {r['sinkhorn_fwd_bwd_mb']:.0f} ({r['sdpa_fwd_bwd_mb']:.0f}) | {passes} |")
+        cells = [f"{r['D']}", f"{r['N']}", f"{r['B']} x {r['H']}", f"{r['sdpa_fwd_ms']:.3g}", f"{r['sinkhorn_fwd_ms']:.3g}",
+                 f"{r['fwd_ratio']:.2f}", f"{r['sdpa_fwd_bwd_ms']:.3g}", f"{r['sinkhorn_fwd_bwd_ms']:.3g}",
+                 f"{r['fwd_bwd_ratio']:.2f}", f"{r['sinkhorn_fwd_bwd_mb']:.0f} ({r['sdpa_fwd_bwd_mb']:.0f})", passes]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

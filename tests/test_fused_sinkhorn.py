@@ -268,6 +268,27 @@ def test_implicit_gradient_approaches_unrolled_as_iterations_grow(engine, iters,
     assert errs[-1] < (1e-8 if dtype == torch.float64 else 1e-4)
 
 
+@needs_interpreter
+def test_triton_implicit_gradient_matches_the_float64_implicit_gradient():
+    """grad_mode="implicit" away from the fixed point (n_iters = 3), several tiles, key padding: the
+    Triton kernels (fp32) against the same implicit-function adjoint in float64 (CPU engine, whose
+    implicit path test_implicit_gradient_approaches_unrolled checks against the formulas)."""
+    device = "cpu" if INTERPRET else "cuda"
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 1, n, 6, generator=gen, dtype=torch.float64) for n in (19, 23, 23))
+    keep = torch.ones(2, 1, 1, 23, dtype=torch.bool)
+    keep[-1, ..., -3:] = False
+    w = torch.randn(2, 1, 19, 6, generator=gen, dtype=torch.float64)
+    grads = []
+    runs = ((sk_cpu.sinkhorn_attention, torch.float64, "cpu"), (sk_triton.sinkhorn_attention, torch.float32, device))
+    for fn, dtype, dev in runs:
+        leaves = [t.to(dev, dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, attn_mask=keep.to(dev), scale=0.4, n_iters=3, eps=1.0, grad_mode="implicit")
+        grads.append(torch.autograd.grad((out.double() * w.to(dev)).sum(), leaves))
+    for want, got in zip(*grads):
+        assert rel_err(got.cpu(), want) < 2e-5
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cpu_path_never_allocates_n_by_n(causal):
     B, H, N, D, block = (1, 2, 12, 4, 4) if causal else (1, 2, 48, 16, 16)

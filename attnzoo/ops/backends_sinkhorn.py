@@ -72,7 +72,8 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
 if sinkhorn_triton is not None:
     register_backend("sinkhorn", "triton", eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "unrolled")),
                      _triton_supports, priority=20, auto_devices=("cuda",),
-                     description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward unrolled through the passes")
+                     description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
+                                 "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
                      eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "implicit")),
                      _triton_supports, priority=2, auto_devices=(),

@@ -70,7 +70,8 @@ def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.const
 @triton.jit
 def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = lse_y(A x.y + OTHER_y) over the y taking part (natural log); 0 where none does."""
     pid = tl.program_id(0)
@@ -100,7 +101,8 @@ def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
 @triton.jit
 def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
                  sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = sum_y exp(A x.y + XP_x + YP_y) W_y. The callers' exponents are entries of a transport
     plan (<= 1 up to rounding), so no running maximum is needed."""
@@ -127,7 +129,8 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
 @triton.jit
 def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y (online softmax,
     FlashAttention's forward with a per-key bias) and LSE_x of that softmax; zeros for an empty row."""
@@ -178,7 +181,8 @@ def _row_dot_kernel(A, B, OUT, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexp
 @triton.jit
 def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV, A,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
@@ -213,7 +217,8 @@ def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV
 @triton.jit
 def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, MASK, H, Nx, Ny, D, DV, A,
                     sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
-                    L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
+                    L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                    BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
