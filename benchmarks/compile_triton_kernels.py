@@ -256,34 +256,49 @@ def linear_calls(dtype_name):
                                                   feature_map=feature_map, attn_mask=masks(mask, dtype, nq, nk))
 
 
-OT_HEAD_DIMS = (64, 128, 256)  # the kernels see (Nq, |A|) and (Nk, |A|) terms: D only shapes the host matmuls
+OT_HEAD_DIMS = (64, 128, 256)  # D shapes the logit tiles of _exp_kernel and the fallback, Dv the out / dC tiles
+# (mask, is_causal, extra templates, log_u with a gradient): a key mask, causal with templates, a float
+# mask; the last case launches the log_u gradient path (_pair_kernel's NEED_UG, _dlu_kernel)
+OT_CASES = [("none", False, 0, False), ("bool", True, 16, False), ("float", False, 5, True)]
 
 
 def ot_calls(dtype_name):
+    if dtype_name == "fp64":
+        return  # ot/triton.py refuses float64 (the kernels compute in float32; backend='cpu' runs it)
     dtype = TORCH_DTYPES[dtype_name]
     for d in OT_HEAD_DIMS:
-        # a key mask keeps u query-independent (stride 0); causal and float masks make it per query
-        for mask, causal, n_templates in (("none", False, 0), ("bool", True, 16), ("float", False, 5)):
+        for mask, causal, n_templates, with_log_u in OT_CASES:
             q, k, v = qkv(dtype, 48, 64, d, d)
             gen = torch.Generator().manual_seed(1)
             tk = torch.randn(2, 2, n_templates, d, generator=gen).to(dtype) if n_templates else None
             tv = torch.randn(2, 2, n_templates, d, generator=gen).to(dtype) if n_templates else None
-            label = f"ot {dtype_name} D={d} mask={mask} causal={causal} templates={n_templates}"
+            log_u = torch.randn(2, 2, 64, generator=gen).requires_grad_() if with_log_u else None
+            label = f"ot {dtype_name} D={d} mask={mask} causal={causal} templates={n_templates} log_u={with_log_u}"
             yield label, lambda: forward_backward(ot_triton.ot_attention_triton, q, k, v, scale=d ** -0.5,
                                                   attn_mask=masks(mask, dtype, 48, 64), is_causal=causal,
-                                                  templates_k=tk, templates_v=tv)
+                                                  templates_k=tk, templates_v=tv, log_u=log_u)
 
 
-def captured_jobs(dtypes, target, families):
+AUTOCAST_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def captured_jobs(dtypes, target, families, autocast="both"):
+    """Every launch of the families' host paths, for each input dtype; with autocast, the same calls
+    also run inside ``torch.autocast("cpu", dtype=torch.bfloat16)``: the host-side matmuls then return
+    bfloat16 as they do under CUDA autocast, so the kernels see what a mixed-precision training step
+    hands them (labels end in "autocast")."""
     capture = LaunchCapture(target)
     makers = {"sinkhorn": sinkhorn_calls, "linear": linear_calls, "ot": ot_calls}
     # the Sinkhorn entry point refuses CPU tensors outside the interpreter: here they only carry shapes
     with mock.patch.object(sinkhorn_triton, "unsupported_reason", lambda *a, **k: None):
-        for family in families:
-            for dtype in dtypes:
-                for label, call in makers[family](dtype):
-                    with capture.calls(label):
-                        call()
+        for under_autocast in AUTOCAST_MODES[autocast]:
+            for family in families:
+                for dtype in dtypes:
+                    for label, call in makers[family](dtype):
+                        ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if under_autocast
+                               else contextlib.nullcontext())
+                        with capture.calls(label + (" autocast" if under_autocast else "")), ctx:
+                            call()
     return list(capture.jobs.values())
 
 
@@ -404,9 +419,14 @@ def markdown(rows, arch, limit, command, seconds):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16", "fp32", "fp64"], choices=list(TORCH_DTYPES),
-                        help="input dtypes (fp64 reaches only the linear and OT kernels)")
+                        help="input dtypes (fp64 reaches only the linear kernels)")
     parser.add_argument("--families", nargs="+", default=["softmax", "sinkhorn", "linear", "ot"],
                         choices=["softmax", "sinkhorn", "linear", "ot"])
+    parser.add_argument("--autocast", default="both", choices=list(AUTOCAST_MODES),
+                        help="run the captured Sinkhorn / linear / OT host paths plainly, under CPU bf16 autocast "
+                             "(what CUDA autocast hands the kernels), or both")
+    parser.add_argument("--match", default=None,
+                        help="compile only the captured jobs with a call label containing this text (e.g. 'D=64 ')")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100), 80 (A100)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
     parser.add_argument("--out", help="also write the table as Markdown to this path")
@@ -415,7 +435,10 @@ def main(argv=None):
     limit = SHARED_LIMIT.get(args.arch, SHARED_LIMIT[80])
     start = time.perf_counter()
     jobs = softmax_family_jobs(args.dtypes) if "softmax" in args.families else []
-    jobs += captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"])
+    captured = captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"], args.autocast)
+    if args.match is not None:
+        captured = [job for job in captured if any(args.match in label for label in job.labels)]
+    jobs += captured
     print(f"{len(jobs)} kernel specialisations to compile for sm_{args.arch} (shared memory limit {limit} B)", flush=True)
     rows = []
     for job, res in zip(jobs, compile_all(jobs, args.arch, args.workers)):

@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import attnzoo
 import attnzoo.functional as AF
 from attnzoo.models import OTViT
 from attnzoo.ops import backends_linear_ot
 from attnzoo.ops.ot import cpu as ot_cpu
 from attnzoo.ops.ot import tiles as ot_tiles
+from attnzoo.ops.ot import triton as ot_triton
 from attnzoo.ops.ot.factorised import ot_terms
 
 from . import formulas as FM
 from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
+from attnzoo.ops.triton_utils import HAVE_TRITON
 from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, needs_gpu, needs_kernels
 B, H, D, DV = 2, 2, 6, 3
 
@@ -46,11 +52,10 @@ TRITON_CASES = [
 
 
 @needs_kernels
-def test_triton_tiles_crossing_every_block_boundary(monkeypatch):
-    from attnzoo.ops.ot import triton as ot_triton
-    for name in ("BI", "BJ", "BT"):   # 9 queries, 9 sources, 9 templates over 8-wide tiles
-        monkeypatch.setattr(ot_triton, name, 8)
-    _check_kernel(True, 9, 9, 0, "padding", True, torch.float32)
+def test_triton_tiles_crossing_every_block_boundary():
+    # the interpreter's tiles are 16 wide: 17 queries, 18 sources and 18 + 15 = 33 templates give a
+    # partial last tile on every axis of every kernel (pair tiles, template steps, fallback sub-tiles)
+    _check_kernel(True, 17, 18, 15, "padding", True, torch.float32, D=5, DV=3)
 
 
 def _mask(kind, nq, nk, B=B, H=H):
@@ -173,13 +178,13 @@ def _logit_size(q, k, tk, scale, alpha):
 
 
 def _check_kernel(causal, nq, nk, n_templates, mask_kind, with_log_u, dtype, B=B, H=H, D=D, DV=DV, scale=0.7,
-                  alpha=1.3, dense=False):
+                  alpha=1.3, dense=False, mag=1.0):
     """The Triton backend on KERNEL_DEVICE against float64 eq (22), FlashAttention's rule for out and every
     gradient; the yardstick is eq (22) on the cube in float32 with the kernel's rounded inputs. Leaves
     stay on the CPU; .to(device) is differentiable, so their gradients come back. ``dense``: the float64
     truth from _eq22_dense instead of the (slow) loops of tests/formulas.py."""
     leaves = [None if x is None else x.detach().to(dtype).requires_grad_()
-              for x in _inputs(nq, nk, n_templates, with_log_u, torch.float32, B=B, H=H, D=D, DV=DV)]
+              for x in _inputs(nq, nk, n_templates, with_log_u, torch.float32, mag, B=B, H=H, D=D, DV=DV)]
     mask = _mask(mask_kind, nq, nk, B, H)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
@@ -220,6 +225,37 @@ def test_triton_matches_eq22(causal, nq, nk, n_templates, mask, log_u, dtype):
     _check_kernel(causal, nq, nk, n_templates, mask, log_u, dtype)
 
 
+@needs_kernels
+def test_triton_chunks_over_batch_heads(monkeypatch):
+    # one (batch, head) pair per chunk: every chunk finds its own slice of a per-(batch, head) mask
+    # (the kernels rebuild (b, h) from the chunk offset) and its own rows of log u
+    monkeypatch.setattr(ot_triton, "CHUNK_BYTES", 1)
+    _check_kernel(False, 7, 6, 3, "query_bool", True, torch.float32, B=3, H=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal,nq,nk,n_templates,mask,log_u", TRITON_CASES)
+def test_triton_exact_fallback_matches_eq22(monkeypatch, causal, nq, nk, n_templates, mask, log_u):
+    # every pair with u > 0 counts as unresolved: the matmul path contributes nothing and the per-pair
+    # fallback kernels must produce out and every gradient (log u's through UG) on their own
+    monkeypatch.setattr(ot_triton, "SAFE_NORMALISER", math.inf)
+    _check_kernel(causal, nq, nk, n_templates, mask, log_u, dtype=torch.float32)
+
+
+@needs_kernels
+def test_triton_large_logits_mix_matmul_and_fallback():
+    # logits of a few hundred: about a quarter of the pairs fall below the kernels' SAFE_NORMALISER (the
+    # same float32 rule as the CPU path's _parts) and go to the fallback, the rest stay matmuls
+    torch.manual_seed(0)
+    q, k, _, tk, _, _ = _inputs(7, 9, 3, False, torch.float32, mag=4.0)
+    c, g, _ = ot_terms(q, k, attn_mask=None, is_causal=False, alpha=1.3, gamma=1 / 0.7, log_u=None, templates_k=tk)
+    assert ot_cpu.SAFE_NORMALISER[torch.float32] == ot_triton.SAFE_NORMALISER
+    share = ot_cpu._parts(c, g)[3].double().mean().item()
+    assert 0.1 < share < 0.9, share
+    torch.manual_seed(0)
+    _check_kernel(False, 7, 9, 3, None, False, torch.float32, mag=4.0)
+
+
 def test_dense_yardstick_is_eq22():
     """_eq22_dense (the large-shape truth and the flash-rule yardstick) agrees with the loops."""
     torch.manual_seed(3)
@@ -234,13 +270,108 @@ def test_dense_yardstick_is_eq22():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_large_shapes_on_gpu(head_dim, dtype):
     # 133 queries, 197 sources, |A| = 197 + 59 = 256 templates: many 16-wide tiles on every axis with a
     # partial last one, causal (bottom-right) with key padding and log u, the default gamma = sqrt(D)
     _check_kernel(True, 133, 197, 59, "padding", True, dtype, B=2, H=2, D=head_dim, DV=head_dim,
                   scale=head_dim ** -0.5, alpha=1.0, dense=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_exact_fallback_on_gpu(monkeypatch, dtype):
+    # every pair through the per-pair fallback kernels (atomics into out, d a_v, dq, dk, d a_k), with
+    # a float mask, causal, log u, several pair tiles and D = 64
+    monkeypatch.setattr(ot_triton, "SAFE_NORMALISER", math.inf)
+    _check_kernel(True, 70, 150, 30, "query_float", True, dtype, B=2, H=2, D=64, DV=64, scale=0.125, alpha=1.0,
+                  dense=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_chunks_on_gpu(monkeypatch):
+    # several (batch, head) chunks on the GPU with a per-(batch, head) mask
+    monkeypatch.setattr(ot_triton, "CHUNK_BYTES", 1 << 18)
+    _check_kernel(False, 64, 96, 32, "query_bool", True, torch.bfloat16, B=3, H=4, D=64, DV=64, scale=0.125,
+                  alpha=1.0, dense=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_peak_memory_follows_the_chunk_budget_on_gpu(monkeypatch):
+    """Forward + backward at B=2, H=8, N=512, |A|=1024, bf16: the temporaries are made for CHUNK_BYTES
+    worth of (batch, head) pairs at a time, so the extra peak stays near that budget (plus the
+    gradients and fp32 buffers of size O(N D)), far below the ~130 MB the whole batch would take."""
+    budget = 8 << 20
+    monkeypatch.setattr(ot_triton, "CHUNK_BYTES", budget)
+    B_, H_, N, D_ = 2, 8, 512, 64
+    q, k, v, tk, tv = (torch.randn(B_, H_, N, D_, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(5))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = AF.ot(q, k, v, templates_k=tk, templates_v=tv, backend="triton")
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    small = B_ * H_ * N * D_ * 4            # one fp32 (B, H, N, D) tensor: grads, fp32 buffers, outputs
+    whole = B_ * H_ * ot_triton.pair_bytes(N, N, 2 * N, D_, D_, torch.bfloat16, True)   # ~130 MB
+    assert extra <= 2 * budget + 16 * small, (extra, budget, small)
+    assert extra < whole / 2, (extra, whole)
+
+
+def _tiny_timm_vit(device):
+    import timm
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             num_classes=10, attn_layer=attnzoo.layer("ot")).to(device)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_timm_vit_with_ot_trains_under_bf16_autocast_on_gpu():
+    """One training step of a small timm ViT whose attention is attnzoo.layer("ot") (auto = triton on
+    CUDA), under bf16 autocast as people train: finite loss, parameter gradients within bf16 accuracy
+    of the float32 step, and a step of SGD lowers the loss on the batch."""
+    model = _tiny_timm_vit("cuda")
+    x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+    params = list(model.parameters())
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    got = torch.autograd.grad(loss, params)
+    assert torch.isfinite(loss)
+    num = sum(float((a.float() - b).square().sum()) for a, b in zip(got, want)) ** 0.5
+    den = sum(float(b.square().sum()) for b in want) ** 0.5
+    assert num <= 0.05 * den, (num, den)
+    with torch.no_grad():
+        for p, g in zip(params, got):
+            p -= 0.05 * g
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            after = torch.nn.functional.cross_entropy(model(x), y)
+    assert float(after) < float(loss.detach())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("autocast", [False, True])
+def test_layer_and_timm_vit_compile_fullgraph_on_gpu(autocast):
+    """torch.compile(fullgraph=True) with inductor on CUDA: the OT layer (with templates) and the small
+    timm ViT trace as one graph each (the Triton launches are triton_ops) and equal eager forward and
+    backward; under bf16 autocast too."""
+    import contextlib
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    tol = 2e-2 if autocast else 1e-4
+    layer = _ot_layer(None, dim=64, heads=2, device="cuda")
+    x, t = torch.randn(2, 40, 64, device="cuda"), torch.randn(2, 12, 64, device="cuda")
+    model = _tiny_timm_vit("cuda")
+    img = torch.randn(4, 3, 32, 32, device="cuda")
+    for module, inputs in ((lambda_module(layer, templates=t), (x,)), (model, (img,))):
+        with ctx:
+            _compiled_equals_eager(module, *inputs, tol=tol, backend="inductor")
 
 
 @pytest.mark.gpu
@@ -383,3 +514,139 @@ def test_otvit_needs_no_backend_override(one_thread, batch, embed_dim, num_heads
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for a, b in zip(got_g, want_g):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- every broadcastable mask shape, with extra templates (issue 12: an (Nq, 1) mask used to raise) ----
+
+MASK_SHAPES = {"Nk": lambda nq, nk: (nk,), "Nq,1": lambda nq, nk: (nq, 1), "Nq,Nk": lambda nq, nk: (nq, nk),
+               "B,1,1,Nk": lambda nq, nk: (B, 1, 1, nk), "B,H,Nq,Nk": lambda nq, nk: (B, H, nq, nk)}
+
+
+def _broadcast_mask(shape, kind, dtype):
+    gen = torch.Generator().manual_seed(sum(shape))
+    keep = torch.rand(shape, generator=gen) > 0.35
+    if kind == "bool":
+        return keep
+    return (0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)).masked_fill(~keep, -math.inf).to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", list(MASK_SHAPES))
+def test_every_broadcastable_mask_shape_with_templates(backend, kind, shape):
+    """Against the reference (float64 eq (22) on the whole cube): out and every gradient. The fused paths
+    broadcast the mask over the keys and pad it over the extra templates, which are never masked."""
+    nq, nk, n_templates = 6, 5, 3
+    dtype, tol = (torch.float64, 1e-9) if backend == "cpu" else (torch.float32, 2e-5)
+    torch.manual_seed(7)
+    leaves = _inputs(nq, nk, n_templates, True, dtype)
+    mask = _broadcast_mask(MASK_SHAPES[shape](nq, nk), kind, dtype)
+    wide = [x.detach().double().requires_grad_() for x in leaves]
+    want = AF.ot(*wide[:3], attn_mask=mask if kind == "bool" else mask.double(), scale=0.7, alpha=1.3,
+                 log_u=wide[5], templates_k=wide[3], templates_v=wide[4], backend="reference")
+    dq, dk, dv, dmask, dlog_u, dtk, dtv = _on(backend, *leaves[:3], mask, leaves[5], *leaves[3:5])
+    got = AF.ot(dq, dk, dv, attn_mask=dmask, scale=0.7, alpha=1.3, log_u=dlog_u, templates_k=dtk, templates_v=dtv,
+                backend=backend).cpu()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    grad = torch.randn(want.shape, dtype=torch.float64)
+    got_g = torch.autograd.grad(got, leaves, grad.to(dtype))
+    want_g = torch.autograd.grad(want, wide, grad)
+    for name, a, b in zip(("q", "k", "v", "templates_k", "templates_v", "log_u"), got_g, want_g):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+# --- autocast, torch.compile ------------------------------------------------------------------------
+
+LAYER_BACKENDS = [None, "cpu"] + (["triton"] if INTERPRET or ON_GPU else [])
+
+
+def _ot_layer(backend, dim=16, heads=2, device="cpu"):
+    torch.manual_seed(0)
+    return attnzoo.create("ot", dim, num_heads=heads, backend=backend).to(device)
+
+
+@pytest.mark.parametrize("backend", LAYER_BACKENDS)
+def test_layer_under_bf16_autocast_matches_float32(backend):
+    """Under CPU autocast the layer's projections hand bfloat16 q, k, v (and templates) to the kernels
+    (the Triton ones interpreted here); out and the parameter gradients follow the float32 run to
+    bfloat16 accuracy and stay finite."""
+    dev = KERNEL_DEVICE if backend == "triton" else "cpu"
+    layer = _ot_layer(backend, device=dev)
+    x, t = torch.randn(2, 9, 16, device=dev), torch.randn(2, 4, 16, device=dev)
+    want = layer(x, templates=t)
+    want_g = torch.autograd.grad(want.square().sum(), list(layer.parameters()))
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        got = layer(x, templates=t)
+    got_g = torch.autograd.grad(got.float().square().sum(), list(layer.parameters()))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
+    for (name, _), a, b in zip(layer.named_parameters(), got_g, want_g):
+        assert torch.isfinite(a).all(), name
+        assert float((a.float() - b).norm()) <= 0.05 * float(b.norm()) + 1e-3, name
+
+
+def _compiled_equals_eager(module, *inputs, tol=1e-5, backend="aot_eager"):
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    params = [p for p in module.parameters()]
+    want = module(*inputs)
+    want_g = torch.autograd.grad(want.square().sum(), params)
+    got = compiled(*inputs)
+    got_g = torch.autograd.grad(got.square().sum(), params)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for (name, _), a, b in zip(module.named_parameters(), got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+# (backend, tokens, what auto picks on CPU): the two sides of the measured crossover, and the kernels
+COMPILE_CASES = [(None, 6, "reference"), (None, 26, "cpu"), ("cpu", 6, "cpu")] + (
+    [("triton", 6, "triton")] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("backend,tokens,runs", COMPILE_CASES)
+def test_layer_compiles_fullgraph_and_equals_eager(one_thread, backend, tokens, runs):
+    """torch.compile(fullgraph=True) traces the OT layer as one graph (with extra templates; the
+    cpu path's resolution check and the Triton launches sit inside opaque custom ops), forward and
+    backward equal to eager. aot_eager: dynamo and AOTAutograd without inductor's slow C++ codegen."""
+    layer = _ot_layer(backend)
+    x, t = torch.randn(2, tokens, 16), torch.randn(2, 3, 16)
+    q = torch.zeros(2, 2, tokens, 8)
+    tk = torch.zeros(2, 2, 3, 8)
+    assert AF.explain("ot", q, q, q, templates_k=tk, templates_v=tk, backend=backend).backend.name == runs
+    _compiled_equals_eager(lambda_module(layer, templates=t), x)
+
+
+def test_timm_block_with_ot_compiles_fullgraph(one_thread):
+    from timm.models.vision_transformer import Block
+    torch.manual_seed(0)
+    block = Block(dim=16, num_heads=2, attn_layer=attnzoo.layer("ot"))
+    _compiled_equals_eager(block, torch.randn(2, 26, 16))
+
+
+class lambda_module(torch.nn.Module):  # noqa: N801 - a module that calls ``inner`` with fixed keywords
+    def __init__(self, inner, **kwargs):
+        super().__init__()
+        self.inner, self.kwargs = inner, kwargs
+
+    def forward(self, *args):
+        return self.inner(*args, **self.kwargs)
+
+
+# --- the sm_90 build of the kernels as bf16 autocast hands them over -----------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_kernels_build_for_sm90_under_bf16_autocast():
+    """The captured OT launches of an unmasked forward + backward under CPU bf16 autocast (what CUDA
+    autocast hands the kernels) compile for sm_90 without a GPU: the kernels build their accumulators
+    in float32 whatever dtype reaches them (a bf16 accumulator re-assigned an fp32 value is a Triton
+    CompilationError; that is how the previous OT kernels failed under autocast on an H100)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "benchmarks/compile_triton_kernels.py", "--families", "ot", "--dtypes",
+                           "bf16", "--autocast", "on", "--match", "D=64 mask=none", "--workers", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "kernel specialisations compiled and fit" in done.stdout

@@ -19,9 +19,10 @@ per-pair max-shifted softmax by the exact blockwise path (tiles.py), which never
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .factorised import ot_attention_factorised
-from .tiles import transport_weights_tiles
+from .tiles import tiles_backward, tiles_forward
 
 # s_ij >= this (about 2^-90 in fp32, 2^-900 in fp64) keeps every term that matters normal
 SAFE_NORMALISER = {torch.float32: 2.0 ** -90, torch.float64: 2.0 ** -900}
@@ -40,36 +41,68 @@ def _parts(c, g):
     return ec, eg, inv, ~resolved
 
 
-class _TransportWeightsGemm(torch.autograd.Function):
-    """The matmul part over the resolved pairs (the caller adds the rest from tiles.py)."""
+def _forward(c, g, u):
+    ec, eg, inv, unresolved = _parts(c, g)
+    w = ec * ((u * inv) @ eg)
+    if bool(unresolved.any()):   # inside an opaque custom op: no graph break under torch.compile
+        w = w + tiles_forward(c, g, u, active=unresolved)
+    return w
 
-    @staticmethod
-    def forward(ctx, c, g, u):
-        ec, eg, inv, unresolved = _parts(c, g)
-        ctx.save_for_backward(c, g, u)
-        ctx.mark_non_differentiable(unresolved)
-        return ec * ((u * inv) @ eg), unresolved
 
-    @staticmethod
-    def backward(ctx, dw, _):
-        c, g, u = ctx.saved_tensors
-        ec, eg, inv, _ = _parts(c, g)
-        ecdw = ec * dw
-        gij = (ecdw @ eg.transpose(-1, -2)) * inv
-        coef, coef_g = u * inv, u * gij * inv
-        w = ec * (coef @ eg)
-        dc = dw * w - ec * (coef_g @ eg)
-        dg = eg * (coef.transpose(-1, -2) @ ecdw - coef_g.transpose(-1, -2) @ ec)
-        du = gij.sum(-2, keepdim=True) if u.shape[-2] == 1 else gij
-        return dc, dg, du
+def _backward(dw, c, g, u):
+    ec, eg, inv, unresolved = _parts(c, g)
+    ecdw = ec * dw
+    gij = (ecdw @ eg.transpose(-1, -2)) * inv
+    coef, coef_g = u * inv, u * gij * inv
+    w = ec * (coef @ eg)
+    dc = dw * w - ec * (coef_g @ eg)
+    dg = eg * (coef.transpose(-1, -2) @ ecdw - coef_g.transpose(-1, -2) @ ec)
+    du = gij.sum(-2, keepdim=True) if u.shape[-2] == 1 else gij
+    if bool(unresolved.any()):
+        dc2, dg2, du2 = tiles_backward(dw, c, g, u, active=unresolved)
+        if u.shape[-2] == 1:
+            du2 = du2.sum(-2, keepdim=True)
+        dc, dg, du = dc + dc2, dg + dg2, du + du2
+    return dc, dg, du.reshape(u.shape)
+
+
+# Custom ops so that torch.compile sees one opaque node (the resolution check above is a
+# data-dependent branch; the tiles loop over Python ints) and differentiates it by _backward.
+@torch.library.custom_op("attnzoo::ot_transport_weights", mutates_args=())
+def _transport_weights_op(c: Tensor, g: Tensor, u: Tensor) -> Tensor:
+    return _forward(c, g, u)
+
+
+@_transport_weights_op.register_fake
+def _(c, g, u):
+    return torch.empty_like(c)
+
+
+@torch.library.custom_op("attnzoo::ot_transport_weights_backward", mutates_args=())
+def _transport_weights_backward_op(dw: Tensor, c: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(dw, c, g, u)
+
+
+@_transport_weights_backward_op.register_fake
+def _(dw, c, g, u):
+    return torch.empty_like(c), torch.empty_like(g), torch.empty(u.shape, dtype=u.dtype, device=u.device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _autograd_backward(ctx, dw):
+    c, g, u = ctx.saved_tensors
+    return _transport_weights_backward_op(dw.contiguous(), c, g, u)
+
+
+_transport_weights_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def transport_weights(c, g, u):
     """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt); u is (..., Nq or 1, Nk)."""
-    w, unresolved = _TransportWeightsGemm.apply(c, g, u)
-    if bool(unresolved.any()):
-        w = w + transport_weights_tiles(c, g, u, active=unresolved)
-    return w
+    return _transport_weights_op(c.contiguous(), g.contiguous(), u.contiguous())
 
 
 def ot_attention_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, alpha=1.0, gamma=None, log_u=None,

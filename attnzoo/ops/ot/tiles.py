@@ -55,68 +55,85 @@ def _flat(c, g, u):
     return c.reshape((-1,) + c.shape[-2:]), g.reshape((-1,) + g.shape[-2:]), u.reshape((-1,) + u.shape[-2:]), lead
 
 
+def _prepare(c, g, u, tile_elements, active):
+    tile_elements = TILE_ELEMENTS if tile_elements is None else int(tile_elements)
+    if active is not None:
+        active = active.expand(u.shape[:-2] + active.shape[-2:]).contiguous()
+        u = u.expand(active.shape)
+    return c.contiguous(), g.contiguous(), u.contiguous(), tile_elements, active
+
+
+def tiles_forward(c, g, u, tile_elements=None, active=None):
+    """W (..., Nq, A) over the ``active`` pairs, no autograd (see transport_weights_tiles)."""
+    c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
+    cf, gf, uf, lead = _flat(c, g, u)
+    af = None if active is None else active.reshape(uf.shape)
+    nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
+    bi, bj = _blocks(nq, nk, na, tile_elements)
+    w = torch.zeros_like(cf)
+    for b in range(cf.shape[0]):
+        for i0 in range(0, nq, bi):
+            i1 = min(nq, i0 + bi)
+            for j0 in range(0, nk, bj):
+                j1 = min(nk, j0 + bj)
+                ub = _slice(uf, af, b, i0, i1, j0, j1)
+                if ub is None:
+                    continue
+                p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
+                w[b, i0:i1] += (ub.unsqueeze(1) @ p).squeeze(1)
+    return w.reshape(lead + w.shape[-2:])
+
+
+def tiles_backward(dw, c, g, u, tile_elements=None, active=None):
+    """(dc, dg, du) of tiles_forward, no autograd; du has the shape of u after ``active`` expanded it."""
+    c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
+    cf, gf, uf, lead = _flat(c, g, u)
+    af = None if active is None else active.reshape(uf.shape)
+    dwf = dw.reshape(cf.shape)
+    nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
+    bi, bj = _blocks(nq, nk, na, tile_elements)
+    dc, dg, du = torch.zeros_like(cf), torch.zeros_like(gf), torch.zeros_like(uf)
+    per_query_u = uf.shape[1] != 1
+    for b in range(cf.shape[0]):
+        for i0 in range(0, nq, bi):
+            i1 = min(nq, i0 + bi)
+            dw_blk = dwf[b, i0:i1].unsqueeze(1)                        # (bi, 1, A)
+            for j0 in range(0, nk, bj):
+                j1 = min(nk, j0 + bj)
+                ub = _slice(uf, af, b, i0, i1, j0, j1)
+                if ub is None:
+                    continue
+                p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
+                dl = p * dw_blk
+                gij = dl.sum(-1, keepdim=True)                          # (bi, bj, 1)
+                dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
+                dc[b, i0:i1] += dl.sum(1)
+                dg[b, j0:j1] += dl.sum(0)
+                gij = gij.squeeze(-1)
+                if af is not None:
+                    gij = gij * _slice(af, None, b, i0, i1, j0, j1)
+                if per_query_u:
+                    du[b, i0:i1, j0:j1] = gij
+                else:
+                    du[b, 0, j0:j1] += gij.sum(0)
+    return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape)
+
+
 class _TransportWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, c, g, u, tile_elements, active):
-        cf, gf, uf, lead = _flat(c, g, u)
-        af = None if active is None else active.reshape(uf.shape)
-        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-        bi, bj = _blocks(nq, nk, na, tile_elements)
-        w = torch.zeros_like(cf)
-        for b in range(cf.shape[0]):
-            for i0 in range(0, nq, bi):
-                i1 = min(nq, i0 + bi)
-                for j0 in range(0, nk, bj):
-                    j1 = min(nk, j0 + bj)
-                    ub = _slice(uf, af, b, i0, i1, j0, j1)
-                    if ub is None:
-                        continue
-                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                    w[b, i0:i1] += (ub.unsqueeze(1) @ p).squeeze(1)
         ctx.save_for_backward(c, g, u, active)
         ctx.tile_elements = tile_elements
-        return w.reshape(lead + w.shape[-2:])
+        return tiles_forward(c, g, u, tile_elements, active)
 
     @staticmethod
     def backward(ctx, dw):
         c, g, u, active = ctx.saved_tensors
-        cf, gf, uf, lead = _flat(c, g, u)
-        af = None if active is None else active.reshape(uf.shape)
-        dwf = dw.reshape(cf.shape)
-        nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-        bi, bj = _blocks(nq, nk, na, ctx.tile_elements)
-        dc, dg, du = torch.zeros_like(cf), torch.zeros_like(gf), torch.zeros_like(uf)
-        per_query_u = uf.shape[1] != 1
-        for b in range(cf.shape[0]):
-            for i0 in range(0, nq, bi):
-                i1 = min(nq, i0 + bi)
-                dw_blk = dwf[b, i0:i1].unsqueeze(1)                        # (bi, 1, A)
-                for j0 in range(0, nk, bj):
-                    j1 = min(nk, j0 + bj)
-                    ub = _slice(uf, af, b, i0, i1, j0, j1)
-                    if ub is None:
-                        continue
-                    p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                    dl = p * dw_blk
-                    gij = dl.sum(-1, keepdim=True)                          # (bi, bj, 1)
-                    dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
-                    dc[b, i0:i1] += dl.sum(1)
-                    dg[b, j0:j1] += dl.sum(0)
-                    gij = gij.squeeze(-1)
-                    if af is not None:
-                        gij = gij * _slice(af, None, b, i0, i1, j0, j1)
-                    if per_query_u:
-                        du[b, i0:i1, j0:j1] = gij
-                    else:
-                        du[b, 0, j0:j1] += gij.sum(0)
-        return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape), None, None
+        return tiles_backward(dw, c, g, u, ctx.tile_elements, active) + (None, None)
 
 
 def transport_weights_tiles(c, g, u, tile_elements=None, active=None):
     """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt) over the ``active`` pairs (all by default);
     u is (..., Nq or 1, Nk). ``tile_elements`` caps the (i, j, t) tile (default: TILE_ELEMENTS, read per call)."""
-    tile_elements = TILE_ELEMENTS if tile_elements is None else int(tile_elements)
-    if active is not None:
-        active = active.expand(u.shape[:-2] + active.shape[-2:]).contiguous()
-        u = u.expand(active.shape)
-    return _TransportWeights.apply(c.contiguous(), g.contiguous(), u.contiguous(), tile_elements, active)
+    c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
+    return _TransportWeights.apply(c, g, u, tile_elements, active)

@@ -1,191 +1,308 @@
-"""Fused OT attention weights in Triton (readable twin: cpu.py; contract: factorised.py).
+"""OT attention (paper 004 eq 22) on the GPU in matmul form: the host side of triton_kernels.py.
 
-W_it = sum_j u_ij softmax_t(C_it + G_jt), never storing the (Nq, Nk, |A|) tensor. Tiles are
-(BI queries, BJ input templates, BT templates of A); C and G are loaded, never recomputed, so the
-query-independent Gram term G costs one matmul in total.
-    _lse_kernel   per (i, j): streaming logsumexp over A (online max / rescaled sum)
-    _w_kernel     per (i, t): W_it = sum_j u_ij exp(C_it + G_jt - lse_ij)
-backward, with P_ijt = exp(C_it + G_jt - lse_ij):
-    _g_kernel     per (i, j): g_ij = sum_t P_ijt dW_it   (= du_ij)
-    _dc_kernel    per (i, t): dC_it = sum_j u_ij P_ijt (dW_it - g_ij)
-    _dg_kernel    per (j, t): dG_jt = sum_i u_ij P_ijt (dW_it - g_ij)
-lse is stored (Nq x Nk, the size of u) with +inf where every template is removed, so P is 0 there.
+``ot_attention_triton(q, k, v, ...)`` runs two torch custom ops, ``attnzoo::ot_gemm_fwd`` and
+``attnzoo::ot_gemm_bwd`` (``torch.library.triton_op``s on a GPU, so torch.compile traces their
+launches; opaque custom ops under the interpreter: triton_utils.kernel_op). They take q, k, the
+template keys/values a_k = [k; templates_k], a_v = [v; templates_v] flattened to (B*H, N, .), the
+log-preference lu (B*H, Nk) fp32 (zeros: uniform u) and the user's mask as it came (broadcast by
+strides, read tile by tile in the kernels, never expanded in memory).
+
+Work and memory. The forward is 4 Nq Nk |A| flops in tensor-core matmuls (S = EC EG^T, then
+R EG), the backward 12 Nq Nk |A|; nothing is saved but the inputs. The per-(batch, head)
+temporaries (EC, EG, R, flags; in the backward also EDW, RG, dC, dG: about
+(Nq + Nk) |A| + Nq Nk elements each) are made for ``CHUNK_BYTES`` worth of (batch, head) pairs at a
+time, so the extra memory stays near CHUNK_BYTES whatever B * H is. dq, dk, d a_k are cuBLAS matmuls
+of dC, dG (in the input dtype, like FlashAttention's dS) with a_k, q, k.
+
+Precision: logits from input-dtype operands with fp32 accumulation, fp32 maxima / normalisers /
+accumulators everywhere, exponentials and R in bfloat16 for 16-bit inputs (float32 for float32
+inputs, exact fp32 products unless the user allowed TF32). float64 is refused (use backend='cpu').
 """
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-from ..linear.triton import HAVE_TRITON, device_reason  # noqa: F401  (one device rule for both)
-from .factorised import ot_attention_factorised
+import torch
+from torch import Tensor
+
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, MAX_HEAD_DIM, device_reason, dot_precision, kernel_mask,
+                            kernel_op, tracing_only)
 
 if HAVE_TRITON:
     import triton
-    import triton.language as tl
+    from torch.library import wrap_triton
 
-BI, BJ, BT = 16, 16, 16
+    from . import triton_kernels as kern
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A pair (i, j) whose shifted normaliser S_ij falls to this or below goes to the exact fallback:
+# above it every term within 2^-24 of S_ij is a normal float32 (2^-114 > 2^-126).
+SAFE_NORMALISER = 2.0 ** -90
+# Temporaries of one chunk of (batch, head) pairs, bytes (read at every call; tests lower it).
+CHUNK_BYTES = 1 << 30
+
+
+def supports_ot_triton(q, k, v, attn_mask=None, dropout_p=0.0, **kw):
+    """None, or why the Triton OT backend cannot run the call."""
+    why = device_reason(q)
+    if why is not None:
+        return why
+    if dropout_p > 0:
+        return "dropout on the weights is only implemented by backend='reference'"
+    if q.dtype not in KERNEL_DTYPES:
+        return (f"the Triton OT kernels compute in float32 and take float16, bfloat16 or float32 inputs, "
+                f"got {q.dtype} (backend='cpu' runs float64 on any device)")
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims above {MAX_HEAD_DIM} are not supported (q D={q.shape[-1]}, v Dv={v.shape[-1]})"
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.requires_grad:
+        return "a float attn_mask that requires grad: the kernels give no gradient to attn_mask"
+    return None
+
+
+def _operand_dtype(dtype):
+    """The dtype of the exponentials and R, RG, EDW as matmul operands."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def _config(q, dv):
+    """Tile sizes per kernel and launch options. The interpreter uses 16-wide tiles everywhere so the
+    tiny test shapes cross several tiles on every axis. GPU tiles (untuned, chosen for Hopper):
+    128 x 128 pair tiles with 64-deep template steps (32 for fp32 operands, whose shared-memory
+    stages are twice as large), two accumulators halve the pair tile in the backward."""
+    d = q.shape[-1]
+    bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    cfg = dict(BD=bd, BDV=bdv, UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype))
+    if INTERPRETED:
+        t = 16
+        return cfg, dict(exp=(t, t), pair=(t, t, t), pair_bwd=(t, t, t), out=(t, t, t), dc=(t, t, t),
+                         dg=(t, t, t), fallback=(16, 16)), {k: {} for k in ("exp", "pair", "out", "dc", "dg", "fb")}
+    wide = max(bd, bdv) >= 128
+    if q.dtype == torch.float32:   # fp32 operands: half the tile of the 16-bit path's registers
+        tiles = dict(exp=(32, 32), pair=(64, 64, 16), pair_bwd=(64, 32, 16), out=(32, 32, 32),
+                     dc=(32, 32, 32), dg=(64, 32, 32), fallback=(16, 16))
+        stages = 2
+    else:
+        tiles = dict(exp=(64, 64), pair=(128, 128, 64), pair_bwd=(128, 64, 64),
+                     out=(128, 64, 128) if bdv <= 64 else (64, 64, 64), dc=(64, 64, 128 if bdv <= 64 else 64),
+                     dg=(128, 64, 64), fallback=(16, 16))
+        stages = 3
+    launch = dict(exp=dict(num_warps=8 if wide else 4, num_stages=2),
+                  pair=dict(num_warps=8, num_stages=stages),
+                  out=dict(num_warps=8 if tiles["out"][0] == 128 or wide else 4, num_stages=2),
+                  dc=dict(num_warps=8, num_stages=2),
+                  dg=dict(num_warps=8, num_stages=2),
+                  fb=dict(num_warps=8 if wide else 4, num_stages=1))
+    return cfg, tiles, launch
+
+
+def pair_bytes(nq, nk, na, d, dv, dtype, backward):
+    """Bytes of temporaries per (batch, head) pair: EC, EG, R, flags, fp32 out (forward); EDW, RG, UG,
+    dC, dG and the fp32 gradient buffers on top (backward)."""
+    op = 4 if dtype == torch.float32 else 2
+    el = torch.finfo(dtype).bits // 8
+    per = (nq + nk) * na * op + nq * nk * (op + 1) + nq * dv * 4
+    if backward:
+        per += nq * na * op + nq * nk * (op + 4) + (nq + nk) * na * el + (nq + nk + na) * d * 4 + na * dv * 4
+    return per
+
+
+def _chunk_size(bh, nq, nk, na, d, dv, dtype, backward):
+    """(batch, head) pairs per chunk: as many as fit CHUNK_BYTES of temporaries (at least one)."""
+    return max(1, min(bh, CHUNK_BYTES // pair_bytes(nq, nk, na, d, dv, dtype, backward)))
+
+
+def _unused(device):
+    """The pointer handed for an argument the launch's constexprs never touch (one per launch, so no
+    written tensor is ever aliased by another argument)."""
+    return torch.empty((1,), dtype=torch.float32, device=device)
+
+
+def _mask_args(mask, bh, heads, nq, nk, device):
+    m, kind, (s_b, s_h, s_m, s_n) = kernel_mask(mask, bh // heads, heads, nq, nk)
+    if m is None:
+        m = torch.zeros(1, dtype=torch.uint8, device=device)
+    return m, kind, (s_b, s_h, s_m, s_n)
+
+
+def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch):
+    """out (n, Nq, Dv) fp32 for the (batch, head) pairs b0 .. b0 + n of the chunk."""
+    n, nq, d = q.shape
+    nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+    dev, op = q.device, _operand_dtype(q.dtype)
+    ec = torch.empty((n, nq, na), dtype=op, device=dev)
+    eg = torch.empty((n, nk, na), dtype=op, device=dev)
+    lz = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    flags = dict(MASK_KIND=kind, CAUSAL=causal)
+    ebm, ebt = tiles["exp"]
+    common = (nq, nk, na, d, av.shape[2])
+    unused = _unused(dev)
+    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
+        q, ak, m, lu, ec, lz, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
+        HAS_DOUT=False, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
+        IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
+    pbm, pbn, pbk = tiles["pair"]
+    r = torch.empty((n, nq, nk), dtype=op, device=dev)
+    bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
+    grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
+    tbad = torch.empty(grid, dtype=torch.int32, device=dev)
+    small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
+    wrap_triton(kern._pair_kernel)[grid](
+        ec, eg, unused, lu, lz, m, r, unused, unused, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
+        BACKWARD=False, NEED_UG=False, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
+    out = torch.empty((n, nq, dv), dtype=torch.float32, device=dev)
+    obm, obn, obt = tiles["out"]
+    wrap_triton(kern._out_kernel)[(n, triton.cdiv(nq, obm))](
+        ec, eg, r, av, out, nq, nk, na, dv, BM=obm, BN=obn, BT=obt, BDV=cfg["BDV"], **small, **launch["out"])
+    fb, fbt = tiles["fallback"]
+    wrap_triton(kern._fallback_fwd_kernel)[grid](
+        q, k, ak, av, m, lu, lz, bad, tbad, out, nq, nk, na, d, dv, sc, sg, b0, heads, *ms,
+        CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
+    return out.to(q.dtype)
+
+
+def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
+                    launch):
+    """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; delta (n, Nq) fp32
+    shifts dW (_dc_kernel)."""
+    n, nq, d = q.shape
+    nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+    dev, op = q.device, _operand_dtype(q.dtype)
+    ec = torch.empty((n, nq, na), dtype=op, device=dev)
+    edw = torch.empty((n, nq, na), dtype=op, device=dev)
+    eg = torch.empty((n, nk, na), dtype=op, device=dev)
+    lz = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    flags = dict(MASK_KIND=kind, CAUSAL=causal)
+    small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
+    ebm, ebt = tiles["exp"]
+    common = (nq, nk, na, d, dv)
+    unused = _unused(dev)
+    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
+        q, ak, m, lu, ec, lz, dout, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True, HAS_DOUT=True,
+        BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
+        IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
+    pbm, pbn, pbk = tiles["pair_bwd"]
+    r = torch.empty((n, nq, nk), dtype=op, device=dev)
+    rg = torch.empty((n, nq, nk), dtype=op, device=dev)
+    ug = torch.empty((n, nq, nk), dtype=torch.float32, device=dev) if need_dlu else unused
+    bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
+    grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
+    tbad = torch.empty(grid, dtype=torch.int32, device=dev)
+    wrap_triton(kern._pair_kernel)[grid](
+        ec, eg, edw, lu, lz, m, r, rg, ug, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
+        BACKWARD=True, NEED_UG=need_dlu, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
+    dc = torch.empty((n, nq, na), dtype=q.dtype, device=dev)
+    dav = torch.empty((n, na, dv), dtype=torch.float32, device=dev)
+    cbm, cbn, cbt = tiles["dc"]
+    wrap_triton(kern._dc_kernel)[(n, triton.cdiv(na, cbt))](
+        ec, eg, r, rg, av, dout, delta, dc, dav, nq, nk, na, dv, sc, BM=cbm, BN=cbn, BT=cbt, BDV=cfg["BDV"],
+        **small, **launch["dc"])
+    dg = torch.empty((n, nk, na), dtype=q.dtype, device=dev)
+    gbn, gbt, gbm = tiles["dg"]
+    wrap_triton(kern._dg_kernel)[(n, triton.cdiv(nk, gbn), triton.cdiv(na, gbt))](
+        ec, eg, r, rg, edw, dg, nq, nk, na, sg, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"])
+    dq_fb = torch.zeros((n, nq, d), dtype=torch.float32, device=dev)
+    dk_fb = torch.zeros((n, nk, d), dtype=torch.float32, device=dev)
+    dak_fb = torch.zeros((n, na, d), dtype=torch.float32, device=dev)
+    fb, fbt = tiles["fallback"]
+    wrap_triton(kern._fallback_bwd_kernel)[grid](
+        q, k, ak, av, dout, delta, m, lu, lz, bad, tbad, ug, dav, dq_fb, dk_fb, dak_fb, nq, nk, na, d, dv, sc, sg,
+        b0, heads, *ms, NEED_UG=need_dlu, CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
+    with torch.autocast(dev.type, enabled=False):   # the input dtype, whatever autocast says
+        dq = torch.bmm(dc, ak).float() + dq_fb
+        dk = torch.bmm(dg, ak).float() + dk_fb
+        dak = (torch.bmm(dc.transpose(1, 2), q).float() + torch.bmm(dg.transpose(1, 2), k).float()) + dak_fb
+    dlu = None
+    if need_dlu:
+        row_sums = ug.sum(-1).contiguous()
+        dlu = torch.empty((n, nk), dtype=torch.float32, device=dev)
+        t = 16 if INTERPRETED else 64
+        wrap_triton(kern._dlu_kernel)[(n, triton.cdiv(nk, t))](
+            ug, row_sums, lu, lz, m, dlu, nq, nk, b0, heads, *ms, BM=t, BN=t, **flags)
+    return dq.to(q.dtype), dk.to(k.dtype), dak.to(ak.dtype), dav.to(av.dtype), dlu
 
 
 if HAVE_TRITON:
-    @triton.jit
-    def _bh():
-        # batch * head runs on grid axis 0 (up to 2^31 - 1; axes 1 and 2 stop at 65535) and is int64:
-        # bh * NQ * NA passes 2^31 for large batches
-        return tl.program_id(0).to(tl.int64)
+    @kernel_op("attnzoo::ot_gemm_fwd", mutates_args=())
+    def ot_gemm_fwd(q: Tensor, k: Tensor, ak: Tensor, av: Tensor, lu: Tensor, mask: Optional[Tensor], heads: int,
+                    causal: bool, sc: float, sg: float, need_dlu: bool) -> Tensor:
+        """out (B*H, Nq, Dv) in q's dtype. q (B*H, Nq, D), k (B*H, Nk, D), ak (B*H, |A|, D),
+        av (B*H, |A|, Dv) share one dtype; lu (B*H, Nk) fp32; mask broadcastable to (B, H, Nq, Nk)."""
+        bh, nq, _ = q.shape
+        nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+        if tracing_only(q):
+            return torch.empty((bh, nq, dv), dtype=q.dtype, device=q.device)
+        m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
+        cfg, tiles, launch = _config(q, dv)
+        step = _chunk_size(bh, nq, nk, na, q.shape[2], dv, q.dtype, backward=False)
+        outs = [_forward_chunk(q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step], av[b0:b0 + step],
+                               lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch)
+                for b0 in range(0, bh, step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    @triton.jit
-    def _load2(ptr, rows, cols, n_rows, n_cols, s_row, other):
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        return tl.load(ptr + rows[:, None] * s_row + cols[None, :], mask=mask, other=other)
+    @kernel_op("attnzoo::ot_gemm_bwd", mutates_args=())
+    def ot_gemm_bwd(dout: Tensor, out: Tensor, q: Tensor, k: Tensor, ak: Tensor, av: Tensor, lu: Tensor,
+                    mask: Optional[Tensor], heads: int, causal: bool, sc: float, sg: float,
+                    need_dlu: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, d ak, d av, d lu); d lu is empty unless need_dlu. ``out`` is the forward's output
+        (any per-query shift of dW is exact; out . dout is the one that centres it)."""
+        bh, nq, d = q.shape
+        nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+        shapes = [((bh, nq, d), q.dtype), ((bh, nk, d), k.dtype), ((bh, na, d), ak.dtype), ((bh, na, dv), av.dtype),
+                  ((bh, nk) if need_dlu else (0,), torch.float32)]
+        if tracing_only(q):
+            return tuple(torch.empty(s, dtype=t, device=q.device) for s, t in shapes)
+        m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
+        cfg, tiles, launch = _config(q, dv)
+        step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True)
+        delta = (dout.float() * out.float()).sum(-1)
+        parts = [_backward_chunk(dout[b0:b0 + step], delta[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step],
+                                 av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
+                                 need_dlu, cfg, tiles, launch)
+                 for b0 in range(0, bh, step)]
+        grads = []
+        for i, (_, dtype) in enumerate(shapes):
+            if i == 4 and not need_dlu:
+                grads.append(torch.empty((0,), dtype=dtype, device=q.device))
+                continue
+            pieces = [p[i] for p in parts]
+            grads.append((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dtype))
+        return tuple(grads)
 
-    @triton.jit
-    def _lse_kernel(C, G, LSE, NQ, NK, NA, BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
-        ri, rj, rt = pi * BI + tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), tl.arange(0, BT)
-        C, G = C + bh * NQ * NA, G + bh * NK * NA
-        m = tl.full((BI, BJ), float("-inf"), C.dtype.element_ty)
-        s = tl.zeros((BI, BJ), C.dtype.element_ty)
-        for t0 in range(0, NA, BT):
-            c = _load2(C, ri, t0 + rt, NQ, NA, NA, float("-inf"))
-            g = _load2(G, rj, t0 + rt, NK, NA, NA, 0.0)
-            logit = c[:, None, :] + g[None, :, :]
-            m_new = tl.maximum(m, tl.max(logit, axis=2))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(logit - m_safe[:, :, None]), axis=2)
-            m = m_new
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        lse = tl.where(s > 0, m_safe + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))
-        mask = (ri[:, None] < NQ) & (rj[None, :] < NK)
-        tl.store(LSE + bh * NQ * NK + ri[:, None] * NK + rj[None, :], lse, mask=mask)
+    def _setup_context(ctx, inputs, output):
+        q, k, ak, av, lu, mask, heads, causal, sc, sg, need_dlu = inputs
+        ctx.save_for_backward(output, q, k, ak, av, lu, mask)
+        ctx.args = (heads, causal, sc, sg, need_dlu)
 
-    @triton.jit
-    def _w_kernel(C, G, U, LSE, W, NQ, NK, NA, SU_BH, SU_I,
-                  BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        bh, pi, pt = _bh(), tl.program_id(1), tl.program_id(2)
-        ri, rj, rt = pi * BI + tl.arange(0, BI), tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
-        C, G, U, LSE = C + bh * NQ * NA, G + bh * NK * NA, U + bh * SU_BH, LSE + bh * NQ * NK
-        c = _load2(C, ri, rt, NQ, NA, NA, float("-inf"))
-        w = tl.zeros((BI, BT), C.dtype.element_ty)
-        for j0 in range(0, NK, BJ):
-            g = _load2(G, j0 + rj, rt, NK, NA, NA, 0.0)
-            lse = _load2(LSE, ri, j0 + rj, NQ, NK, NK, float("inf"))
-            u = tl.load(U + ri[:, None] * SU_I + (j0 + rj)[None, :],
-                        mask=(ri[:, None] < NQ) & ((j0 + rj)[None, :] < NK), other=0.0)
-            p = tl.exp(c[:, None, :] + g[None, :, :] - lse[:, :, None])
-            w += tl.sum(u[:, :, None] * p, axis=1)
-        tl.store(W + bh * NQ * NA + ri[:, None] * NA + rt[None, :], w,
-                 mask=(ri[:, None] < NQ) & (rt[None, :] < NA))
+    def _backward(ctx, dout):
+        out, q, k, ak, av, lu, mask = ctx.saved_tensors
+        heads, causal, sc, sg, need_dlu = ctx.args
+        dq, dk, dak, dav, dlu = ot_gemm_bwd(dout.contiguous().to(out.dtype), out, q, k, ak, av, lu, mask, heads,
+                                            causal, sc, sg, need_dlu)
+        return dq, dk, dak, dav, (dlu if need_dlu else None), None, None, None, None, None, None
 
-    @triton.jit
-    def _g_kernel(C, G, LSE, DW, GIJ, NQ, NK, NA, BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
-        ri, rj, rt = pi * BI + tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), tl.arange(0, BT)
-        C, G, DW = C + bh * NQ * NA, G + bh * NK * NA, DW + bh * NQ * NA
-        lse = _load2(LSE + bh * NQ * NK, ri, rj, NQ, NK, NK, float("inf"))
-        acc = tl.zeros((BI, BJ), C.dtype.element_ty)
-        for t0 in range(0, NA, BT):
-            c = _load2(C, ri, t0 + rt, NQ, NA, NA, float("-inf"))
-            g = _load2(G, rj, t0 + rt, NK, NA, NA, 0.0)
-            dw = _load2(DW, ri, t0 + rt, NQ, NA, NA, 0.0)
-            p = tl.exp(c[:, None, :] + g[None, :, :] - lse[:, :, None])
-            acc += tl.sum(p * dw[:, None, :], axis=2)
-        tl.store(GIJ + bh * NQ * NK + ri[:, None] * NK + rj[None, :], acc,
-                 mask=(ri[:, None] < NQ) & (rj[None, :] < NK))
-
-    @triton.jit
-    def _dc_kernel(C, G, U, LSE, DW, GIJ, DC, NQ, NK, NA, SU_BH, SU_I,
-                   BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        bh, pi, pt = _bh(), tl.program_id(1), tl.program_id(2)
-        ri, rj, rt = pi * BI + tl.arange(0, BI), tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
-        C, G, U = C + bh * NQ * NA, G + bh * NK * NA, U + bh * SU_BH
-        LSE, GIJ = LSE + bh * NQ * NK, GIJ + bh * NQ * NK
-        c = _load2(C, ri, rt, NQ, NA, NA, float("-inf"))
-        dw = _load2(DW + bh * NQ * NA, ri, rt, NQ, NA, NA, 0.0)
-        acc = tl.zeros((BI, BT), C.dtype.element_ty)
-        for j0 in range(0, NK, BJ):
-            g = _load2(G, j0 + rj, rt, NK, NA, NA, 0.0)
-            lse = _load2(LSE, ri, j0 + rj, NQ, NK, NK, float("inf"))
-            gij = _load2(GIJ, ri, j0 + rj, NQ, NK, NK, 0.0)
-            u = tl.load(U + ri[:, None] * SU_I + (j0 + rj)[None, :],
-                        mask=(ri[:, None] < NQ) & ((j0 + rj)[None, :] < NK), other=0.0)
-            p = tl.exp(c[:, None, :] + g[None, :, :] - lse[:, :, None])
-            acc += tl.sum(u[:, :, None] * p * (dw[:, None, :] - gij[:, :, None]), axis=1)
-        tl.store(DC + bh * NQ * NA + ri[:, None] * NA + rt[None, :], acc,
-                 mask=(ri[:, None] < NQ) & (rt[None, :] < NA))
-
-    @triton.jit
-    def _dg_kernel(C, G, U, LSE, DW, GIJ, DG, NQ, NK, NA, SU_BH, SU_I,
-                   BI: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr):
-        bh, pj, pt = _bh(), tl.program_id(1), tl.program_id(2)
-        ri, rj, rt = tl.arange(0, BI), pj * BJ + tl.arange(0, BJ), pt * BT + tl.arange(0, BT)
-        C, U, DW = C + bh * NQ * NA, U + bh * SU_BH, DW + bh * NQ * NA
-        LSE, GIJ = LSE + bh * NQ * NK, GIJ + bh * NQ * NK
-        g = _load2(G + bh * NK * NA, rj, rt, NK, NA, NA, 0.0)
-        acc = tl.zeros((BJ, BT), G.dtype.element_ty)
-        for i0 in range(0, NQ, BI):
-            c = _load2(C, i0 + ri, rt, NQ, NA, NA, float("-inf"))
-            dw = _load2(DW, i0 + ri, rt, NQ, NA, NA, 0.0)
-            lse = _load2(LSE, i0 + ri, rj, NQ, NK, NK, float("inf"))
-            gij = _load2(GIJ, i0 + ri, rj, NQ, NK, NK, 0.0)
-            u = tl.load(U + (i0 + ri)[:, None] * SU_I + rj[None, :],
-                        mask=((i0 + ri)[:, None] < NQ) & (rj[None, :] < NK), other=0.0)
-            p = tl.exp(c[:, None, :] + g[None, :, :] - lse[:, :, None])
-            acc += tl.sum(u[:, :, None] * p * (dw[:, None, :] - gij[:, :, None]), axis=0)
-        tl.store(DG + bh * NK * NA + rj[:, None] * NA + rt[None, :], acc,
-                 mask=(rj[:, None] < NK) & (rt[None, :] < NA))
-
-
-def _flat(c, g, u):
-    lead = c.shape[:-2]
-    cf = c.reshape((-1,) + c.shape[-2:]).contiguous()
-    gf = g.reshape((-1,) + g.shape[-2:]).contiguous()
-    uf = u.reshape((-1,) + u.shape[-2:]).contiguous()
-    return cf, gf, uf, lead
-
-
-class _TransportWeightsTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, c, g, u):
-        cf, gf, uf, lead = _flat(c, g, u)
-        bh, nq, na, nk = cf.shape[0], cf.shape[1], cf.shape[2], gf.shape[1]
-        su_i = nk if uf.shape[1] != 1 else 0          # a query-independent u is read with stride 0
-        lse = torch.empty((bh, nq, nk), dtype=cf.dtype, device=cf.device)
-        w = torch.empty_like(cf)
-        with torch.cuda.device_of(cf):   # launch on the inputs' GPU, not the current one
-            _lse_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(nk, BJ))](cf, gf, lse, nq, nk, na, BI=BI, BJ=BJ, BT=BT)
-            _w_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(na, BT))](cf, gf, uf, lse, w, nq, nk, na,
-                                                                      uf.shape[1] * nk, su_i, BI=BI, BJ=BJ, BT=BT)
-        ctx.save_for_backward(cf, gf, uf, lse)
-        ctx.shapes = (c.shape, g.shape, u.shape)
-        return w.reshape(c.shape)
-
-    @staticmethod
-    def backward(ctx, dw):
-        cf, gf, uf, lse = ctx.saved_tensors
-        c_shape, g_shape, u_shape = ctx.shapes
-        bh, nq, na, nk = cf.shape[0], cf.shape[1], cf.shape[2], gf.shape[1]
-        su_i = nk if uf.shape[1] != 1 else 0
-        dwf = dw.reshape(cf.shape).contiguous().to(cf.dtype)
-        gij = torch.empty_like(lse)
-        dc, dg = torch.empty_like(cf), torch.empty_like(gf)
-        args = (cf, gf, uf, lse, dwf, gij)
-        with torch.cuda.device_of(cf):
-            _g_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(nk, BJ))](cf, gf, lse, dwf, gij, nq, nk, na,
-                                                                      BI=BI, BJ=BJ, BT=BT)
-            _dc_kernel[(bh, triton.cdiv(nq, BI), triton.cdiv(na, BT))](*args, dc, nq, nk, na, uf.shape[1] * nk,
-                                                                       su_i, BI=BI, BJ=BJ, BT=BT)
-            _dg_kernel[(bh, triton.cdiv(nk, BJ), triton.cdiv(na, BT))](*args, dg, nq, nk, na, uf.shape[1] * nk,
-                                                                       su_i, BI=BI, BJ=BJ, BT=BT)
-        du = gij if uf.shape[1] != 1 else gij.sum(1, keepdim=True)
-        return dc.reshape(c_shape), dg.reshape(g_shape), du.reshape(u_shape)
-
-
-def transport_weights(c, g, u):
-    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt): the Triton twin of ``cpu.transport_weights``."""
-    return _TransportWeightsTriton.apply(c, g, u)
+    ot_gemm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ot_attention_triton(q, k, v, *, attn_mask=None, is_causal=False, scale, alpha=1.0, gamma=None, log_u=None,
                         templates_k=None, templates_v=None, dropout_p=0.0):
-    return ot_attention_factorised(transport_weights, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                   scale=scale, alpha=alpha, gamma=gamma, log_u=log_u,
-                                   templates_k=templates_k, templates_v=templates_v)
+    """Eq (22) with M = -a.b + C on CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
+    gamma = 1.0 / scale if gamma is None else gamma
+    B, H, nq, _ = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    ak = k if templates_k is None else torch.cat([k, templates_k.to(k.dtype)], 2)
+    av = v if templates_v is None else torch.cat([v, templates_v.to(v.dtype)], 2)
+    if log_u is None:
+        lu = torch.zeros((B * H, nk), dtype=torch.float32, device=q.device)
+    else:
+        lu = log_u.float().expand(B, H, nk).reshape(B * H, nk).contiguous()
+
+    def flat(x):
+        return x.reshape((B * H,) + x.shape[2:]).contiguous()
+    need_dlu = log_u is not None and log_u.requires_grad and torch.is_grad_enabled()
+    out = ot_gemm_fwd(flat(q), flat(k), flat(ak), flat(av), lu, attn_mask, H, bool(is_causal),
+                      float(alpha / gamma), float(1.0 / gamma), need_dlu)
+    return out.reshape(B, H, nq, dv)

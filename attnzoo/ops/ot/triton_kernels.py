@@ -1,0 +1,427 @@
+"""Triton kernels of OT attention (paper 004 eq 22) in matmul form; the host code is triton.py.
+
+Per (batch, head), with A = keys + extra templates, C_it = sc q_i.a_t + mask_it (-inf for a removed
+template), G_jt = sg k_j.a_t, and u_ij = keep_ij exp(lu_j - lz_i) (lz_i: logsumexp of lu over the
+keys query i keeps):
+
+    EC = exp(C - max_t C)   EG = exp(G - max_t G)            (_exp_kernel; fp32 maxima, 0 <= E <= 1)
+    S  = EC @ EG^T          R = u / S                        (_pair_kernel: the normalisers Z_ij up to
+                                                              the row shifts)
+    W  = EC * (R @ EG)      out = W @ a_v                    (_out_kernel)
+
+so eq (22)'s inner softmax over A never exists as a (Nq, Nk, |A|) tensor and all the work is in
+tensor-core matmuls (4 Nq Nk |A| flops forward). The backward, with dW = dout a_v^T, EDW = EC * dW,
+g_ij = sum_t P_ijt dW_it (= the gradient of u_ij) and RG = R * g:
+
+    S, T = EC @ EG^T, EDW @ EG^T;  R = u / S, g = T / S      (_pair_kernel, BACKWARD)
+    dC = EC * (dW * (R @ EG) - RG @ EG),  d a_v = W^T dout   (_dc_kernel)
+    dG = EG * (R^T @ EDW - RG^T @ EC)                        (_dg_kernel)
+
+and dq, dk, d a_k are matmuls of dC, dG on the host. Every accumulator, maximum and normaliser is
+float32 whatever the input dtype; the exponentials and R, RG (values in [0, 1] times u / S) are
+matmul operands in bfloat16 for 16-bit inputs, as FlashAttention rounds P before P V.
+
+Exact where the shift underflows: S_ij >= exp(max_t (C_it + G_jt) - max C_i - max G_j), which is tiny
+when the best template of pair (i, j) scores far below both row maxima (logits of ~90 and more).
+Pairs with S_ij <= SAFE (and u_ij > 0) are flagged ``bad`` (R_ij = 0) and recomputed by the
+_fallback kernels with a per-pair streaming logsumexp over A (C and G tiles recomputed from q, k, a_k),
+adding their share to out (forward) or to d a_v, dq, dk, d a_k and g (backward) with atomics. Each
+fallback program reads one flag per pair tile and returns when it holds no bad pair, so without
+any the fallback costs one scalar load per tile.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..triton_utils import mask_tile, mm
+
+
+@triton.jit
+def _bh():
+    # batch * head runs on grid axis 0 (up to 2^31 - 1) and is int64: bh * N * |A| passes 2^31
+    return tl.program_id(0).to(tl.int64)
+
+
+@triton.jit
+def _load2(ptr, rows, cols, n_rows, n_cols, s_row, other):
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * s_row + cols[None, :], mask=mask, other=other)
+
+
+@triton.jit
+def _store2(ptr, rows, cols, n_rows, n_cols, s_row, value):
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(ptr + rows[:, None] * s_row + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mask_base(MASK, bh, BH0, H, s_mb, s_mh):
+    """The (Nq, Nk) mask slice of this program's (batch, head); bh counts from the chunk start BH0."""
+    g = BH0 + bh
+    return MASK + (g // H) * s_mb + (g % H) * s_mh
+
+
+@triton.jit
+def _c_logits(x, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn,
+              BD: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """(C tile (rows ri, templates rt) fp32 with -inf for removed templates, keep of the keys t < NK).
+    x: the rows' q (len(ri), BD). Extra templates (NK <= t < NA) are never removed."""
+    ak = _load2(AK, rt, tl.arange(0, BD), NA, D, D, 0.0)
+    s = mm(x, tl.trans(ak), UPCAST, PRECISION) * sc
+    s, keep = mask_tile(s, ri, rt, NQ, NK, mask_ptr, s_mm, s_mn, MASK_KIND, CAUSAL)
+    templ = keep | ((rt >= NK) & (rt < NA))[None, :]
+    return tl.where(templ, s, float("-inf")), keep
+
+
+@triton.jit
+def _g_logits(x, AK, rt, NA, D, sg, BD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """G tile (rows of x = keys, templates rt) fp32, -inf past NA."""
+    ak = _load2(AK, rt, tl.arange(0, BD), NA, D, D, 0.0)
+    s = mm(x, tl.trans(ak), UPCAST, PRECISION) * sg
+    return tl.where((rt < NA)[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _u_tile(LU, LZ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr):
+    """u_ij = keep_ij exp(lu_j - lz_i), 0 outside (fp32)."""
+    zero = (ri[:, None] * 0 + rj[None, :] * 0).to(tl.float32)
+    _, keep = mask_tile(zero, ri, rj, NQ, NK, mask_ptr, s_mm, s_mn, MASK_KIND, CAUSAL)
+    lu = tl.load(LU + rj, mask=rj < NK, other=float("-inf")).to(tl.float32)
+    lz = tl.load(LZ + ri, mask=ri < NQ, other=0.0)
+    live = keep & (lu > float("-inf"))[None, :]
+    shifted = tl.where(live, lu[None, :], 0.0) - tl.where(live, lz[:, None], 0.0)   # no inf - inf
+    return tl.where(live, tl.exp(shifted), 0.0)
+
+
+# --- the matmul path -------------------------------------------------------------------------------
+
+@triton.jit
+def _exp_kernel(X, AK, MASK, LU, E, LZ, DOUT, AV, DELTA, EDW,
+                NR, NQ, NK, NA, D, DV, sc, BH0, H, s_mb, s_mh, s_mm, s_mn,
+                IS_QUERY: tl.constexpr, HAS_DOUT: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """E = exp(L - max_t L) for the logits L = C (IS_QUERY: rows are queries, with the mask) or G (rows
+    are keys). Queries also get lz (logsumexp of lu over kept keys) and, with HAS_DOUT, EDW = E * dW
+    with dW_it = dout_i . a_v_t - delta_i (see _dc_kernel for the shift)."""
+    bh, pi = _bh(), tl.program_id(1)
+    ri, rd = pi * BM + tl.arange(0, BM), tl.arange(0, BD)
+    X, AK, E = X + bh * NR * D, AK + bh * NA * D, E + bh * NR * NA
+    mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
+    x = _load2(X, ri, rd, NR, D, D, 0.0)
+    m = tl.full((BM,), float("-inf"), tl.float32)
+    lm = tl.full((BM,), float("-inf"), tl.float32)
+    ls = tl.zeros((BM,), tl.float32)
+    for t0 in range(0, NA, BT):
+        rt = t0 + tl.arange(0, BT)
+        if IS_QUERY:
+            s, keep = _c_logits(x, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn, BD, MASK_KIND, CAUSAL,
+                                UPCAST, PRECISION)
+            lu = tl.load(LU + bh * NK + rt, mask=rt < NK, other=float("-inf")).to(tl.float32)
+            val = tl.where(keep, lu[None, :], float("-inf"))
+            lm_new = tl.maximum(lm, tl.max(val, 1))
+            lm_safe = tl.where(lm_new == float("-inf"), 0.0, lm_new)
+            ls = ls * tl.exp(lm - lm_safe) + tl.sum(tl.exp(val - lm_safe[:, None]), 1)
+            lm = lm_new
+        else:
+            s = _g_logits(x, AK, rt, NA, D, sc, BD, UPCAST, PRECISION)
+        m = tl.maximum(m, tl.max(s, 1))
+    if IS_QUERY:
+        lm_safe = tl.where(lm == float("-inf"), 0.0, lm)
+        lz = tl.where(ls > 0, lm_safe + tl.log(tl.where(ls > 0, ls, 1.0)), float("-inf"))
+        tl.store(LZ + bh * NQ + ri, lz, mask=ri < NQ)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)   # a query without templates: E = 0
+    if HAS_DOUT:
+        rdv = tl.arange(0, BDV)
+        dout = _load2(DOUT + bh * NQ * DV, ri, rdv, NQ, DV, DV, 0.0)
+        delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+    for t0 in range(0, NA, BT):
+        rt = t0 + tl.arange(0, BT)
+        if IS_QUERY:
+            s, _ = _c_logits(x, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn, BD, MASK_KIND, CAUSAL,
+                             UPCAST, PRECISION)
+        else:
+            s = _g_logits(x, AK, rt, NA, D, sc, BD, UPCAST, PRECISION)
+        e = tl.exp(s - m_safe[:, None])
+        _store2(E, ri, rt, NR, NA, NA, e)
+        if HAS_DOUT:
+            av = _load2(AV + bh * NA * DV, rt, rdv, NA, DV, DV, 0.0)
+            dw = mm(dout, tl.trans(av), UPCAST, PRECISION) - delta[:, None]
+            _store2(EDW + bh * NR * NA, ri, rt, NR, NA, NA, e * dw)
+
+
+@triton.jit
+def _pair_kernel(EC, EG, EDW, LU, LZ, MASK, R, RG, UG, BAD, TBAD,
+                 NQ, NK, NA, SAFE, BH0, H, s_mb, s_mh, s_mm, s_mn,
+                 BACKWARD: tl.constexpr, NEED_UG: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """R = u / S per (query, source) pair, S = EC @ EG^T; bad pairs (S <= SAFE, u > 0) get R = 0,
+    BAD = 1 and count in TBAD (one int per tile). BACKWARD: also T = EDW @ EG^T, g = T / S,
+    RG = R * g and (NEED_UG) UG = u * g."""
+    bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
+    ri, rj, rk = pi * BM + tl.arange(0, BM), pj * BN + tl.arange(0, BN), tl.arange(0, BK)
+    EC, EG = EC + bh * NQ * NA, EG + bh * NK * NA
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc_t = tl.zeros((BM, BN), tl.float32)
+    for t0 in range(0, NA, BK):
+        ec = _load2(EC, ri, t0 + rk, NQ, NA, NA, 0.0)
+        eg_t = tl.trans(_load2(EG, rj, t0 + rk, NK, NA, NA, 0.0))
+        acc += mm(ec, eg_t, UPCAST, PRECISION)
+        if BACKWARD:
+            edw = _load2(EDW + bh * NQ * NA, ri, t0 + rk, NQ, NA, NA, 0.0)
+            acc_t += mm(edw, eg_t, UPCAST, PRECISION)
+    mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
+    u = _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND, CAUSAL)
+    live = u > 0
+    bad = live & (acc <= SAFE)
+    ok = live & (acc > SAFE)
+    inv = tl.where(ok, 1.0 / tl.where(ok, acc, 1.0), 0.0)
+    r = u * inv
+    pair = bh * NQ * NK
+    _store2(R + pair, ri, rj, NQ, NK, NK, r)
+    _store2(BAD + pair, ri, rj, NQ, NK, NK, bad.to(tl.uint8))
+    tl.store(TBAD + (bh * tl.num_programs(1) + pi) * tl.num_programs(2) + pj, tl.sum(bad.to(tl.int32)))
+    if BACKWARD:
+        g = acc_t * inv
+        _store2(RG + pair, ri, rj, NQ, NK, NK, r * g)
+        if NEED_UG:
+            _store2(UG + pair, ri, rj, NQ, NK, NK, u * g)
+
+
+@triton.jit
+def _out_kernel(EC, EG, R, AV, OUT, NQ, NK, NA, DV,
+                BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BDV: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """out = (EC * (R @ EG)) @ a_v for BM queries, template block by template block (fp32 out)."""
+    bh, pi = _bh(), tl.program_id(1)
+    ri, rdv = pi * BM + tl.arange(0, BM), tl.arange(0, BDV)
+    EC, EG, R, AV = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, AV + bh * NA * DV
+    out = tl.zeros((BM, BDV), tl.float32)
+    for t0 in range(0, NA, BT):
+        rt = t0 + tl.arange(0, BT)
+        acc = tl.zeros((BM, BT), tl.float32)
+        for j0 in range(0, NK, BN):
+            rj = j0 + tl.arange(0, BN)
+            acc += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), _load2(EG, rj, rt, NK, NA, NA, 0.0), UPCAST, PRECISION)
+        w = _load2(EC, ri, rt, NQ, NA, NA, 0.0).to(tl.float32) * acc
+        av = _load2(AV, rt, rdv, NA, DV, DV, 0.0)
+        out += mm(w.to(av.dtype), av, UPCAST, PRECISION)
+    _store2(OUT + bh * NQ * DV, ri, rdv, NQ, DV, DV, out)
+
+
+@triton.jit
+def _dc_kernel(EC, EG, R, RG, AV, DOUT, DELTA, DC, DAV, NQ, NK, NA, DV, sc,
+               BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BDV: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """For BT templates: sc * dC = sc * EC * (dW * (R @ EG) - RG @ EG) for every query block, and
+    d a_v = W^T dout accumulated over them (fp32), with W = EC * (R @ EG) and dW = dout a_v^T - delta.
+
+    dC_it = sum_j u_ij P_ijt (dW_it - g_ij) is the difference of two sums over j, which cancel where
+    P is peaked. Any per-query shift of dW leaves it unchanged (sum_t P_ijt = 1 moves g_ij by the same
+    amount) and so does the gradient of u (softmax over j per query); shifting by
+    delta_i = dout_i . out_i = sum_t W_it dW_it, FlashAttention's delta, centres dW and makes the
+    cancellation relative to |dW - delta| instead of |dW|."""
+    bh, pt = _bh(), tl.program_id(1)
+    rt, rdv = pt * BT + tl.arange(0, BT), tl.arange(0, BDV)
+    EC, EG, R, RG = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, RG + bh * NQ * NK
+    DOUT = DOUT + bh * NQ * DV
+    av = _load2(AV + bh * NA * DV, rt, rdv, NA, DV, DV, 0.0)
+    dav = tl.zeros((BT, BDV), tl.float32)
+    for i0 in range(0, NQ, BM):
+        ri = i0 + tl.arange(0, BM)
+        acc1 = tl.zeros((BM, BT), tl.float32)
+        acc2 = tl.zeros((BM, BT), tl.float32)
+        for j0 in range(0, NK, BN):
+            rj = j0 + tl.arange(0, BN)
+            eg = _load2(EG, rj, rt, NK, NA, NA, 0.0)
+            acc1 += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), eg, UPCAST, PRECISION)
+            acc2 += mm(_load2(RG, ri, rj, NQ, NK, NK, 0.0), eg, UPCAST, PRECISION)
+        ec = _load2(EC, ri, rt, NQ, NA, NA, 0.0).to(tl.float32)
+        dout = _load2(DOUT, ri, rdv, NQ, DV, DV, 0.0)
+        delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+        dw = mm(dout, tl.trans(av), UPCAST, PRECISION) - delta[:, None]
+        w = ec * acc1
+        _store2(DC + bh * NQ * NA, ri, rt, NQ, NA, NA, (sc * ec) * (dw * acc1 - acc2))
+        dav += mm(tl.trans(w.to(dout.dtype)), dout, UPCAST, PRECISION)
+    _store2(DAV + bh * NA * DV, rt, rdv, NA, DV, DV, dav)
+
+
+@triton.jit
+def _dg_kernel(EC, EG, R, RG, EDW, DG, NQ, NK, NA, sg,
+               BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """sg * dG = sg * EG * (R^T @ EDW - RG^T @ EC) for BN sources x BT templates."""
+    bh, pj, pt = _bh(), tl.program_id(1), tl.program_id(2)
+    rj, rt = pj * BN + tl.arange(0, BN), pt * BT + tl.arange(0, BT)
+    EC, EDW = EC + bh * NQ * NA, EDW + bh * NQ * NA
+    R, RG = R + bh * NQ * NK, RG + bh * NQ * NK
+    acc3 = tl.zeros((BN, BT), tl.float32)
+    acc4 = tl.zeros((BN, BT), tl.float32)
+    for i0 in range(0, NQ, BM):
+        ri = i0 + tl.arange(0, BM)
+        r_t = tl.trans(_load2(R, ri, rj, NQ, NK, NK, 0.0))
+        rg_t = tl.trans(_load2(RG, ri, rj, NQ, NK, NK, 0.0))
+        acc3 += mm(r_t, _load2(EDW, ri, rt, NQ, NA, NA, 0.0), UPCAST, PRECISION)
+        acc4 += mm(rg_t, _load2(EC, ri, rt, NQ, NA, NA, 0.0), UPCAST, PRECISION)
+    eg = _load2(EG + bh * NK * NA, rj, rt, NK, NA, NA, 0.0).to(tl.float32)
+    _store2(DG + bh * NK * NA, rj, rt, NK, NA, NA, (sg * eg) * (acc3 - acc4))
+
+
+@triton.jit
+def _dlu_kernel(UG, DELTA, LU, LZ, MASK, DLU, NQ, NK, BH0, H, s_mb, s_mh, s_mm, s_mn,
+                MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """d lu_j = sum_i (u_ij g_ij - u_ij delta_i), delta_i = sum_j u_ij g_ij: softmax's backward for
+    u_ij = softmax over the kept keys of lu, summed over the queries."""
+    bh, pj = _bh(), tl.program_id(1)
+    rj = pj * BN + tl.arange(0, BN)
+    mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
+    acc = tl.zeros((BN,), tl.float32)
+    for i0 in range(0, NQ, BM):
+        ri = i0 + tl.arange(0, BM)
+        u = _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND, CAUSAL)
+        ug = _load2(UG + bh * NQ * NK, ri, rj, NQ, NK, NK, 0.0)
+        delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+        acc += tl.sum(ug - u * delta[:, None], 0)
+    tl.store(DLU + bh * NK + rj, acc, mask=rj < NK)
+
+
+# --- exact fallback for the pairs the matmul path cannot resolve ----------------------------------
+
+@triton.jit
+def _mm32(a, b):
+    """a @ b in full fp32 (the rare fallback favours accuracy over tensor-core speed)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _pair_probs(xq, xk, AK, ri, rt, lse, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn,
+                BD: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """P_ijt = exp(C_it + G_jt - lse_ij) on a (FB, FB, BT) cube tile."""
+    c, _ = _c_logits(xq, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn, BD, MASK_KIND, CAUSAL,
+                     UPCAST, PRECISION)
+    g = _g_logits(xk, AK, rt, NA, D, sg, BD, UPCAST, PRECISION)
+    return tl.exp(c[:, None, :] + g[None, :, :] - lse[:, :, None])
+
+
+@triton.jit
+def _pair_lse(xq, xk, AK, ri, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn,
+              FB: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, MASK_KIND: tl.constexpr,
+              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """lse_ij = logsumexp_t (C_it + G_jt) streamed over A (online max); +inf without templates."""
+    m = tl.full((FB, FB), float("-inf"), tl.float32)
+    s = tl.zeros((FB, FB), tl.float32)
+    for t0 in range(0, NA, BT):
+        rt = t0 + tl.arange(0, BT)
+        c, _ = _c_logits(xq, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn, BD, MASK_KIND, CAUSAL,
+                         UPCAST, PRECISION)
+        g = _g_logits(xk, AK, rt, NA, D, sg, BD, UPCAST, PRECISION)
+        logit = c[:, None, :] + g[None, :, :]
+        m_new = tl.maximum(m, tl.max(logit, 2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(logit - m_safe[:, :, None]), 2)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return tl.where(s > 0, m_safe + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))
+
+
+@triton.jit
+def _fallback_fwd_kernel(Q, K, AK, AV, MASK, LU, LZ, BAD, TBAD, OUT,
+                         NQ, NK, NA, D, DV, sc, sg, BH0, H, s_mb, s_mh, s_mm, s_mn,
+                         CBM: tl.constexpr, CBN: tl.constexpr, FB: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, BDV: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """out_i += sum_{j bad} u_ij sum_t softmax_t(C_it + G_jt) a_v_t for the pair tile (CBM x CBN) of
+    _pair_kernel on grid axes 1, 2, in (FB x FB) sub-tiles holding a bad pair."""
+    bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
+    n_bad = tl.load(TBAD + (bh * tl.num_programs(1) + pi) * tl.num_programs(2) + pj)
+    if n_bad > 0:
+        Q, K, AK, AV = Q + bh * NQ * D, K + bh * NK * D, AK + bh * NA * D, AV + bh * NA * DV
+        mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
+        rd, rdv = tl.arange(0, BD), tl.arange(0, BDV)
+        for si in range(0, CBM, FB):
+            for sj in range(0, CBN, FB):
+                ri, rj = pi * CBM + si + tl.arange(0, FB), pj * CBN + sj + tl.arange(0, FB)
+                bad = _load2(BAD + bh * NQ * NK, ri, rj, NQ, NK, NK, 0) != 0
+                if tl.sum(bad.to(tl.int32)) > 0:
+                    u = tl.where(bad, _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
+                                              MASK_KIND, CAUSAL), 0.0)
+                    xq, xk = _load2(Q, ri, rd, NQ, D, D, 0.0), _load2(K, rj, rd, NK, D, D, 0.0)
+                    lse = _pair_lse(xq, xk, AK, ri, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn, FB, BT, BD,
+                                    MASK_KIND, CAUSAL, UPCAST, PRECISION)
+                    out = tl.zeros((FB, BDV), tl.float32)
+                    for t0 in range(0, NA, BT):
+                        rt = t0 + tl.arange(0, BT)
+                        p = _pair_probs(xq, xk, AK, ri, rt, lse, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn,
+                                        BD, MASK_KIND, CAUSAL, UPCAST, PRECISION)
+                        w = tl.sum(u[:, :, None] * p, 1)
+                        out += _mm32(w, _load2(AV, rt, rdv, NA, DV, DV, 0.0))
+                    optr = OUT + bh * NQ * DV + ri[:, None] * DV + rdv[None, :]
+                    tl.atomic_add(optr, out, mask=(ri[:, None] < NQ) & (rdv[None, :] < DV))
+
+
+@triton.jit
+def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG, DAV, DQ, DK, DAK,
+                         NQ, NK, NA, D, DV, sc, sg, BH0, H, s_mb, s_mh, s_mm, s_mn,
+                         NEED_UG: tl.constexpr, CBM: tl.constexpr, CBN: tl.constexpr, FB: tl.constexpr,
+                         BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, MASK_KIND: tl.constexpr,
+                         CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The bad pairs' share of the backward, per pair P_ijt with dL_ijt = u_ij P_ijt (dW_it - g_ij)
+    (dW shifted by delta as in _dc_kernel, so that g, hence UG, matches the matmul path's):
+    d a_v_t += sum W_it dout_i, dq_i += sc sum dL a_t, dk_j += sg sum dL a_t,
+    d a_t += sc sum dL q_i + sg sum dL k_j (atomics, fp32), and UG_ij = u_ij g_ij."""
+    bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
+    n_bad = tl.load(TBAD + (bh * tl.num_programs(1) + pi) * tl.num_programs(2) + pj)
+    if n_bad > 0:
+        Q, K, AK, AV = Q + bh * NQ * D, K + bh * NK * D, AK + bh * NA * D, AV + bh * NA * DV
+        DOUT, DAV, DAK = DOUT + bh * NQ * DV, DAV + bh * NA * DV, DAK + bh * NA * D
+        mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
+        rd, rdv = tl.arange(0, BD), tl.arange(0, BDV)
+        for si in range(0, CBM, FB):
+            for sj in range(0, CBN, FB):
+                ri, rj = pi * CBM + si + tl.arange(0, FB), pj * CBN + sj + tl.arange(0, FB)
+                bad = _load2(BAD + bh * NQ * NK, ri, rj, NQ, NK, NK, 0) != 0
+                if tl.sum(bad.to(tl.int32)) > 0:
+                    u = tl.where(bad, _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
+                                              MASK_KIND, CAUSAL), 0.0)
+                    xq, xk = _load2(Q, ri, rd, NQ, D, D, 0.0), _load2(K, rj, rd, NK, D, D, 0.0)
+                    dout = _load2(DOUT, ri, rdv, NQ, DV, DV, 0.0)
+                    delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+                    lse = _pair_lse(xq, xk, AK, ri, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn, FB, BT, BD,
+                                    MASK_KIND, CAUSAL, UPCAST, PRECISION)
+                    g = tl.zeros((FB, FB), tl.float32)
+                    for t0 in range(0, NA, BT):
+                        rt = t0 + tl.arange(0, BT)
+                        p = _pair_probs(xq, xk, AK, ri, rt, lse, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn,
+                                        BD, MASK_KIND, CAUSAL, UPCAST, PRECISION)
+                        dw = _mm32(dout, tl.trans(_load2(AV, rt, rdv, NA, DV, DV, 0.0))) - delta[:, None]
+                        g += tl.sum(p * dw[:, None, :], 2)
+                    if NEED_UG:
+                        uptr = UG + bh * NQ * NK + ri[:, None] * NK + rj[None, :]
+                        tl.store(uptr, u * g, mask=bad & (ri[:, None] < NQ) & (rj[None, :] < NK))
+                    dq = tl.zeros((FB, BD), tl.float32)
+                    dk = tl.zeros((FB, BD), tl.float32)
+                    for t0 in range(0, NA, BT):
+                        rt = t0 + tl.arange(0, BT)
+                        p = _pair_probs(xq, xk, AK, ri, rt, lse, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn,
+                                        BD, MASK_KIND, CAUSAL, UPCAST, PRECISION)
+                        av = _load2(AV, rt, rdv, NA, DV, DV, 0.0)
+                        ak = _load2(AK, rt, rd, NA, D, D, 0.0)
+                        dw = _mm32(dout, tl.trans(av)) - delta[:, None]
+                        up = u[:, :, None] * p
+                        dl = up * (dw[:, None, :] - g[:, :, None])
+                        dc, dg = tl.sum(dl, 1), tl.sum(dl, 0)                  # (FB, BT) each
+                        dq += _mm32(dc, ak)
+                        dk += _mm32(dg, ak)
+                        dak = _mm32(tl.trans(dc), xq) * sc + _mm32(tl.trans(dg), xk) * sg
+                        in_a = rt[:, None] < NA
+                        tl.atomic_add(DAK + rt[:, None] * D + rd[None, :], dak, mask=in_a & (rd[None, :] < D))
+                        dav = _mm32(tl.trans(tl.sum(up, 1)), dout)
+                        tl.atomic_add(DAV + rt[:, None] * DV + rdv[None, :], dav, mask=in_a & (rdv[None, :] < DV))
+                    tl.atomic_add(DQ + bh * NQ * D + ri[:, None] * D + rd[None, :], dq * sc,
+                                  mask=(ri[:, None] < NQ) & (rd[None, :] < D))
+                    tl.atomic_add(DK + bh * NK * D + rj[:, None] * D + rd[None, :], dk * sg,
+                                  mask=(rj[:, None] < NK) & (rd[None, :] < D))
