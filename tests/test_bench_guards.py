@@ -1,16 +1,12 @@
 """The harness's guards for runs on a lent GPU, checked on CPU with tiny shapes and fake backends
 that sleep: the first/second-call timing rule, the per-call time limit, the time budget, the row
 log (JSONL) written as rows finish and the result rebuilt from it, --skip-backends, the plain
-line per row, benchmarks/sweep_gpu.py --device cpu and benchmarks/gpu_session.sh. Not speed."""
+line per row. Not speed."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -362,84 +358,3 @@ def test_cli_rebuilds_from_a_row_log(tmp_path, capsys):
     assert len(result["results"]) == 2 and not result["settings"]["complete"]
     assert (tmp_path / "rebuilt" / "run.md").exists()
     assert "partial" in capsys.readouterr().out
-
-
-# ---- benchmarks/sweep_gpu.py and benchmarks/gpu_session.sh on CPU ----------------------------------------
-
-def _sweep_module():
-    spec = importlib.util.spec_from_file_location("sweep_gpu", ROOT / "benchmarks" / "sweep_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_sweep_configurations_most_valuable_first():
-    sweep = _sweep_module()
-    from attnzoo.bench.runner import ALL_VARIANTS
-    configs = sweep.configurations([64, 128], ["no", "yes"], list(ALL_VARIANTS))
-    first = configs[0]
-    assert (first["head_dim"], first["causal"], first["group"]) == (64, False, "softmax-family")
-    assert set(first["variants"]) == {"softmax", "l2", "sigmoid", "relu", "fenchel"}
-    assert [(c["head_dim"], c["causal"]) for c in configs] == sorted(
-        [(c["head_dim"], c["causal"]) for c in configs], key=lambda hc: ([64, 128].index(hc[0]), hc[1]))
-    assert sorted(v for c in configs[:2] for v in c["variants"]) == sorted(ALL_VARIANTS)
-
-
-TINY_SWEEP = ["--device", "cpu", "--seq-lens", "8", "16", "--head-dims", "4", "--hidden", "4", "--batch-tokens",
-              "16", "--dtype", "float32", "--modes", "fwd", "--causal", "no", "--target-seconds", "0"]
-
-
-def test_sweep_gpu_on_cpu_writes_json_and_row_logs(tmp_path, capsys):
-    sweep = _sweep_module()
-    assert sweep.main(TINY_SWEEP + ["--variants", "relu", "linear", "--budget-seconds", "60", "--out", str(tmp_path),
-                                    "--skip-backends", "torch-flex,flex"]) == 0
-    out = capsys.readouterr().out
-    assert out.index("configuration 1/2: softmax-family") < out.index("configuration 2/2: others")
-    for name, variant in (("bench_gpu_d4_softmax-family", "relu"), ("bench_gpu_d4_others", "linear")):
-        result = load(tmp_path / f"{name}.json")
-        assert {r["variant"] for r in result["results"]} == {variant, "softmax"}  # + the SDPA anchor
-        assert result["settings"]["budget_seconds"] == 60 and "sweep" in result["settings"]["notes"]
-        assert load_rowlog(tmp_path / f"{name}.jsonl")["results"] == result["results"]
-        assert "N=16" in out
-
-
-def test_gpu_session_script_syntax():
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], check=True)
-    bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "nonsense"], capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and "usage" in bad.stderr
-
-
-def test_gpu_session_sweep_phase_on_cpu(tmp_path):
-    """The script's sweep phase for real (tiny shapes on CPU), with a row log left behind by a killed
-    earlier configuration in the same folder: the script rebuilds its JSON before archiving."""
-    sweep_out = ROOT / "runs" / "test_gpu_session"
-    sweep_out.mkdir(parents=True, exist_ok=True)
-    killed = _logged_run(tmp_path, rows_kept=2, tail="{")
-    orphan = sweep_out / "killed.jsonl"
-    orphan.write_text(killed.read_text())
-    stale = sweep_out / "stale.jsonl"  # an earlier session's log: not this session's, left alone
-    stale.write_text(killed.read_text())
-    later = time.time() + 3600  # as if written during this session, after the script started
-    os.utime(orphan, (later, later))
-    os.utime(stale, (later - 7200, later - 7200))
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "ATTNZOO_PYTHON": sys.executable,
-           "ATTNZOO_SWEEP_SECONDS": "120", "ATTNZOO_SEQ_LENS": "8", "ATTNZOO_SWEEP_OUT": "runs/test_gpu_session",
-           "ATTNZOO_SWEEP_ARGS": " ".join(TINY_SWEEP[:2] + TINY_SWEEP[5:] + ["--variants", "softmax"])}
-    try:
-        done = subprocess.run(["bash", "benchmarks/gpu_session.sh", "sweep"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=240)
-        assert done.returncode == 0, done.stdout + done.stderr
-        files = sorted(p.name for p in (tmp_path / "out").iterdir())
-        assert files == ["env.txt", "session.log", "sweep.log", "sweep.tar.gz", "sweep_summary.md"]
-        listing = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "sweep.tar.gz")], capture_output=True,
-                                 text=True, check=True).stdout.split()
-        for name in ("bench_gpu_d4_softmax-family.json", "bench_gpu_d4_softmax-family.jsonl", "killed.json"):
-            assert f"runs/test_gpu_session/{name}" in listing
-        assert len(load(sweep_out / "killed.json")["results"]) == 2
-        assert not (sweep_out / "stale.json").exists()
-        assert "softmax" in (tmp_path / "out" / "sweep_summary.md").read_text()
-        assert "N=8" in done.stdout  # the row lines reach the captured output tail
-    finally:
-        import shutil
-        shutil.rmtree(sweep_out, ignore_errors=True)

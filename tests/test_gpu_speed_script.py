@@ -1,0 +1,82 @@
+"""benchmarks/gpu_speed.py, the one GPU measurement, run on CPU with tiny shapes (its own code, not
+speed): rows for every case, the summary and full Markdown, the measured ranking table auto reads,
+extrapolated skips, and the device-call wrapper's syntax."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu import cases as C  # noqa: E402
+from gpu import report  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _gpu_speed():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_speed", ROOT / "benchmarks" / "gpu_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_dry_run_writes_every_output(tmp_path):
+    gpu_speed = _gpu_speed()
+    args = ["--device", "cpu", "--head-dims", "8", "--seq-lens", "16", "32", "--causal", "no", "--tokens", "64",
+            "--hidden", "16", "--phases", "speed", "--budget-seconds", "120", "--out", str(tmp_path),
+            "--only", "sdpa", "l2 / torch", "l2 / cpu", "fenchel+log_u / torch"]
+    assert gpu_speed.main(args) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert {r["case"] for r in rows} == {"sdpa", "l2 / torch", "l2 / cpu", "fenchel+log_u / torch"}
+    assert all(r.get("fwd", 0) > 0 and r.get("fwd+bwd", 0) > 0 for r in rows), rows
+    table = json.loads((tmp_path / "measured_table.json").read_text())
+    l2 = [e for e in table["entries"] if e["variant"] == "l2" and e["n"] == 32 and e["direction"] == "fwd+bwd"]
+    assert len(l2) == 1 and sorted(l2[0]["ranking"]) == ["cpu", "torch"]
+    assert l2[0]["ranking"][0] == min(l2[0]["ms"], key=l2[0]["ms"].get)
+    md = (tmp_path / "speed.md").read_text()
+    assert "## Summary" in md and "| l2 |" in md and "D8 N32" in md
+    assert [json.loads(line)["case"] for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == \
+        [r["case"] for r in rows]  # every row flushed as it finished
+
+
+def _row(case, n, fwd, bwd, variant=None, backend=None, causal=False):
+    return {"case": case, "table_variant": variant, "flavour": "plain", "backend": backend or case, "batch": 1,
+            "heads": 1, "n": n, "head_dim": 64, "causal": causal, "dtype": "bfloat16", "fwd": fwd, "fwd+bwd": bwd}
+
+
+def test_ranking_and_summary_from_rows():
+    rows = [_row("sdpa", 4096, 1.0, 3.0), _row("l2 / torch", 4096, 1.25, 3.5, "l2", "torch"),
+            _row("l2 / triton", 4096, 2.0, 3.0, "l2", "triton")]
+    table = report.measured_table(rows, {"name": "x", "capability": [9, 0], "torch": "t"})
+    rank = {e["direction"]: e["ranking"] for e in table["entries"]}
+    assert rank == {"fwd": ["torch", "triton"], "fwd+bwd": ["triton", "torch"]}
+    summary = report.summary_markdown(rows)
+    assert "| l2 | 0.80 (torch) | 1.00 (triton) |" in summary  # SDPA time / fastest attnzoo time
+
+
+def test_hopeless_rows_are_predicted_from_smaller_n():
+    case = C.Case("x", "x", "plain", "b", lambda *a: None, cost_power=2)
+    small = C.Shape(16, 32, 1024, 64, False)
+    big = C.Shape(4, 32, 4096, 64, False)
+    other_d = C.Shape(4, 16, 4096, 128, False)
+    measured = {("x", small): 10.0}
+    assert C.predicted_ms(measured, case, big) == pytest.approx(10.0 * 4)  # 4x fewer rows of 16x the cost
+    assert C.predicted_ms(measured, case, other_d) is None
+
+
+def test_shapes_follow_flash_attention_layout():
+    shapes = C.benchmark_shapes([64, 128], [1024, 16384], [False], 16384, 2048, torch.bfloat16)
+    assert [(s.batch, s.heads, s.n, s.head_dim) for s in shapes] == [(16, 32, 1024, 64), (1, 32, 16384, 64),
+                                                                      (16, 16, 1024, 128), (1, 16, 16384, 128)]
+
+
+def test_device_call_wrapper_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], check=True)
