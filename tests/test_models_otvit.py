@@ -150,3 +150,54 @@ BAD = [
 def test_bad_input_is_named(call, exc, match):
     with pytest.raises(exc, match=match):
         call(OTViT(**TINY))
+
+
+def _logits_and_grads(model, *args, **kwargs):
+    logits = model(*args, **kwargs)
+    return logits, torch.autograd.grad(logits.square().sum(), [p for p in model.parameters() if p.requires_grad])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("template_grad", [True, False])
+def test_otvit_compiles_fullgraph_with_partner_templates(masked, template_grad):
+    """torch.compile(fullgraph=True) on the training forward (partner templates for the rows of
+    template_mask): the compiled graph has no data-dependent shapes (every row runs the last layer
+    with and without templates, the mask picks), and it equals the eager forward, which gathers the
+    borrowing rows, in logits and every parameter gradient."""
+    torch.manual_seed(0)
+    model = OTViT(**TINY, template_grad=template_grad)
+    images, partners = torch.randn(4, 1, 8, 8), torch.randn(4, 1, 8, 8)
+    mask = torch.tensor([True, False, True, True]) if masked else None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    want, want_g = _logits_and_grads(model, images, templates=partners, template_mask=mask)
+    got, got_g = _logits_and_grads(compiled, images, templates=partners, template_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_model", [False, True])
+def test_otvit_trains_under_bf16_autocast_on_gpu(compile_model):
+    """An OT-ViT training step on CUDA (the OT layer on auto = triton) under bf16 autocast, eager and
+    compiled (inductor, fullgraph): finite loss, gradients within bf16 accuracy of the float32 step."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: the Triton kernels take CPU tensors only")
+    torch.manual_seed(0)
+    model = OTViT(img_size=28, patch_size=4, in_chans=1, num_classes=10, embed_dim=64, depth=2, num_heads=4,
+                  dropout=0.0).cuda()
+    images, partners = torch.randn(8, 1, 28, 28, device="cuda"), torch.randn(8, 1, 28, 28, device="cuda")
+    labels, mask = torch.randint(0, 10, (8,), device="cuda"), torch.rand(8, device="cuda") < 0.5
+    params = list(model.parameters())
+    want = torch.autograd.grad(F.cross_entropy(model(images, templates=partners, template_mask=mask), labels), params)
+    run = torch.compile(model, fullgraph=True) if compile_model else model
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(run(images, templates=partners, template_mask=mask), labels)
+    got = torch.autograd.grad(loss, params)
+    assert torch.isfinite(loss)
+    num = sum(float((a.float() - b).square().sum()) for a, b in zip(got, want)) ** 0.5
+    den = sum(float(b.square().sum()) for b in want) ** 0.5
+    assert num <= 0.05 * den, (num, den)

@@ -80,10 +80,23 @@ class OTViT(ViT):
         last = self._last
         if templates is None:
             return self.classify(last(self.trunk(images)))
-        rows = self._template_rows(images, templates, template_mask)
+        self._check_templates(images, templates, template_mask)
+        if template_mask is None:   # every row borrows its partner's templates
+            x, t = self._with_partners(images, templates)
+            return self.classify(last(x, templates=t))
+        if torch.compiler.is_compiling():
+            return self._static_forward(images, templates, template_mask)
+        rows = template_mask.nonzero().squeeze(1)
         if rows.numel() == 0:
             return self.classify(last(self.trunk(images)))
-        partners = templates[rows]
+        x, t = self._with_partners(images, templates[rows])
+        others = _complement(rows, images.shape[0])
+        out = torch.cat([last(x[rows], templates=t), last(x[others])])
+        order = torch.argsort(torch.cat([rows, others]))
+        return self.classify(out[order])
+
+    def _with_partners(self, images, partners):
+        """(tokens of images, templates of partners) entering the last layer."""
         if self.template_grad:  # one pass over inputs and partners together
             both = self.trunk(torch.cat([images, partners]))
             x, t = both[:images.shape[0]], both[images.shape[0]:]
@@ -91,24 +104,27 @@ class OTViT(ViT):
             x = self.trunk(images)
             with torch.no_grad():
                 t = self.trunk(partners)
-        if self.template_tokens == "patches":
-            t = t[:, 1:]
-        others = _complement(rows, images.shape[0])
-        out = torch.cat([last(x[rows], templates=t), last(x[others])])
-        order = torch.argsort(torch.cat([rows, others]))
-        return self.classify(out[order])
+        return x, (t[:, 1:] if self.template_tokens == "patches" else t)
+
+    def _static_forward(self, images, templates, template_mask):
+        """The masked forward without data-dependent shapes, for torch.compile: every partner goes
+        through the trunk and the last layer runs with and without templates for every row (one
+        query each), ``template_mask`` picks per row. Same logits as the eager forward, which
+        gathers the rows that borrow (nonzero: a size only the data knows)."""
+        x, t = self._with_partners(images, templates)
+        last = self._last
+        out = torch.where(template_mask[:, None, None], last(x, templates=t), last(x))
+        return self.classify(out)
 
     @staticmethod
-    def _template_rows(images, templates, template_mask) -> torch.Tensor:
+    def _check_templates(images, templates, template_mask) -> None:
         if not isinstance(templates, torch.Tensor) or templates.shape != images.shape:
             got = tuple(templates.shape) if isinstance(templates, torch.Tensor) else type(templates).__name__
             raise ValueError(f"templates must be partner images shaped like images {tuple(images.shape)}, got {got}")
-        if template_mask is None:
-            return torch.arange(images.shape[0], device=images.device)
-        if template_mask.dtype != torch.bool or template_mask.shape != (images.shape[0],):
+        if template_mask is not None and (template_mask.dtype != torch.bool
+                                          or template_mask.shape != (images.shape[0],)):
             raise ValueError(f"template_mask must be a bool tensor of shape ({images.shape[0]},), got "
                              f"{template_mask.dtype} {tuple(template_mask.shape)}")
-        return template_mask.nonzero().squeeze(1)
 
 
 def _complement(rows: torch.Tensor, n: int) -> torch.Tensor:
