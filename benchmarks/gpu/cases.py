@@ -178,7 +178,8 @@ VARIANT_FLAVOURS = [
     ("fenchel", "log_u", "fenchel", _key_log_u, 2, lambda s: True),
     ("sigmoid", "plain", "sigmoid", _none, 2, lambda s: True),
     ("relu", "plain", "relu", _none, 2, lambda s: True),
-    ("sinkhorn", "plain", "sinkhorn", _none, 2, lambda s: True),
+    # causal Sinkhorn is the prefix Sinkhorn: one solve per query prefix, O(N^3), not a kernel speed question
+    ("sinkhorn", "plain", "sinkhorn", _none, 2, lambda s: not s.causal),
     ("linear", "plain", "linear", _none, 1, lambda s: True),
     ("linear", "identity", "linear", lambda s, d, g: ({"feature_map": "identity"}, []), 1, lambda s: s.n >= 4096),
     ("ot", "plain", "ot", _none, 3, lambda s: s.n <= 1024 and not s.causal and s.head_dim == 64),
