@@ -54,9 +54,9 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 from attnzoo.ops import triton_dropout as dropout  # noqa: E402
 from attnzoo.ops.linear import triton as linear_triton  # noqa: E402
 from attnzoo.ops.ot import triton as ot_triton  # noqa: E402
-from attnzoo.ops.pointwise import triton_kernels as pointwise  # noqa: E402
+from attnzoo.ops.pointwise import triton as pointwise_host  # noqa: E402
 from attnzoo.ops.sinkhorn import triton as sinkhorn_triton  # noqa: E402
-from attnzoo.ops.softmax import triton_kernels as softmax  # noqa: E402
+from attnzoo.ops.softmax import triton as softmax_host  # noqa: E402
 
 # Dynamic shared memory one block may opt into, bytes (CUDA occupancy tables, "maximum shared memory
 # per block (opt-in)"): 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89.
@@ -86,15 +86,41 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------------------------
-# softmax family, pointwise, dropout: signatures written out (as before)
+# softmax family, pointwise, dropout: signatures written out. Their tiles come from the autotune lists
+# of attnzoo/ops/triton_tuning.py (per kernel and tile class); what is compiled:
+# - every configuration of every list in the flavours a benchmark times, causal (the causal kernels
+#   contain every loop stage: whole blocks, diagonal blocks, partial blocks), all dtypes and widths;
+# - every configuration of the dropout lists, in a dropout flavour (bf16 and fp32: fp16 compiles the
+#   same code as bf16);
+# - the default configuration of each list in the most demanding flavours the host code launches
+#   (masks as tiles, L2, preferences, T5 with its fixed dK/dV tiles, row biases), widths 64 and 128.
 
 INT_ARGS = {"H", "Nq", "Nk", "D", "DV"}
 FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
-SOFTMAX_FLAGS = [
-    dict(L2=False, MASK_KIND=0, HAS_PREF=False, HAS_T5=False, CAUSAL=False, DROPOUT=False),
-    dict(L2=True, MASK_KIND=1, HAS_PREF=True, HAS_T5=False, CAUSAL=True, DROPOUT=True),
-    dict(L2=False, MASK_KIND=2, HAS_PREF=False, HAS_T5=True, CAUSAL=True, DROPOUT=True),
+_SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False)
+_POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
+# (label, flags, which configurations: "all" | "default", dtypes, widths)
+SOFTMAX_JOBS = [
+    ("causal", dict(_SOFTMAX), "all", ("bf16", "fp16", "fp32"), (64, 128, 256)),
+    ("causal+dropout", dict(_SOFTMAX, DROPOUT=True), "all", ("bf16", "fp32"), (64, 128, 256)),
+    ("l2+key-padding+pref+causal", dict(_SOFTMAX, L2=True, MASK_KIND=1, MASK_SHAPE=1, HAS_PREF=True), "default",
+     ("bf16", "fp32"), (64, 128)),
+    ("l2+bool-tile-mask+pref+causal+dropout",
+     dict(_SOFTMAX, L2=True, MASK_KIND=1, HAS_PREF=True, DROPOUT=True), "default", ("bf16", "fp32"), (64, 128)),
+    ("t5+float-tile-mask+causal", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True), "default", ("bf16", "fp32"), (64, 128)),
+    ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
+     ("bf16", "fp32"), (64, 128)),
 ]
+POINTWISE_JOBS = [
+    ("sigmoid+causal", dict(_POINTWISE), "all", ("bf16", "fp16", "fp32"), (64, 128, 256)),
+    ("relu+causal+dropout", dict(_POINTWISE, SIGMOID=False, DROPOUT=True), "all", ("bf16", "fp32"), (64, 128, 256)),
+    ("sigmoid+row-bias+float-tile-mask+causal", dict(_POINTWISE, BIAS_MODE=2, MASK_KIND=2), "default",
+     ("bf16", "fp32"), (64, 128)),
+    ("sigmoid+row-bias+float-tile-mask+causal+dropout", dict(_POINTWISE, BIAS_MODE=2, MASK_KIND=2, DROPOUT=True),
+     "default", ("bf16", "fp32"), (64, 128)),
+]
+# the sigmoid evaluation each dtype compiles (fp16: the hardware tanh; bf16: exp2 + Newton; fp32: exact)
+SIGMOID_IMPL_OF = {"fp32": 0, "fp16": 1, "bf16": 2}
 
 
 def signature(fn, dtype, pointer_types, constexprs):
@@ -115,25 +141,37 @@ def signature(fn, dtype, pointer_types, constexprs):
 
 
 def softmax_family_specs(dtype):
+    """(kernel, pointer types, constexprs, launch options, label) of every specialisation to compile."""
     precision = "ieee" if dtype == "fp32" else "tf32"
-    for flags in SOFTMAX_FLAGS:
-        for head_dim in ((64, 128) if flags["HAS_T5"] else (64,)):
-            tile = 32 if (dtype == "fp32" and head_dim >= 128) else 64  # as triton_utils.block_sizes
-            meta = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_D=head_dim, BLOCK_DV=head_dim, UPCAST=False,
-                        PRECISION=precision, **flags)
+    families = [
+        ("softmax", SOFTMAX_JOBS, (softmax_host.FORWARD, softmax_host.KEYS_BACKWARD, softmax_host.QUERIES_BACKWARD)),
+        ("pointwise", POINTWISE_JOBS,
+         (pointwise_host.FORWARD, pointwise_host.KEYS_BACKWARD, pointwise_host.QUERIES_BACKWARD)),
+    ]
+    for family, table, kernels in families:
+        for name, flags, which, dtypes, widths in table:
+            if dtype not in dtypes:
+                continue
+            flags = dict(flags)
+            if "SIGMOID" in flags:
+                flags["SIGMOID_IMPL"] = SIGMOID_IMPL_OF[dtype] if flags["SIGMOID"] else 0
+            mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
-                        "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64", "MASK": "*fp32" if flags["MASK_KIND"] == 2 else "*u8"}
-            for fn in (softmax.softmax_fwd_kernel, softmax.softmax_bwd_dkdv_kernel, softmax.softmax_bwd_dq_kernel):
-                yield fn, pointers, meta, 8 if head_dim >= 128 else 4, f"softmax {dtype} {flags} D={head_dim}"
-    for sigmoid, modes in ((True, (0, 1, 2)), (False, (0,))):
-        for mode in modes:
-            meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, BLOCK_DV=64, SIGMOID=sigmoid, BIAS_MODE=mode, MASK_KIND=1,
-                        CAUSAL=True, UPCAST=False, PRECISION=precision, DROPOUT=mode != 1)
-            pointers = {"N_ROWS": "*fp32", "MASK": "*u8", "BIAS": "*fp32", "DBIAS": "*fp32", "SEED": "*i64"}
-            for fn in (pointwise.pointwise_fwd_kernel, pointwise.pointwise_bwd_dkdv_kernel,
-                       pointwise.pointwise_bwd_dq_kernel):
-                yield fn, pointers, meta, 4, f"pointwise {dtype} sigmoid={sigmoid} bias_mode={mode} dropout={mode != 1}"
-    yield dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64), 4, "dropout keep-mask"
+                        "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
+                        "BIAS": "*fp32", "DBIAS": "*fp32"}
+            for tuned in kernels:
+                for width in widths:
+                    configs = tuned.configs_for(TORCH_DTYPES[dtype], width, width, flags["DROPOUT"])
+                    # the T5 gradient's dK/dV launch always runs its default (atomics-safe) tiles
+                    if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
+                        configs = configs[:1]
+                    for i, cfg in enumerate(configs):
+                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
+                                    PRECISION=precision, **flags)
+                        yield (tuned.fn, pointers, meta, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                               f"{family} {dtype} {name} D={width} config {i}")
+    yield (dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64),
+           {"num_warps": 4, "num_stages": 2}, "dropout keep-mask")
 
 
 def softmax_family_jobs(dtypes):
@@ -141,10 +179,10 @@ def softmax_family_jobs(dtypes):
     for dtype in dtypes:
         if dtype == "fp64":
             continue  # triton_utils.common_reason refuses float64
-        for fn, pointers, meta, warps, label in softmax_family_specs(dtype):
+        for fn, pointers, meta, options, label in softmax_family_specs(dtype):
             sig = signature(fn, dtype, pointers, meta)
-            key = (fn.fn.__name__, str(sorted(sig.items())), str(sorted(meta.items())), warps)
-            job = jobs.setdefault(key, Job(fn, sig, dict(meta), {}, {"num_warps": warps, "num_stages": 2}))
+            key = (fn.fn.__name__, str(sorted(sig.items())), str(sorted(meta.items())), str(sorted(options.items())))
+            job = jobs.setdefault(key, Job(fn, sig, dict(meta), {}, dict(options)))
             job.labels.append(label)
     return list(jobs.values())
 
