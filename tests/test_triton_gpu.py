@@ -7,7 +7,7 @@ TRITON_INTERPRET=1, where the kernels are interpreted and take CPU tensors only.
 
 Compile budget: every kernel specialisation costs a compile per configuration, so tests run the
 default configuration (ATTNZOO_TRITON_AUTOTUNE=0, the autouse fixture) unless they are about the
-configurations: test_every_tile_configuration pins each one (57 kernel compiles in all) and
+configurations: test_every_tile_configuration pins each one (about 50 kernel compiles) and
 test_autotuned_* let the autotuner pick (about 20).
 """
 from __future__ import annotations
