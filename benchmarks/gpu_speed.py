@@ -123,13 +123,18 @@ class Run:
 
     # -- phases -----------------------------------------------------------------------------------
     def warm_jobs(self) -> list:
-        """Every compile the later phases will need, slowest kinds first so they never form the tail."""
-        dev = str(self.device)
-        jobs = [("compile", (dev, name)) for name in compile_check.NAMES]
-        jobs += [("train", (dev, spec, self.train_batch)) for spec in train_speed.LAYERS]
-        jobs += [("speed", (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
-        jobs += [("correctness", (dev, v, spec, b, shape, str(dt).replace("torch.", "")))
-                 for v, spec, b, shape, dt in correctness.cases(self.device, self.dtypes)]
+        """Every compile the requested phases will need, slowest kinds first so they never form the tail."""
+        dev, phases = str(self.device), self.args.phases
+        jobs = []
+        if "compile" in phases:
+            jobs += [("compile", (dev, name)) for name in compile_check.NAMES]
+        if "train" in phases:
+            jobs += [("train", (dev, spec, self.train_batch)) for spec in train_speed.LAYERS]
+        if "speed" in phases:
+            jobs += [("speed", (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
+        if "correctness" in phases:
+            jobs += [("correctness", (dev, v, spec, b, shape, str(dt).replace("torch.", "")))
+                     for v, spec, b, shape, dt in correctness.cases(self.device, self.dtypes)]
         return jobs
 
     def phase_warm(self):
