@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attnzoo.train import datasets as DS
+from attnzoo.train.augment import CropFlip
 from attnzoo.train.data import ImageDataset, PartnerDataset, build_datasets
 from attnzoo.train.datasets import DataNotFoundError, dataset_info, load_split, read_idx_gz
 from attnzoo.train.samplers import SameClassPartnerSampler
@@ -72,7 +73,7 @@ def test_partner_dataset_returns_the_partners_image(tmp_path):
 def test_cifar_augmentation_is_a_padded_crop_and_flip():
     info = dataset_info("cifar10")
     images = torch.randint(1, 256, (6, 3, 32, 32), dtype=torch.uint8)
-    ds = ImageDataset(images, torch.zeros(6, dtype=torch.int64), info, augment=True, seed=0)
+    ds = ImageDataset(images, torch.zeros(6, dtype=torch.int64), info, crop=CropFlip(pad=4, flip=True), seed=0)
     mean, std = torch.tensor(info.mean).view(3, 1, 1), torch.tensor(info.std).view(3, 1, 1)
     shifts = set()
     for epoch in range(3):
@@ -87,7 +88,7 @@ def test_cifar_augmentation_is_a_padded_crop_and_flip():
             assert len(matches) == 1
             shifts.add(matches[0])
     assert len(shifts) > 4  # it really moves
-    plain = ImageDataset(images, torch.zeros(6, dtype=torch.int64), info, augment=False)
+    plain = ImageDataset(images, torch.zeros(6, dtype=torch.int64), info, crop=None)
     torch.testing.assert_close(plain[1][0], (images[1].float() / 255 - mean) / std)
 
 

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
 TIMING = ("train_time_s", "images_per_s")
 # dropout, CIFAR augmentation and OT-ViT's partners all draw random numbers: all must replay exactly
-RESUME_CASES = [
-    ("otvit", "cifar10", "evaluate"),     # interrupted after epoch 2's training, before its checkpoint
-    ("vit", "fashion_mnist", "step"),     # interrupted in the middle of epoch 2
+RESUME_CASES = [  # (model, dataset, where, data pipeline)
+    ("otvit", "cifar10", "evaluate", "device"),     # interrupted after epoch 2's training, before its checkpoint
+    ("vit", "fashion_mnist", "step", "device"),     # interrupted in the middle of epoch 2
+    ("otvit", "cifar10", "step", "loader"),
 ]
 
 
@@ -31,9 +32,11 @@ def _final(out_dir):
     return weights, state
 
 
-@pytest.mark.parametrize("model,dataset,where", RESUME_CASES)
-def test_resume_is_bit_identical(tmp_path, monkeypatch, model, dataset, where):
-    kw = dict(model=model, dataset=dataset, overrides=["train.epochs=3", "model.dropout=0.2"])
+@pytest.mark.parametrize("model,dataset,where,pipeline", RESUME_CASES)
+def test_resume_is_bit_identical(tmp_path, monkeypatch, model, dataset, where, pipeline):
+    kw = dict(model=model, dataset=dataset, overrides=["train.epochs=3", "model.dropout=0.2", "data.augment=true",
+                                                       "data.crop_padding=2", f"data.pipeline={pipeline}",
+                                                       "train.log_every=2"])
     train(tiny_config(tmp_path / "straight", **kw), log=lambda *a: None)
 
     calls = {"n": 0}

@@ -92,6 +92,12 @@ BAD_CONFIG = [
     (["model.attention=softmaxx"], "softmaxx"),
     (["model.patch_size=3"], "patch_size"),
     (["model.name=resnet"], "model name"),
+    (["data.pipeline=gpu"], "data.pipeline"),
+    (["data.crop_padding=-1"], "data.crop_padding"),
+    (["data.validation_size=0"], "data.validation_size"),
+    (["train.compile=fast"], "train.compile"),
+    (["train.compile=1"], "train.compile"),
+    (["train.log_every=0"], "train.log_every"),
 ]
 
 

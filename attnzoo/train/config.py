@@ -10,6 +10,10 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 import yaml
 
 
+PIPELINES = ("auto", "device", "loader")
+COMPILE_CHOICES = (False, True, "model", "blocks", "auto")
+
+
 @dataclass
 class ModelConfig:
     name: str = "vit"                 # vit | otvit
@@ -35,11 +39,15 @@ class DataConfig:
     dataset: str = "fashion_mnist"    # fashion_mnist | cifar10 | cifar100
     data_dir: Optional[str] = None    # local copy; default ./data (CIFAR) or the Debian files (Fashion-MNIST)
     download: bool = True             # let torchvision download when the files are missing
-    augment: bool = True              # CIFAR: random crop (pad 4) + horizontal flip; Fashion-MNIST: none
+    augment: bool = False             # random crop (zero padding crop_padding) + horizontal flip (where allowed)
+    crop_padding: int = 4             # pixels of zero padding before the random crop; 0 = no crop
+    flip: bool = True                 # random horizontal flips, only where the dataset allows (never digits)
     partner_prob: float = 0.5         # OT-ViT: probability a training image also gets a same-class partner
     train_subset: Optional[int] = None  # use a fixed random subset of the training set (reduced runs)
     test_subset: Optional[int] = None
-    num_workers: int = 0
+    validation_size: Optional[int] = None  # hold out this many training images and evaluate on them, not on test
+    pipeline: str = "auto"            # device (split resident on the training device) | loader (DataLoader) | auto = device
+    num_workers: int = 0              # DataLoader workers (loader pipeline only)
     synthetic: bool = False           # generated images of the dataset's shape (tests, smoke runs)
     synthetic_train_size: int = 64
     synthetic_test_size: int = 32
@@ -64,6 +72,11 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda | cuda:N
     amp: bool = True                  # bf16 autocast on CUDA (ignored on CPU)
+    compile: Union[bool, str] = False  # torch.compile: false | true (= model) | model | blocks | auto (model on CUDA, off on CPU)
+    compile_mode: Optional[str] = None  # torch.compile's mode (e.g. max-autotune-no-cudagraphs); null = default
+    compile_backend: Optional[str] = None  # torch.compile's backend; null = inductor (eager: tracing only, for tests)
+    channels_last: bool = True        # channels-last images and weights on CUDA (the patch embedding's conv)
+    log_every: int = 50               # steps between progress updates and loss checks (each one waits for the GPU)
     threads: Optional[int] = None     # torch.set_num_threads; null = torch's default
     out_dir: str = "runs/default"
     progress: bool = True             # tqdm bar with loss / accuracy / images per second
@@ -170,6 +183,12 @@ def check(cfg: TrainConfig) -> TrainConfig:
                        ("train.batch_size", t.batch_size), ("train.eval_batch_size", t.eval_batch_size)):
         _require(value > 0, key, "a positive integer", value)
     _require(d.num_workers >= 0, "data.num_workers", ">= 0", d.num_workers)
+    _require(d.crop_padding >= 0, "data.crop_padding", ">= 0", d.crop_padding)
+    _require(d.validation_size is None or d.validation_size > 0, "data.validation_size", "a positive integer or null",
+             d.validation_size)
+    _require(d.pipeline in PIPELINES, "data.pipeline", f"one of {list(PIPELINES)}", d.pipeline)
+    _require(t.compile in COMPILE_CHOICES, "train.compile", "false, true, model, blocks or auto", t.compile)
+    _require(t.log_every > 0, "train.log_every", "a positive integer", t.log_every)
     _require(0.0 <= d.partner_prob <= 1.0, "data.partner_prob", "in [0, 1]", d.partner_prob)
     _require(o.lr > 0, "optim.lr", "> 0", o.lr)
     _require(o.weight_decay >= 0, "optim.weight_decay", ">= 0", o.weight_decay)

@@ -1,49 +1,61 @@
-"""Datasets and loaders for training: normalisation per dataset, CIFAR augmentation (random crop
-with 4-pixel padding + horizontal flip), OT-ViT's same-class partners, DDP sharding."""
+"""The data of a training run: the splits (real or generated, subsets, a validation hold-out), and
+two pipelines that give the same batches for the same seed:
+
+- ``device`` (default, ``device_data.py``): the split resident on the training device as uint8,
+  order, crops, flips and partners computed there per batch; no worker processes.
+- ``loader``: a torch DataLoader over per-sample datasets (``ImageDataset``, ``PartnerDataset``),
+  optionally with worker processes; the reference the device pipeline is tested against.
+
+Both draw every random number from the counter-based streams of (seed, epoch, index)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
+from .augment import CropFlip, crop_flip_one
 from .config import TrainConfig
 from .datasets import DatasetInfo, dataset_info, load_split, synthetic_split
-from .samplers import EpochAware, EvalShardSampler, SameClassPartnerSampler, sample_generator
+from .samplers import EpochAware, EpochShardSampler, EvalShardSampler, SameClassPartnerSampler
 
-SUBSET_SEED = 12345  # the same subset for every model and seed, so reduced runs stay comparable
+SUBSET_SEED = 12345      # the same subset for every model and seed, so reduced runs stay comparable
+VALIDATION_SEED = 54321  # the same validation hold-out for every model and seed
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> (x / 255 - mean) / std in float32 (the same operations in both pipelines)."""
+    return (images.float() / 255.0 - mean) / std
+
+
+def channel_stats(info: DatasetInfo, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(info.mean, device=device).view(-1, 1, 1),
+            torch.tensor(info.std, device=device).view(-1, 1, 1))
 
 
 class ImageDataset(EpochAware):
-    """uint8 images -> normalised float tensors; ``augment`` draws crop/flip from (seed, epoch, index)."""
+    """uint8 images -> normalised float tensors; ``crop`` (a CropFlip or None) draws its crop and
+    flip from (seed, epoch, index)."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, info: DatasetInfo, augment: bool = False,
-                 seed: int = 0) -> None:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, info: DatasetInfo,
+                 crop: Optional[CropFlip] = None, seed: int = 0) -> None:
         if images.dim() != 4 or images.dtype != torch.uint8 or images.shape[0] != labels.shape[0]:
             raise ValueError(f"images must be uint8 (N, C, H, W) with N = len(labels), got {images.dtype} "
                              f"{tuple(images.shape)} and {tuple(labels.shape)} labels")
         self.images, self.labels, self.info = images, labels, info
-        self.augment, self.seed = augment, seed
-        self.mean = torch.tensor(info.mean).view(-1, 1, 1)
-        self.std = torch.tensor(info.std).view(-1, 1, 1)
+        self.crop, self.seed = (crop if crop is not None and crop.active else None), seed
+        self.mean, self.std = channel_stats(info)
 
     def __len__(self) -> int:
         return self.labels.shape[0]
 
     def image(self, index: int) -> torch.Tensor:
         x = self.images[index]
-        if self.augment:
-            g = sample_generator(self.seed, self.epoch, index, salt=0)
-            pad = 4
-            top, left = torch.randint(0, 2 * pad + 1, (2,), generator=g).tolist()
-            flip = bool(torch.rand((), generator=g) < 0.5)
-            x = TF.crop(TF.pad(x, [pad]), top, left, x.shape[-2], x.shape[-1])
-            if flip:
-                x = TF.horizontal_flip(x)
-        return (x.float() / 255.0 - self.mean) / self.std
+        if self.crop is not None:
+            top, left, flipped = self.crop.draw(self.seed, self.epoch, index)
+            x = crop_flip_one(x, top, left, flipped, self.crop.pad)
+        return normalize(x, self.mean, self.std)
 
     def __getitem__(self, index: int):
         return self.image(index), self.labels[index]
@@ -73,51 +85,140 @@ class PartnerDataset(EpochAware):
 
 
 @dataclass
-class Loaders:
-    train: DataLoader
-    test: DataLoader
-    train_set: EpochAware
-    train_sampler: DistributedSampler
+class Splits:
+    train: tuple            # (uint8 images (N, C, H, W), int64 labels (N,))
+    test: tuple             # the evaluation split: the test set, or the validation hold-out
     info: DatasetInfo
+    evaluates_on: str       # "test" or "validation"
 
 
-def _subset(images, labels, n: Optional[int]):
+def _fixed_subset(images, labels, n: Optional[int], seed: int):
+    """(kept, rest) for a fixed random choice of n of the images (all when n is None or too big)."""
     if n is None or n >= labels.shape[0]:
-        return images, labels
+        return (images, labels), (images[:0], labels[:0])
     if n <= 0:
         raise ValueError(f"subset sizes must be positive, got {n}")
-    idx = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(SUBSET_SEED))[:n]
-    return images[idx], labels[idx]
+    idx = torch.randperm(labels.shape[0], generator=torch.Generator().manual_seed(seed))
+    keep, rest = idx[:n], idx[n:]
+    return (images[keep], labels[keep]), (images[rest], labels[rest])
 
 
-def build_datasets(cfg: TrainConfig):
-    d, seed = cfg.data, cfg.train.seed
+def load_splits(cfg: TrainConfig) -> Splits:
+    """The train and evaluation splits as uint8 tensors on the CPU. ``data.validation_size`` holds
+    out a fixed random part of the training split and evaluates on it (the test split is not read:
+    a search over training choices then never sees the test set)."""
+    d = cfg.data
     info = dataset_info(d.dataset)
     if d.synthetic:
         train = synthetic_split(d.dataset, True, d.synthetic_train_size)
-        test = synthetic_split(d.dataset, False, d.synthetic_test_size)
     else:
         train = load_split(d.dataset, True, d.data_dir, d.download)
-        test = load_split(d.dataset, False, d.data_dir, d.download)
-    train, test = _subset(*train, d.train_subset), _subset(*test, d.test_subset)
-    augment = d.augment and d.dataset.startswith("cifar")
-    train_set: EpochAware = ImageDataset(*train, info, augment=augment, seed=seed)
-    if cfg.model.name == "otvit" and d.partner_prob > 0:
-        train_set = PartnerDataset(train_set, prob=d.partner_prob, seed=seed)
-    return train_set, ImageDataset(*test, info), info
+    if d.validation_size:
+        if d.validation_size >= train[1].shape[0]:
+            raise ValueError(f"data.validation_size ({d.validation_size}) must be smaller than the training split "
+                             f"({train[1].shape[0]} images)")
+        test, train = _fixed_subset(*train, d.validation_size, VALIDATION_SEED)
+        evaluates_on = "validation"
+    else:
+        test = (synthetic_split(d.dataset, False, d.synthetic_test_size) if d.synthetic
+                else load_split(d.dataset, False, d.data_dir, d.download))
+        evaluates_on = "test"
+    train, _ = _fixed_subset(*train, d.train_subset, SUBSET_SEED)
+    test, _ = _fixed_subset(*test, d.test_subset, SUBSET_SEED)
+    return Splits(train, test, info, evaluates_on)
 
 
-def build_loaders(cfg: TrainConfig, rank: int = 0, world: int = 1) -> Loaders:
-    """The global batch ``train.batch_size`` is split evenly across the ``world`` processes."""
+def augmentation(cfg: TrainConfig, info: DatasetInfo) -> Optional[CropFlip]:
+    """The configured crop / flip, flips only where the dataset allows them (never for digits)."""
+    d = cfg.data
+    crop = CropFlip(pad=d.crop_padding, flip=d.flip and info.hflip)
+    return crop if d.augment and crop.active else None
+
+
+def uses_partners(cfg: TrainConfig) -> bool:
+    return cfg.model.name == "otvit" and cfg.data.partner_prob > 0
+
+
+def build_datasets(cfg: TrainConfig, splits: Optional[Splits] = None):
+    """(train dataset, test dataset, info) of the loader pipeline."""
+    splits = splits or load_splits(cfg)
+    seed, info = cfg.train.seed, splits.info
+    train_set: EpochAware = ImageDataset(*splits.train, info, crop=augmentation(cfg, info), seed=seed)
+    if uses_partners(cfg):
+        train_set = PartnerDataset(train_set, prob=cfg.data.partner_prob, seed=seed)
+    return train_set, ImageDataset(*splits.test, info), info
+
+
+class LoaderTrainData:
+    """A DataLoader epoch by epoch: ``set_epoch`` reaches the sampler and the dataset."""
+
+    def __init__(self, loader: DataLoader, sampler: EpochShardSampler, dataset: EpochAware) -> None:
+        self.loader, self.sampler, self.dataset = loader, sampler, dataset
+        self.n_images = len(dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+        self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class LoaderEvalData:
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.n_images = loader, len(loader.dataset)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+@dataclass
+class Loaders:
+    train: object           # LoaderTrainData or device_data.DeviceTrainData
+    test: object            # LoaderEvalData or device_data.DeviceEvalData
+    info: DatasetInfo
+    evaluates_on: str = "test"
+
+
+def local_batch(cfg: TrainConfig, world: int) -> int:
     bs = cfg.train.batch_size
     if bs % world:
         raise ValueError(f"train.batch_size ({bs}) must be divisible by the number of processes ({world})")
-    train_set, test_set, info = build_datasets(cfg)
-    # a DistributedSampler even for one process: the same shuffled order whatever the world size
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed)
+    return bs // world
+
+
+def pipeline(cfg: TrainConfig) -> str:
+    return "device" if cfg.data.pipeline == "auto" else cfg.data.pipeline
+
+
+def build_loaders(cfg: TrainConfig, rank: int = 0, world: int = 1, device=None,
+                  splits: Optional[Splits] = None) -> Loaders:
+    """The run's batches; the global batch ``train.batch_size`` is split evenly across the
+    ``world`` processes (each takes every world-th image of the global batch)."""
+    lb = local_batch(cfg, world)
+    splits = splits or load_splits(cfg)
+    if pipeline(cfg) == "device":
+        from .device_data import DeviceEvalData, DeviceTrainData
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        channels_last = cfg.train.channels_last and dev.type == "cuda"  # as the loop's memory_format
+        train = DeviceTrainData(*splits.train, splits.info, dev, batch_size=lb, seed=cfg.train.seed,
+                                crop=augmentation(cfg, splits.info),
+                                partner_prob=cfg.data.partner_prob if uses_partners(cfg) else None,
+                                rank=rank, world=world, channels_last=channels_last)
+        test = DeviceEvalData(*splits.test, splits.info, dev, batch_size=max(1, cfg.train.eval_batch_size // world),
+                              rank=rank, world=world, channels_last=channels_last)
+        return Loaders(train, test, splits.info, splits.evaluates_on)
+    train_set, test_set, info = build_datasets(cfg, splits)
+    sampler = EpochShardSampler(len(train_set), seed=cfg.train.seed, rank=rank, world=world)
     common = dict(num_workers=cfg.data.num_workers, persistent_workers=False,
                   generator=torch.Generator().manual_seed(cfg.train.seed))  # keeps the global RNG untouched
-    train = DataLoader(train_set, batch_size=bs // world, sampler=sampler, drop_last=False, **common)
+    train = DataLoader(train_set, batch_size=lb, sampler=sampler, drop_last=False, **common)
     test = DataLoader(test_set, batch_size=max(1, cfg.train.eval_batch_size // world),
                       sampler=EvalShardSampler(len(test_set), rank, world), **common)
-    return Loaders(train, test, train_set, sampler, info)
+    return Loaders(LoaderTrainData(train, sampler, train_set), LoaderEvalData(test), info, splits.evaluates_on)

@@ -28,13 +28,16 @@ class DatasetInfo:
     num_classes: int
     mean: tuple
     std: tuple     # per-channel statistics of the training images (pixel values in [0, 1])
+    hflip: bool    # a mirrored image is still an image of its class (not for digits: a mirrored 2 is no 2)
+    train_size: int
+    test_size: int
 
 
 DATASETS = {
-    "digits": DatasetInfo(8, 1, 10, (0.3050,), (0.3756,)),
-    "fashion_mnist": DatasetInfo(28, 1, 10, (0.2860,), (0.3530,)),
-    "cifar10": DatasetInfo(32, 3, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": DatasetInfo(32, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "digits": DatasetInfo(8, 1, 10, (0.3050,), (0.3756,), False, 1437, 360),
+    "fashion_mnist": DatasetInfo(28, 1, 10, (0.2860,), (0.3530,), True, 60000, 10000),
+    "cifar10": DatasetInfo(32, 3, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True, 50000, 10000),
+    "cifar100": DatasetInfo(32, 3, 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), True, 50000, 10000),
 }
 
 

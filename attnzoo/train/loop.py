@@ -18,10 +18,13 @@ from . import distributed as D
 from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, remove_stale_temporaries, restore,
                          save_checkpoint)
 from .config import TrainConfig, check, model_kwargs
-from .data import build_loaders
+from .data import build_loaders, pipeline
 from .datasets import dataset_info
 from .metrics import plot_curves, write_metrics
 from .optim import build_optimizer, build_scheduler
+
+
+PLOT_INTERVAL_S = 30.0  # curves.png is redrawn at most this often (matplotlib costs ~0.3 s), and after the last epoch
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -34,11 +37,44 @@ def model_from_config(cfg: TrainConfig, info) -> torch.nn.Module:
     return build_model(cfg.model.name, **model_kwargs(cfg.model, info))
 
 
-def _forward(model, batch, device):
+def memory_format(cfg: TrainConfig, device: torch.device) -> torch.memory_format:
+    """Channels-last on CUDA when configured: cuDNN's fastest layout for the patch embedding's conv."""
+    return torch.channels_last if cfg.train.channels_last and device.type == "cuda" else torch.contiguous_format
+
+
+def compile_choice(cfg: TrainConfig, device: torch.device):
+    """What ``train.compile`` means on this device: False, "model" or "blocks"."""
+    how = cfg.train.compile
+    if how == "auto":
+        return "model" if device.type == "cuda" else False
+    return "model" if how is True else how
+
+
+def compile_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """``train.compile``: ``model`` (or true) compiles the whole forward in place, one graph per
+    batch shape (OT-ViT then runs its shape-static forward: every partner through the trunk);
+    ``blocks`` compiles each transformer block alone with dynamic batch sizes (OT-ViT keeps its
+    eager gather of the rows that borrow templates); ``auto``: ``model`` on CUDA, nothing on CPU.
+    In place: parameter names stay the same, so checkpoints do not depend on the choice."""
+    how = compile_choice(cfg, device)
+    if not how:
+        return model
+    kw = {k: v for k, v in (("mode", cfg.train.compile_mode), ("backend", cfg.train.compile_backend)) if v is not None}
+    if how == "model":
+        model.compile(dynamic=False, **kw)
+    else:
+        for block in model.blocks:
+            block.compile(**kw)
+    return model
+
+
+def _forward(model, batch, device, fmt=torch.contiguous_format):
     """(logits, labels) for a (images, labels[, partners, has_partner]) batch."""
-    images, labels = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+    images = batch[0].to(device, non_blocking=True).contiguous(memory_format=fmt)
+    labels = batch[1].to(device, non_blocking=True)
     if len(batch) == 4:
-        partners, has = batch[2].to(device), batch[3].to(device)
+        partners = batch[2].to(device, non_blocking=True).contiguous(memory_format=fmt)
+        has = batch[3].to(device, non_blocking=True)
         return model(images, templates=partners, template_mask=has), labels
     return model(images), labels
 
@@ -49,55 +85,92 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
+class TrainStep:
+    """One optimisation step on a batch without waiting for the device: returns (loss, number of
+    correct predictions) as device tensors and the batch size. The training loop and the
+    throughput benchmark (``throughput.py``) both run this."""
+
+    def __init__(self, net, optimizer, scheduler, cfg: TrainConfig, device: torch.device) -> None:
+        self.net, self.optimizer, self.scheduler, self.cfg, self.device = net, optimizer, scheduler, cfg, device
+        self.fmt = memory_format(cfg, device)
+        self.params = [p for p in net.parameters() if p.requires_grad]
+
+    def __call__(self, batch):
+        cfg = self.cfg
+        with _autocast(cfg, self.device):
+            logits, labels = _forward(self.net, batch, self.device, self.fmt)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.optim.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.detach(), (logits.detach().argmax(-1) == labels).sum(), labels.shape[0]
+
+
 def evaluate(model, loader, cfg: TrainConfig, info: D.DistInfo) -> tuple[float, float]:
+    """(mean loss, accuracy) over the evaluation split; sums stay on the device until the end."""
     model.eval()
-    loss_sum = correct = count = 0.0
+    fmt = memory_format(cfg, info.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+    correct = torch.zeros((), dtype=torch.int64, device=info.device)
+    count = 0
     with torch.no_grad(), _autocast(cfg, info.device):
         for batch in loader:
-            logits, labels = _forward(model, batch[:2], info.device)
-            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-            correct += (logits.argmax(-1) == labels).sum().item()
-            count += labels.numel()
-    loss_sum, correct, count = D.all_sum([loss_sum, correct, count], info)
+            logits, labels = _forward(model, batch[:2], info.device, fmt)
+            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+            correct += (logits.argmax(-1) == labels).sum()
+            count += labels.shape[0]
+    loss_sum, correct, count = D.all_sum([loss_sum.item(), float(correct.item()), count], info)
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, cfg: TrainConfig, info: D.DistInfo, epoch: int):
+    """One epoch. The loss and accuracy sums stay on the device; every ``train.log_every`` steps
+    (and at the end) they are read once: the progress bar, and a check that the loss is finite."""
     model.train()
     t0 = time.perf_counter()
-    loss_sum = correct = count = 0.0
+    step_fn = TrainStep(model, optimizer, scheduler, cfg, info.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+    correct = torch.zeros((), dtype=torch.int64, device=info.device)
+    count = 0
     steps = len(loader) if cfg.train.max_steps_per_epoch is None else min(len(loader), cfg.train.max_steps_per_epoch)
     bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", leave=False, dynamic_ncols=True,
                disable=not (cfg.train.progress and info.is_main),
                mininterval=1.0 if sys.stderr.isatty() else 60.0)  # keep nohup logs short
-    for step, batch in enumerate(loader):
-        if step >= steps:
-            break
-        with _autocast(cfg, info.device):
-            logits, labels = _forward(model, batch, info.device)
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.optim.label_smoothing)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss {loss.item()} at epoch {epoch + 1}, step {step}; "
+    checked = 0
+
+    def check_and_show(done: int) -> None:
+        nonlocal checked
+        total, right = loss_sum.item(), int(correct.item())  # the one wait for the device
+        if not math.isfinite(total):
+            raise FloatingPointError(f"non-finite training loss in epoch {epoch + 1}, steps {checked + 1}-{done}; "
                                      f"try a lower optim.lr or optim.grad_clip")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        n = labels.numel()
-        loss_sum += loss.item() * n
-        correct += (logits.argmax(-1) == labels).sum().item()
-        count += n
         elapsed = time.perf_counter() - t0
-        bar.set_postfix(loss=f"{loss_sum / count:.4f}", acc=f"{correct / count:.4f}",
+        bar.set_postfix(loss=f"{total / max(count, 1):.4f}", acc=f"{right / max(count, 1):.4f}",
                         img_s=f"{count * info.world / elapsed:.0f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                         refresh=False)  # the bar redraws on update(), at most every mininterval
-        bar.update(1)
+        bar.update(done - checked)
+        checked = done
+
+    done = 0
+    for batch in loader:
+        if done >= steps:
+            break
+        loss, right, n = step_fn(batch)
+        loss_sum += loss.double() * n
+        correct += right
+        count += n
+        done += 1
+        if done % cfg.train.log_every == 0:
+            check_and_show(done)
+    if checked < done:
+        check_and_show(done)
     bar.close()
-    loss_sum, correct, count = D.all_sum([loss_sum, correct, count], info)
+    loss_total, right_total, count = D.all_sum([loss_sum.item(), float(correct.item()), count], info)
     elapsed = time.perf_counter() - t0
-    return {"train_loss": loss_sum / max(count, 1), "train_acc": correct / max(count, 1),
+    return {"train_loss": loss_total / max(count, 1), "train_acc": right_total / max(count, 1),
             "train_time_s": elapsed, "images_per_s": count / max(elapsed, 1e-9)}
 
 
@@ -137,9 +210,10 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log, on_epoch=None) -> di
     out_dir = Path(cfg.train.out_dir)
     torch.manual_seed(cfg.train.seed)
     # the model first: the loaders leave the global RNG untouched, so the order changes no number
-    model = model_from_config(cfg, dataset_info(cfg.data.dataset)).to(info.device)
-    loaders = build_loaders(cfg, info.rank, info.world)
-    optimizer = build_optimizer(model, cfg.optim)
+    model = model_from_config(cfg, dataset_info(cfg.data.dataset)).to(info.device,
+                                                                       memory_format=memory_format(cfg, info.device))
+    loaders = build_loaders(cfg, info.rank, info.world, device=info.device)
+    optimizer = build_optimizer(model, cfg.optim, fused=info.device.type == "cuda")
     steps = len(loaders.train)
     if cfg.train.max_steps_per_epoch is not None:
         steps = min(steps, cfg.train.max_steps_per_epoch)
@@ -157,17 +231,19 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log, on_epoch=None) -> di
         log(f"resumed from {resume} after epoch {start_epoch}")
     n_params = count_parameters(model)
     log(f"{cfg.model.name} ({cfg.model.attention}) {n_params / 1e6:.2f}M parameters on {info.device}"
-        f"{f' x{info.world} processes' if info.world > 1 else ''}; {len(loaders.train_set)} train / "
-        f"{len(loaders.test.dataset)} test images of {cfg.data.dataset}{' (synthetic)' if cfg.data.synthetic else ''}")
+        f"{f' x{info.world} processes' if info.world > 1 else ''}; {loaders.train.n_images} train / "
+        f"{loaders.test.n_images} {loaders.evaluates_on} images of {cfg.data.dataset}"
+        f"{' (synthetic)' if cfg.data.synthetic else ''}; {pipeline(cfg)} pipeline"
+        f"{f', compiled ({compile_choice(cfg, info.device)})' if compile_choice(cfg, info.device) else ''}")
     if info.is_main:  # temporaries of a process killed while writing this run directory
         for folder in (out_dir, out_dir / "checkpoints"):
             remove_stale_temporaries(folder)
+    compile_model(model, cfg, info.device)
     net = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None) \
         if info.world > 1 else model
-    summary = {}
+    summary, plotted = {}, -math.inf
     for epoch in range(start_epoch, cfg.train.epochs):
-        loaders.train_sampler.set_epoch(epoch)
-        loaders.train_set.set_epoch(epoch)
+        loaders.train.set_epoch(epoch)
         torch.manual_seed(epoch_seed(cfg.train.seed, epoch, info.rank))
         row = {"epoch": epoch + 1, **train_one_epoch(net, loaders.train, optimizer, scheduler, cfg, info, epoch)}
         row["test_loss"], row["test_acc"] = evaluate(model, loaders.test, cfg, info)
@@ -176,19 +252,23 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log, on_epoch=None) -> di
         is_best = row["test_acc"] > best_acc
         best_acc = max(best_acc, row["test_acc"])
         log(f"epoch {epoch + 1}/{cfg.train.epochs}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-            f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.4f} | {row['images_per_s']:.0f} img/s")
+            f"{loaders.evaluates_on} loss {row['test_loss']:.4f} acc {row['test_acc']:.4f} | "
+            f"{row['images_per_s']:.0f} img/s")
         summary = {"model": cfg.model.name, "attention": cfg.model.attention, "dataset": cfg.data.dataset,
                    "parameters": n_params, "world_size": info.world, "best_test_acc": best_acc,
-                   "final_test_acc": row["test_acc"], "epochs_done": epoch + 1, "config": cfg.to_dict()}
+                   "final_test_acc": row["test_acc"], "epochs_done": epoch + 1,
+                   "evaluated_on": loaders.evaluates_on, "config": cfg.to_dict()}
         if info.is_main:
             state = {"epoch": epoch + 1, "step": scheduler.last_epoch, "best_acc": best_acc,
                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "rng": _rng_state(info.device), "history": history, "config": cfg.to_dict()}
             save_checkpoint(out_dir / "checkpoints", epoch + 1, model.state_dict(), state, is_best=is_best)
             write_metrics(out_dir, history, summary)
-            if cfg.train.plot:
+            last = epoch + 1 == cfg.train.epochs
+            if cfg.train.plot and (last or time.monotonic() - plotted >= PLOT_INTERVAL_S):
                 plot_curves(history, out_dir / "curves.png",
                             title=f"{cfg.model.name} ({cfg.model.attention}) on {cfg.data.dataset}")
+                plotted = time.monotonic()
             if on_epoch is not None:
                 on_epoch(row)
         D.barrier(info)

@@ -55,6 +55,30 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str = "") ->
     _finish_two_panels(fig, ax_loss, ax_acc, "test ", title, path)
 
 
+def plot_seed_curves(groups: dict[str, list[list[dict]]], path: Path, title: str = "", split: str = "test") -> None:
+    """Test (or validation: ``split``) accuracy and loss per epoch of several models with several
+    seeds each: every seed as a thin line, the mean over seeds as a thick one (epochs that all
+    seeds reached)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, (name, histories) in enumerate(groups.items()):
+        color = f"C{k}"
+        for history in histories:
+            epochs = [h["epoch"] for h in history]
+            ax_loss.plot(epochs, [h["test_loss"] for h in history], color=color, alpha=0.3, lw=0.8)
+            ax_acc.plot(epochs, [h["test_acc"] for h in history], color=color, alpha=0.3, lw=0.8)
+        common = min(len(h) for h in histories)
+        if common:
+            epochs = [h["epoch"] for h in histories[0][:common]]
+            for ax, key in ((ax_loss, "test_loss"), (ax_acc, "test_acc")):
+                mean = [sum(h[i][key] for h in histories) / len(histories) for i in range(common)]
+                ax.plot(epochs, mean, color=color, lw=2, label=f"{name} (mean of {len(histories)})")
+    _finish_two_panels(fig, ax_loss, ax_acc, f"{split} ", title, path)
+
+
 def _finish_two_panels(fig, ax_loss, ax_acc, prefix: str, title: str, path) -> None:
     """Labels, grid and legend of the loss/accuracy pair, then an atomic PNG write."""
     import matplotlib.pyplot as plt

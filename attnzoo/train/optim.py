@@ -10,14 +10,15 @@ from torch import nn
 from .config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
+    """``fused``: torch's single-kernel AdamW (CUDA): the same update, one launch for all parameters."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if p.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **({"fused": True} if fused else {}))
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):

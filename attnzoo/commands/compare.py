@@ -1,0 +1,61 @@
+"""attnzoo compare PLAN.yaml | CONFIG.yaml ... [--seeds 0 1 2] [--set key=value] [--out-dir DIR]."""
+from __future__ import annotations
+
+from . import UsageError
+
+HELP = "train several models x seeds and write the comparison table (mean, 95% CI, paper) and test curves"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("plan", nargs="+", metavar="PLAN_OR_CONFIG",
+                        help="a plan (configs/compare/*.yaml) or several training configs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds per model (default: the plan's, "
+                        "or 0 for configs)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field of every run, as in attnzoo train")
+    parser.add_argument("--out-dir", default=None, help="folder of the runs, the table and the curves")
+    parser.add_argument("--data-dir", default=None, help="folder holding a local copy of the dataset")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="train only these runs of the plan "
+                        "(the table still shows every run found)")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: tabulate the runs found")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from ..train import protocol
+    try:
+        if len(args.plan) == 1 and Path(args.plan[0]).is_file() and protocol.is_plan(args.plan[0]):
+            plan = protocol.load_plan(args.plan[0])
+        else:
+            for p in args.plan:
+                if not Path(p).is_file():
+                    raise UsageError(f"{p!r} not found: pass one plan (configs/compare/*.yaml) or training configs")
+                if protocol.is_plan(p):
+                    raise UsageError(f"{p} is a plan: pass it alone")
+            plan = protocol.plan_from_configs(args.plan, args.out_dir)
+        if args.out_dir:
+            plan.out_dir = Path(args.out_dir)
+        if args.seeds:
+            plan.seeds = list(dict.fromkeys(args.seeds))
+        extra = list(args.overrides) + ([f"data.data_dir={args.data_dir}"] if args.data_dir else [])
+        for r in plan.runs:
+            r.overrides = r.overrides + extra
+        names = [r.name for r in plan.runs]
+        if args.only:
+            unknown = sorted(set(args.only) - set(names))
+            if unknown:
+                raise UsageError(f"--only names {unknown}, but the plan's runs are {names}")
+        for _, _, cfg in protocol.configs(plan):  # every config checked before any training
+            protocol.status(cfg)                    # and every existing run folder
+        if args.only and not args.report_only:
+            keep = plan.runs
+            plan.runs = [r for r in keep if r.name in args.only]
+            protocol.run_plan(plan)
+            plan.runs = keep
+        result = protocol.run_plan(plan, report_only=args.report_only or bool(args.only))
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    print(result["text"])
+    print(f"table: {plan.out_dir / 'table.md'} (and table.json); curves: {plan.out_dir / 'test_curves.png'}")
+    return 0
