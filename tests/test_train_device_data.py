@@ -10,7 +10,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from attnzoo.train import counter_rng as R
 from attnzoo.train.augment import CropFlip, crop_flip_gather, crop_flip_one, pad_split
-from attnzoo.train.data import augmentation, build_loaders, load_splits
+from attnzoo.train.data import augmentation, build_loaders, load_splits, normalization_table, normalize
 from attnzoo.train.datasets import dataset_info
 from attnzoo.train.device_data import DeviceTrainData
 from attnzoo.train.samplers import SameClassPartnerSampler, shard_order
@@ -88,6 +88,18 @@ def test_gathered_crops_equal_torchvision_crops():
             assert (t, l, f) == (int(top[b]), int(left[b]), int(flipped[b]))
             assert torch.equal(got[b], crop_flip_one(images[i], t, l, f, crop.pad))
     assert not CropFlip(pad=0, flip=False).active
+
+
+@pytest.mark.parametrize("name", ["digits", "fashion_mnist", "cifar10", "cifar100"])
+def test_normalisation_is_x_over_255_minus_mean_over_std(name):
+    info = dataset_info(name)
+    images = torch.randint(0, 256, (3, info.channels, 5, 4), dtype=torch.uint8)
+    images[0, :, 0, 0], images[0, :, 0, 1] = 0, 255
+    want = (images.double() / 255 - torch.tensor(info.mean, dtype=torch.float64).view(-1, 1, 1)) \
+        / torch.tensor(info.std, dtype=torch.float64).view(-1, 1, 1)
+    got = normalize(images, normalization_table(info))
+    assert got.dtype == torch.float32 and got.shape == images.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
 
 
 def test_flips_only_where_the_dataset_allows(tmp_path):

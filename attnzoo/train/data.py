@@ -24,14 +24,19 @@ SUBSET_SEED = 12345      # the same subset for every model and seed, so reduced 
 VALIDATION_SEED = 54321  # the same validation hold-out for every model and seed
 
 
-def normalize(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels -> (x / 255 - mean) / std in float32 (the same operations in both pipelines)."""
-    return (images.float() / 255.0 - mean) / std
+def normalization_table(info: DatasetInfo, device=None) -> torch.Tensor:
+    """(C, 256) float32: (v / 255 - mean_c) / std_c for every pixel value v, computed once on the CPU.
+    Normalising is then a lookup, so every device gives the same floats (a GPU divides by a scalar
+    as a multiplication by its reciprocal, which can differ from the CPU's division in the last bit)."""
+    mean, std = torch.tensor(info.mean).view(-1, 1), torch.tensor(info.std).view(-1, 1)
+    return ((torch.arange(256).float() / 255.0 - mean) / std).to(device)
 
 
-def channel_stats(info: DatasetInfo, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor(info.mean, device=device).view(-1, 1, 1),
-            torch.tensor(info.std, device=device).view(-1, 1, 1))
+def normalize(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., C, H, W) -> float32 of the same shape through the channel's ``normalization_table``."""
+    c = table.shape[0]
+    offsets = torch.arange(0, 256 * c, 256, device=images.device).view(c, 1, 1)
+    return table.view(-1)[images.long() + offsets]
 
 
 class ImageDataset(EpochAware):
@@ -45,7 +50,7 @@ class ImageDataset(EpochAware):
                              f"{tuple(images.shape)} and {tuple(labels.shape)} labels")
         self.images, self.labels, self.info = images, labels, info
         self.crop, self.seed = (crop if crop is not None and crop.active else None), seed
-        self.mean, self.std = channel_stats(info)
+        self.table = normalization_table(info)
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -55,7 +60,7 @@ class ImageDataset(EpochAware):
         if self.crop is not None:
             top, left, flipped = self.crop.draw(self.seed, self.epoch, index)
             x = crop_flip_one(x, top, left, flipped, self.crop.pad)
-        return normalize(x, self.mean, self.std)
+        return normalize(x, self.table)
 
     def __getitem__(self, index: int):
         return self.image(index), self.labels[index]

@@ -1,13 +1,13 @@
 """The device-resident pipeline: a whole split lives on the training device as uint8 (zero-padded
 once when random crops are on), and each batch is assembled there: the epoch's order
 (``shard_order``), crops and flips (one gather), OT-ViT's same-class partners (table lookups) and
-normalisation. No worker processes, no host-to-device copy per batch and no host sync: every
+normalisation (a lookup in a 256-entry table per channel). No worker processes, no host-to-device copy per batch and no host sync: every
 random number comes from the counter-based streams, computed on the device once per epoch for
 every image.
 
 Batches equal those of the DataLoader pipeline (``data.ImageDataset`` / ``PartnerDataset`` under an
 ``EpochShardSampler``) for the same seed, bit for bit: same order, same crops and flips, same
-partners, same normalisation arithmetic."""
+partners, the same normalisation table."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .augment import CropFlip, crop_flip_gather, pad_split
-from .data import channel_stats, normalize
+from .data import normalization_table, normalize
 from .datasets import DatasetInfo
 from .samplers import SameClassPartnerSampler, shard_order
 
@@ -37,7 +37,7 @@ class DeviceTrainData:
         self.size = tuple(images.shape[-2:])
         self.images = pad_split(images, self.crop.pad if self.crop else 0).to(self.device)
         self.labels = labels.to(self.device, torch.int64)
-        self.mean, self.std = channel_stats(info, self.device)
+        self.table = normalization_table(info, self.device)
         self.batch_size, self.seed, self.rank, self.world = batch_size, int(seed), rank, world
         self.n_images = labels.shape[0]
         self.partners = (None if partner_prob is None else
@@ -74,7 +74,7 @@ class DeviceTrainData:
             d = self.draws(epoch)
             raw = crop_flip_gather(self.images, index, d["top"][index], d["left"][index], d["flipped"][index],
                                    self.size)
-        return normalize(raw, self.mean, self.std).contiguous(memory_format=self.memory_format)
+        return normalize(raw, self.table).contiguous(memory_format=self.memory_format)
 
     def batch(self, index: torch.Tensor, epoch: int) -> tuple:
         x, y = self.pixels(index, epoch), self.labels[index]
@@ -101,7 +101,7 @@ class DeviceEvalData:
         index = torch.arange(rank, labels.shape[0], world)
         self.images = images[index].to(self.device)
         self.labels = labels[index].to(self.device, torch.int64)
-        self.mean, self.std = channel_stats(info, self.device)
+        self.table = normalization_table(info, self.device)
         self.batch_size = batch_size
         self.n_images = labels.shape[0]
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -111,5 +111,5 @@ class DeviceEvalData:
 
     def __iter__(self):
         for start in range(0, self.labels.shape[0], self.batch_size):
-            x = normalize(self.images[start:start + self.batch_size], self.mean, self.std)
+            x = normalize(self.images[start:start + self.batch_size], self.table)
             yield x.contiguous(memory_format=self.memory_format), self.labels[start:start + self.batch_size]
