@@ -24,9 +24,8 @@ LAYERS = [(name, {}) for name in ("softmax", "l2", "sinkhorn", "sigmoid", "relu"
     ("fenchel", {"backend": "cpu", "preference": "t5", "num_buckets": 8, "max_distance": 16}),
     ("masked", {"backend": "cpu", "kind": "relu"}),
 ]
-# OT's CPU backend (ops/ot/cpu.py) checks convergence with bool(tensor.any()): a data-dependent
-# branch, so dynamo splits its graph there. Everything else must trace as one graph.
-GRAPH_BREAKS_EXPECTED = {"ot"}
+# every layer traces as one graph (torch.compile(fullgraph=True) works)
+GRAPH_BREAKS_EXPECTED: set = set()
 
 
 class Zoo(nn.Module):
@@ -91,7 +90,7 @@ def test_every_layer_compiles_with_inductor():
 
 
 def test_no_graph_breaks():
-    """Dynamo traces every layer but OT as one graph: the dispatcher's choice and the custom op are
+    """Dynamo traces every layer as one graph: the dispatcher's choice and the custom ops are
     traceable (explain only traces; nothing is compiled)."""
     torch._dynamo.reset()
     model = Zoo([(n, kw) for n, kw in LAYERS if n not in GRAPH_BREAKS_EXPECTED])

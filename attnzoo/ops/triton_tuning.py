@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from .triton_utils import HAVE_TRITON, INTERPRETED
+from .triton_utils import HAVE_TRITON, INTERPRETED, quick_bench
 
 if HAVE_TRITON:
     import triton
@@ -105,7 +105,7 @@ class TunedKernel:
             chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
             return self.fn, {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
         if cls not in self._tuners:
-            self._tuners[cls] = triton.autotune(configs=candidates, key=self.key)(self.fn)
+            self._tuners[cls] = triton.autotune(configs=candidates, key=self.key, do_bench=quick_bench)(self.fn)
         return self._tuners[cls], {}
 
 

@@ -20,6 +20,7 @@ import torch
 try:  # triton is an optional dependency: without it the backends say so and never run
     import triton
     import triton.language as tl
+    import triton.testing
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - the dev environment has triton
     triton = None
@@ -93,6 +94,24 @@ def kernel_op(name: str, *, mutates_args=()):
         op.register_fake(fn)
         return op
     return register
+
+
+def quick_bench(kernel_call, quantiles):
+    """The autotuners' timing of one candidate: ``triton.testing.do_bench`` with 5 ms of warm-up and
+    20 ms of repeats instead of its 25 / 100 (tens of samples of a millisecond kernel are enough to
+    rank a handful of tiles; the default made tuning dominate a short GPU session)."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def launcher(kernel):
+    """What a host function indexes with the grid to launch ``kernel``: ``wrap_triton(kernel)`` on a
+    GPU, so torch.compile records the launch in its graph; the kernel itself under the interpreter,
+    where nothing is traced (the ops are opaque there, see ``kernel_op``) and torch 2.11's
+    ``wrap_triton`` refuses interpreted kernels."""
+    if INTERPRETED:
+        return kernel
+    from torch.library import wrap_triton
+    return wrap_triton(kernel)
 
 
 def eager_under_interpreter(fn):

@@ -26,11 +26,10 @@ import torch
 from torch import Tensor
 
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, MAX_HEAD_DIM, device_reason, dot_precision, kernel_mask,
-                            kernel_op, tracing_only)
+                            kernel_op, launcher, tracing_only)
 
 if HAVE_TRITON:
     import triton
-    from torch.library import wrap_triton
 
     from . import triton_kernels as kern
 
@@ -136,10 +135,10 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, av.shape[2])
     unused = _unused(dev)
-    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
+    launcher(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
         q, ak, m, lu, ec, lz, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
         HAS_DOUT=False, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
-    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
+    launcher(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
         k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
         IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
     pbm, pbn, pbk = tiles["pair"]
@@ -148,15 +147,15 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
     tbad = torch.empty(grid, dtype=torch.int32, device=dev)
     small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
-    wrap_triton(kern._pair_kernel)[grid](
+    launcher(kern._pair_kernel)[grid](
         ec, eg, unused, lu, lz, m, r, unused, unused, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
         BACKWARD=False, NEED_UG=False, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
     out = torch.empty((n, nq, dv), dtype=torch.float32, device=dev)
     obm, obn, obt = tiles["out"]
-    wrap_triton(kern._out_kernel)[(n, triton.cdiv(nq, obm))](
+    launcher(kern._out_kernel)[(n, triton.cdiv(nq, obm))](
         ec, eg, r, av, out, nq, nk, na, dv, BM=obm, BN=obn, BT=obt, BDV=cfg["BDV"], **small, **launch["out"])
     fb, fbt = tiles["fallback"]
-    wrap_triton(kern._fallback_fwd_kernel)[grid](
+    launcher(kern._fallback_fwd_kernel)[grid](
         q, k, ak, av, m, lu, lz, bad, tbad, out, nq, nk, na, d, dv, sc, sg, b0, heads, *ms,
         CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
     return out.to(q.dtype)
@@ -178,10 +177,10 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, dv)
     unused = _unused(dev)
-    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
+    launcher(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
         q, ak, m, lu, ec, lz, dout, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True, HAS_DOUT=True,
         BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
-    wrap_triton(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
+    launcher(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
         k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
         IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
     pbm, pbn, pbk = tiles["pair_bwd"]
@@ -191,24 +190,24 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
     bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
     grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
     tbad = torch.empty(grid, dtype=torch.int32, device=dev)
-    wrap_triton(kern._pair_kernel)[grid](
+    launcher(kern._pair_kernel)[grid](
         ec, eg, edw, lu, lz, m, r, rg, ug, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
         BACKWARD=True, NEED_UG=need_dlu, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
     dc = torch.empty((n, nq, na), dtype=q.dtype, device=dev)
     dav = torch.empty((n, na, dv), dtype=torch.float32, device=dev)
     cbm, cbn, cbt = tiles["dc"]
-    wrap_triton(kern._dc_kernel)[(n, triton.cdiv(na, cbt))](
+    launcher(kern._dc_kernel)[(n, triton.cdiv(na, cbt))](
         ec, eg, r, rg, av, dout, delta, dc, dav, nq, nk, na, dv, sc, BM=cbm, BN=cbn, BT=cbt, BDV=cfg["BDV"],
         **small, **launch["dc"])
     dg = torch.empty((n, nk, na), dtype=q.dtype, device=dev)
     gbn, gbt, gbm = tiles["dg"]
-    wrap_triton(kern._dg_kernel)[(n, triton.cdiv(nk, gbn), triton.cdiv(na, gbt))](
+    launcher(kern._dg_kernel)[(n, triton.cdiv(nk, gbn), triton.cdiv(na, gbt))](
         ec, eg, r, rg, edw, dg, nq, nk, na, sg, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"])
     dq_fb = torch.zeros((n, nq, d), dtype=torch.float32, device=dev)
     dk_fb = torch.zeros((n, nk, d), dtype=torch.float32, device=dev)
     dak_fb = torch.zeros((n, na, d), dtype=torch.float32, device=dev)
     fb, fbt = tiles["fallback"]
-    wrap_triton(kern._fallback_bwd_kernel)[grid](
+    launcher(kern._fallback_bwd_kernel)[grid](
         q, k, ak, av, dout, delta, m, lu, lz, bad, tbad, ug, dav, dq_fb, dk_fb, dak_fb, nq, nk, na, d, dv, sc, sg,
         b0, heads, *ms, NEED_UG=need_dlu, CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
     with torch.autocast(dev.type, enabled=False):   # the input dtype, whatever autocast says
@@ -220,7 +219,7 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
         row_sums = ug.sum(-1).contiguous()
         dlu = torch.empty((n, nk), dtype=torch.float32, device=dev)
         t = 16 if INTERPRETED else 64
-        wrap_triton(kern._dlu_kernel)[(n, triton.cdiv(nk, t))](
+        launcher(kern._dlu_kernel)[(n, triton.cdiv(nk, t))](
             ug, row_sums, lu, lz, m, dlu, nq, nk, b0, heads, *ms, BM=t, BN=t, **flags)
     return dq.to(q.dtype), dk.to(k.dtype), dak.to(ak.dtype), dav.to(av.dtype), dlu
 

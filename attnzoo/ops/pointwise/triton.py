@@ -18,12 +18,11 @@ from torch import Tensor
 from .. import triton_tuning as tuning
 from ..triton_dropout import call_seed, dropout_flag
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
-                            kernel_op, mask_shape, reduce_to_shape, tracing_only)
+                            kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR, SIGMOID_EXACT, SIGMOID_EXP2, SIGMOID_TANH
 
 if HAVE_TRITON:
     import triton
-    from torch.library import wrap_triton
 
     from .triton_kernels import pointwise_bwd_dkdv_kernel, pointwise_bwd_dq_kernel, pointwise_fwd_kernel
 
@@ -90,7 +89,7 @@ if HAVE_TRITON:
         if tracing_only(q):
             return out, n_rows
         kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, out, n_rows, m, rows, seed if dropout else m,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
             *sizes, scale, bias_scalar, dropout_p, **meta, **tiles)
@@ -117,10 +116,10 @@ if HAVE_TRITON:
         strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
         scalars = (scale, bias_scalar, dropout_p)
         kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
             q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, *scalars, **meta, **tiles)
         kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes,
             *scalars, **meta, **tiles)
         return dq, dk, dv, dbias

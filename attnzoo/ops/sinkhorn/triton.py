@@ -33,9 +33,8 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
-from torch.library import wrap_triton
 
-from ..triton_utils import INTERPRETED, dot_precision, kernel_op, tracing_only
+from ..triton_utils import INTERPRETED, dot_precision, kernel_op, launcher, quick_bench, tracing_only
 from . import triton_kernels as K
 from .cpu import check_options
 from .streaming import Problem, causal_by_prefix, sinkhorn_potentials, streaming_backward
@@ -127,8 +126,8 @@ def _tuner(kernel, cands, reset):
     key = (kernel.fn.__name__, cands)
     if key not in _TUNERS:
         configs = [triton.Config(dict(BLOCK_X=bx, BLOCK_Y=by), num_warps=w, num_stages=s) for bx, by, w, s in cands]
-        _TUNERS[key] = triton.autotune(configs, key=["tune_nx", "tune_ny", "D"],
-                                       reset_to_zero=list(reset) or None)(kernel)
+        _TUNERS[key] = triton.autotune(configs, key=["tune_nx", "tune_ny", "D"], reset_to_zero=list(reset) or None,
+                                       do_bench=quick_bench)(kernel)
     return _TUNERS[key]
 
 
@@ -151,14 +150,14 @@ def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
         # eagerly only, while tracing for torch.compile it takes the first candidate
         if len(cands) > 1 and bh * nx * ny >= AUTOTUNE_MIN_WORK and not (reset and _is_fake(x)):
             grid = lambda META: (triton.cdiv(nx, META["BLOCK_X"]), bh)
-            wrap_triton(_tuner(kernel, cands, reset))[grid](*args, **meta)
+            launcher(_tuner(kernel, cands, reset))[grid](*args, **meta)
             return
         cands = cands[:1]
     elif INTERPRETED:
         cands = cands[:1]
     for bx, by, warps, stages in cands:  # off a GPU without the interpreter: launches are intercepted
         opts = {} if INTERPRETED else dict(num_warps=warps, num_stages=stages)
-        wrap_triton(kernel)[(triton.cdiv(nx, bx), bh)](*args, **meta, BLOCK_X=bx, BLOCK_Y=by, **opts)
+        launcher(kernel)[(triton.cdiv(nx, bx), bh)](*args, **meta, BLOCK_X=bx, BLOCK_Y=by, **opts)
 
 
 class TritonEngine:
@@ -208,7 +207,7 @@ class TritonEngine:
         out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
         block = 16 if INTERPRETED else 64
         opts = {} if INTERPRETED else dict(num_warps=4)
-        wrap_triton(K._row_dot_kernel)[(triton.cdiv(rows, block),)](a, b, out, rows, d, BLOCK_R=block,
+        launcher(K._row_dot_kernel)[(triton.cdiv(rows, block),)](a, b, out, rows, d, BLOCK_R=block,
                                                                       BLOCK_D=_block(d), **opts)
         return out
 

@@ -29,11 +29,10 @@ from .. import validate as V
 from ..triton_dropout import call_seed, dropout_flag
 from .. import triton_tuning as tuning
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
-                            kernel_op, mask_shape, reduce_to_shape, tracing_only)
+                            kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
 
 if HAVE_TRITON:
     import triton
-    from torch.library import wrap_triton
 
     from .triton_kernels import softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel, softmax_fwd_kernel
 
@@ -108,7 +107,7 @@ if HAVE_TRITON:
         if tracing_only(q):
             return out, lse
         kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts,
             *_sizes(q, k, v), scale, dropout_p, **meta, **flags, **tiles)
@@ -144,11 +143,11 @@ if HAVE_TRITON:
         # output, so that flavour launches the default tiles
         kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout,
                                              tune=not flags["HAS_T5"])
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
             q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
             dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
         kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        wrap_triton(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
+        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
             q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
         return dq, dk, dv, dpref, dtable
 
