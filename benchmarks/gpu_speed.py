@@ -14,10 +14,11 @@ still leaves everything measured so far:
    --max-call-ms are skipped as such;
 3. correctness: every CUDA backend against float64 at awkward shapes (bf16, fp16, fp32);
 4. train: timm ViT-S/16 training images/s with each layer;
-5. compile: torch.compile(fullgraph=True) of every layer with the default backend.
+5. compile: torch.compile(fullgraph=True) of every layer with the default backend;
+6. paper: paper 004's ViT and OT-ViT training images/s (attnzoo.train.throughput), compiled and eager.
 Outputs (in --out, default benchmarks/results/gpu/<device>): speed.json, speed.md (summary table
 in the issues' format + every row), speed.png, correctness.json, train.json, compile.json,
-rows.jsonl, log.txt, and measured_table.json, which is what attnzoo/ops/measured_tables/<device>.json
+paper.json, rows.jsonl, log.txt, and measured_table.json, which is what attnzoo/ops/measured_tables/<device>.json
 (read by ``auto``) is copied from.
 
 On a CPU it runs as a dry run of its own code (--device cpu with tiny shapes; the Triton backends
@@ -41,11 +42,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from gpu import cases as C  # noqa: E402
-from gpu import compile_check, correctness, report, timing, train_speed, warm  # noqa: E402
+from gpu import compile_check, correctness, paper_speed, report, timing, train_speed, warm  # noqa: E402
 
-PHASES = ("warm", "speed", "correctness", "train", "compile")
+PHASES = ("warm", "speed", "correctness", "train", "compile", "paper")
 # share of the budget each phase may use (what a phase leaves unused goes to the next ones)
-SHARES = {"warm": 0.32, "speed": 0.33, "correctness": 0.12, "train": 0.12, "compile": 0.11}
+SHARES = {"warm": 0.32, "speed": 0.33, "correctness": 0.12, "train": 0.12, "compile": 0.11, "paper": 0.15}
 
 
 def parse(argv=None):
@@ -130,6 +131,8 @@ class Run:
             jobs += [("compile", (dev, name)) for name in compile_check.NAMES]
         if "train" in phases:
             jobs += [("train", (dev, spec, self.train_batch)) for spec in train_speed.LAYERS]
+        if "paper" in phases:
+            jobs += [("paper", (dev, label)) for label, _, _ in paper_speed.RUNS]
         if "speed" in phases:
             jobs += [("speed", (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
         if "correctness" in phases:
@@ -197,13 +200,17 @@ class Run:
     def phase_compile(self):
         return compile_check.run(self.device, self.deadline("compile"), self.log)
 
+    def phase_paper(self):
+        steps = (10, 50) if self.device.type == "cuda" else (1, 2)
+        return paper_speed.run(self.device, self.deadline("paper"), self.log, steps=steps[1], warmup=steps[0])
+
     # -- outputs ----------------------------------------------------------------------------------
     def write(self, results: dict):
         rows = self.rows
         meta = {"device": self.info, "args": {k: str(v) for k, v in vars(self.args).items()},
                 "seconds": round(time.time() - self.start, 1)}
         report.write_json({"meta": meta, "rows": rows}, self.out / "speed.json")
-        for name in ("correctness", "train", "compile", "warm"):
+        for name in ("correctness", "train", "compile", "paper", "warm"):
             if results.get(name) is not None:
                 report.write_json({"meta": meta, "rows": results[name]}, self.out / f"{name}.json")
         if rows:
