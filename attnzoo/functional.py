@@ -17,7 +17,6 @@ the output rows it takes part in. A batch or head count of 0 gives an empty outp
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -119,7 +118,7 @@ def sigmoid(q, k, v, attn_mask=None, is_causal=False, scale=None, *, bias=None, 
             bias = V.as_4d(bias)
         else:
             bias = V.check_real("bias", bias)
-            if not math.isfinite(bias):
+            if not V.is_finite(bias):
                 raise ValueError(f"bias must be finite, got {bias}")
     return _run("sigmoid", backend, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                 bias=bias, dropout_p=dropout_p)

@@ -320,6 +320,20 @@ def ot_calls(dtype_name):
 AUTOCAST_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
+def with_fp64_scalars(jobs):
+    """The jobs again with every float scalar argument typed fp64: inductor hands a user kernel the
+    Python floats of a torch.compile'd call as fp64 scalars (the JIT types them fp32), so a kernel
+    whose loop-carried fp32 values meet an uncast scalar compiles eagerly and fails under
+    torch.compile ("initial type fp32 but is re-assigned to fp64")."""
+    out = []
+    for job in jobs:
+        sig = {name: ("fp64" if kind == "fp32" else kind) for name, kind in dict(job.signature).items()}
+        if sig != dict(job.signature):
+            out.append(Job(job.fn, sig, job.constexprs, job.attrs, job.options,
+                           [label + " fp64 scalars" for label in job.labels]))
+    return out
+
+
 def captured_jobs(dtypes, target, families, autocast="both"):
     """Every launch of the families' host paths, for each input dtype; with autocast, the same calls
     also run inside ``torch.autocast("cpu", dtype=torch.bfloat16)``: the host-side matmuls then return
@@ -468,6 +482,9 @@ def main(argv=None):
                              "(what CUDA autocast hands the kernels), or both")
     parser.add_argument("--match", default=None,
                         help="compile only the captured jobs with a call label containing this text (e.g. 'D=64 ')")
+    parser.add_argument("--scalars", default="fp32", choices=("fp32", "fp64", "both"),
+                        help="type of float scalar arguments: fp32 as the JIT launches them, fp64 as inductor does "
+                             "under torch.compile, or both")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100), 80 (A100)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
     parser.add_argument("--out", help="also write the table as Markdown to this path")
@@ -480,6 +497,8 @@ def main(argv=None):
     if args.match is not None:
         captured = [job for job in captured if any(args.match in label for label in job.labels)]
     jobs += captured
+    if args.scalars != "fp32":
+        jobs = (jobs if args.scalars == "both" else []) + with_fp64_scalars(jobs)
     print(f"{len(jobs)} kernel specialisations to compile for sm_{args.arch} (shared memory limit {limit} B)", flush=True)
     rows = []
     for job, res in zip(jobs, compile_all(jobs, args.arch, args.workers)):

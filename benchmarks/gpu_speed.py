@@ -63,7 +63,13 @@ def parse(argv=None):
     p.add_argument("--max-call-ms", type=float, default=1500.0)
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--train-batch", type=int, default=128)
+    p.add_argument("--shapes", nargs="*", default=None, metavar="D:N:causal",
+                   help="explicit shapes instead of head dims x seq lens x causal, e.g. 128:4096:no 64:16384:yes")
     p.add_argument("--only", nargs="*", default=None, help="substrings of case labels to keep")
+    p.add_argument("--correctness-dtypes", nargs="+", choices=("bfloat16", "float16", "float32"),
+                   default=["bfloat16", "float16", "float32"])
+    p.add_argument("--train-layers", nargs="*", default=None, help="layer specs for the train phase (default: all)")
+    p.add_argument("--paper-runs", nargs="*", default=None, help="run labels for the paper phase (default: all)")
     return p.parse_args(argv)
 
 
@@ -108,6 +114,12 @@ class Run:
 
     def shapes(self):
         dtype = torch.bfloat16
+        if self.args.shapes:
+            out = []
+            for spec in self.args.shapes:
+                d, n, causal = spec.split(":")
+                out += C.benchmark_shapes([int(d)], [int(n)], [causal == "yes"], self.args.tokens, self.args.hidden, dtype)
+            return out
         return C.benchmark_shapes(self.args.head_dims, self.args.seq_lens, [c == "yes" for c in self.args.causal],
                                   self.args.tokens, self.args.hidden, dtype)
 
@@ -130,9 +142,9 @@ class Run:
         if "compile" in phases:
             jobs += [("compile", (dev, name)) for name in compile_check.NAMES]
         if "train" in phases:
-            jobs += [("train", (dev, spec, self.train_batch)) for spec in train_speed.LAYERS]
+            jobs += [("train", (dev, spec, self.train_batch)) for spec in self.train_layers]
         if "paper" in phases:
-            jobs += [("paper", (dev, label)) for label, _, _ in paper_speed.RUNS]
+            jobs += [("paper", (dev, label)) for label in self.paper_runs]
         if "speed" in phases:
             jobs += [("speed", (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
         if "correctness" in phases:
@@ -183,11 +195,21 @@ class Run:
 
     @property
     def dtypes(self):
-        return [torch.bfloat16, torch.float16, torch.float32] if self.device.type == "cuda" else [torch.float32]
+        if self.device.type != "cuda":
+            return [torch.float32]
+        return [getattr(torch, name) for name in self.args.correctness_dtypes]
 
     @property
     def train_batch(self):
         return self.args.train_batch if self.device.type == "cuda" else 2
+
+    @property
+    def train_layers(self):
+        return self.args.train_layers if self.args.train_layers is not None else train_speed.LAYERS
+
+    @property
+    def paper_runs(self):
+        return self.args.paper_runs if self.args.paper_runs is not None else [r[0] for r in paper_speed.RUNS]
 
     def phase_correctness(self):
         return correctness.run(self.device, self.dtypes, self.deadline("correctness"), self.log)
@@ -195,14 +217,15 @@ class Run:
     def phase_train(self):
         steps = (3, 8) if self.device.type == "cuda" else (1, 1)
         return train_speed.run(self.device, self.deadline("train"), self.log, batch=self.train_batch,
-                               warmup=steps[0], steps=steps[1])
+                               warmup=steps[0], steps=steps[1], layers=self.train_layers)
 
     def phase_compile(self):
         return compile_check.run(self.device, self.deadline("compile"), self.log)
 
     def phase_paper(self):
         steps = (10, 50) if self.device.type == "cuda" else (1, 2)
-        return paper_speed.run(self.device, self.deadline("paper"), self.log, steps=steps[1], warmup=steps[0])
+        return paper_speed.run(self.device, self.deadline("paper"), self.log, steps=steps[1], warmup=steps[0],
+                               runs=self.paper_runs)
 
     # -- outputs ----------------------------------------------------------------------------------
     def write(self, results: dict):

@@ -100,6 +100,15 @@ def check_values(name: str, t, what: str = "-inf (the key does not take part) bu
     raise ValueError(f"{name} holds {n_nan} NaN and {n_inf} +inf entries; it may hold finite values and {what}")
 
 
+def is_finite(value: float) -> bool:
+    """math.isfinite for the scalars of a call. While torch.compile traces, a float attribute of a module
+    can be a symbolic float, which dynamo cannot pass to math.isfinite (torch 2.11 fails the whole graph
+    there); the value was checked when the module was built, so it is taken as finite."""
+    if torch.compiler.is_compiling():
+        return True
+    return math.isfinite(value)
+
+
 def check_real(name: str, value) -> float:
     """A Python / numpy real number (not bool, str or Tensor) as a float."""
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
@@ -120,14 +129,14 @@ def resolve_scale(scale, q, default=None) -> float:
     if isinstance(scale, torch.Tensor):
         raise TypeError("scale must be a Python float, got a Tensor")
     scale = check_real("scale", scale)
-    if not math.isfinite(scale):
+    if not is_finite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return scale
 
 
 def check_positive(name: str, value, allow_zero: bool = False) -> float:
     value = check_real(name, value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if not is_finite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be finite and {bound}, got {value}")
     return value

@@ -18,9 +18,9 @@ RUNS = [
 ]
 
 
-def run(device, deadline: float, log, steps=50, warmup=10) -> list[dict]:
+def run(device, deadline: float, log, steps=50, warmup=10, runs=None) -> list[dict]:
     rows = []
-    for label, config, overrides in RUNS:
+    for label, config, overrides in [r for r in RUNS if runs is None or r[0] in runs]:
         if time.time() > deadline:
             log(f"paper: deadline reached before {label}")
             break

@@ -39,8 +39,26 @@ def peak_extra_mb(fn, device) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
 
 
-def measure(built, device, directions=("fwd", "fwd+bwd"), warmup_ms=10, rep_ms=40) -> dict:
-    """{"fwd": ms, "fwd+bwd": ms, "first_call_s": s, "mem_fwd_mb", "mem_fwd_bwd_mb"}."""
+def _timed_once(fn, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _steady_ms(fn, device, leaves, warmup_ms, rep_ms, single_call_ms) -> tuple[float, bool]:
+    """(median ms, sampled): one synchronised call first; a call slower than ``single_call_ms`` is
+    that one sample (do_bench would repeat it for seconds), a faster one goes to do_bench."""
+    once = _timed_once(fn, device)
+    if once > single_call_ms:
+        return once, False
+    return median_ms(fn, device, leaves, warmup_ms, rep_ms), True
+
+
+def measure(built, device, directions=("fwd", "fwd+bwd"), warmup_ms=10, rep_ms=40, single_call_ms=150.0) -> dict:
+    """{"fwd": ms, "fwd+bwd": ms, "first_call_s": s, "mem_fwd_mb", "mem_fwd_bwd_mb"}; rows slower than
+    ``single_call_ms`` per call are one synchronised call ("single_call": true)."""
     out = {}
     start = time.perf_counter()
     with torch.no_grad():
@@ -49,8 +67,10 @@ def measure(built, device, directions=("fwd", "fwd+bwd"), warmup_ms=10, rep_ms=4
     out["first_call_s"] = time.perf_counter() - start
     if "fwd" in directions:
         with torch.no_grad():
-            out["fwd"] = median_ms(built.forward, device, (), warmup_ms, rep_ms)
+            out["fwd"], sampled = _steady_ms(built.forward, device, (), warmup_ms, rep_ms, single_call_ms)
             out["mem_fwd_mb"] = peak_extra_mb(built.forward, device)
+        if not sampled:
+            out["single_call"] = True
     if "fwd+bwd" in directions and any(t.requires_grad for t in built.leaves):
         probe = built.forward()
         grad = torch.randn_like(probe)
@@ -60,7 +80,9 @@ def measure(built, device, directions=("fwd", "fwd+bwd"), warmup_ms=10, rep_ms=4
             built.forward().backward(grad)
         step()  # the backward's first launch (compile / autotune)
         _sync(device)
-        out["fwd+bwd"] = median_ms(step, device, built.leaves, warmup_ms, rep_ms)
+        out["fwd+bwd"], sampled = _steady_ms(step, device, built.leaves, warmup_ms, rep_ms, single_call_ms)
+        if not sampled:
+            out["single_call"] = True
         for t in built.leaves:
             t.grad = None
         out["mem_fwd_bwd_mb"] = peak_extra_mb(step, device)

@@ -45,9 +45,9 @@ def images_per_second(spec: str, device, batch: int, warmup: int, steps: int) ->
             "finite": bool(torch.isfinite(loss))}
 
 
-def run(device, deadline: float, log, batch=128, warmup=3, steps=10) -> list[dict]:
+def run(device, deadline: float, log, batch=128, warmup=3, steps=10, layers=None) -> list[dict]:
     rows = []
-    for spec in LAYERS:
+    for spec in LAYERS if layers is None else layers:
         if time.time() > deadline:
             log(f"train: deadline reached before {spec}")
             break

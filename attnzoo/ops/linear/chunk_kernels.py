@@ -39,6 +39,16 @@ if HAVE_TRITON:
     from ..triton_utils import mm
 
     @triton.jit
+    def _scalar(x, FP64: tl.constexpr):
+        """A float scalar argument in the accumulator dtype (tl.cast: under the interpreter it is a
+        Python float)."""
+        if FP64:
+            y = tl.cast(x, tl.float64)
+        else:
+            y = tl.cast(x, tl.float32)
+        return y
+
+    @triton.jit
     def _wide(x, FP64: tl.constexpr):
         """x in the accumulator dtype."""
         if FP64:
@@ -126,6 +136,7 @@ if HAVE_TRITON:
         """HS[bh, c] = H_c (the (BK, BV) tile of this program), ZS[bh, c] = z_c: a scan over the chunks.
         MEAN_STATE (fp16 states): H_c / (keys it sums) is stored, which cannot pass fp16's 65504 where
         the sum would (a v with a mean over a long sequence); its readers multiply the count back."""
+        scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
         K += b * stride_kb + h * stride_kh
@@ -168,6 +179,7 @@ if HAVE_TRITON:
         """out for one chunk and one (CHUNK, BV) column tile; RDEN (MODE 2) gets r for the backward.
         EPS_PER_HEAD: the normaliser's 1e-6 comes per batch x head from EPS_BH (a float key mask's
         weights are exp(mask - shift), so its epsilon is 1e-6 exp(-shift))."""
+        scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
@@ -238,6 +250,7 @@ if HAVE_TRITON:
                                UPCAST: tl.constexpr, PREC: tl.constexpr):
         """DHS[bh, c] = dH_c, DZS[bh, c] = dz_c (sums over the chunks after c): a scan from the last chunk;
         DS0 / DZ0 get the sums over every chunk (the gradient of the initial state)."""
+        scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
@@ -275,6 +288,7 @@ if HAVE_TRITON:
                    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                    MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """dv for one chunk and one column tile: (r-scaled causal weights)^T dO + phi(k) dH_c."""
+        scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh
@@ -309,6 +323,7 @@ if HAVE_TRITON:
                     MODE: tl.constexpr, MEAN_STATE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr,
                     PREC: tl.constexpr):
         """dq and dk for one chunk and one (CHUNK, BK) head-dim tile."""
+        scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, c = _chunk_ids(D, BK)
         b, h = bh // H, bh % H
         Q += b * stride_qb + h * stride_qh

@@ -15,8 +15,9 @@ time, so the extra memory stays near CHUNK_BYTES whatever B * H is. dq, dk, d a_
 of dC, dG (in the input dtype, like FlashAttention's dS) with a_k, q, k.
 
 Precision: logits from input-dtype operands with fp32 accumulation, fp32 maxima / normalisers /
-accumulators everywhere, exponentials and R in bfloat16 for 16-bit inputs (float32 for float32
-inputs, exact fp32 products unless the user allowed TF32). float64 is refused (use backend='cpu').
+accumulators everywhere, exponentials and R in bfloat16 for bfloat16 inputs, float32 on TF32 tensor
+cores for float16 inputs (R needs float32's range), float32 for float32 inputs (exact fp32 products
+unless the user allowed TF32). float64 is refused (use backend='cpu').
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def supports_ot_triton(q, k, v, attn_mask=None, dropout_p=0.0, **kw):
 
 
 def _operand_dtype(dtype):
-    """The dtype of the exponentials and R, RG, EDW as matmul operands."""
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+    """The dtype of the exponentials and R, RG, EDW as matmul operands. R = u / S reaches 2^90, past
+    float16's range: bfloat16 inputs use bfloat16 operands (their own precision), float16 inputs
+    float32 operands on TF32 tensor cores (float16's 10-bit mantissa with float32's range)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _config(q, dv):
@@ -76,7 +79,7 @@ def _config(q, dv):
         return cfg, dict(exp=(t, t), pair=(t, t, t), pair_bwd=(t, t, t), out=(t, t, t), dc=(t, t, t),
                          dg=(t, t, t), fallback=(16, 16)), {k: {} for k in ("exp", "pair", "out", "dc", "dg", "fb")}
     wide = max(bd, bdv) >= 128
-    if q.dtype == torch.float32:   # fp32 operands: half the tile of the 16-bit path's registers
+    if _operand_dtype(q.dtype) == torch.float32:   # fp32 operands: half the tile of the 16-bit path's registers
         tiles = dict(exp=(32, 32), pair=(64, 64, 16), pair_bwd=(64, 32, 16), out=(32, 32, 32),
                      dc=(32, 32, 32), dg=(64, 32, 32), fallback=(16, 16))
         stages = 2
@@ -97,7 +100,7 @@ def _config(q, dv):
 def pair_bytes(nq, nk, na, d, dv, dtype, backward):
     """Bytes of temporaries per (batch, head) pair: EC, EG, R, flags, fp32 out (forward); EDW, RG, UG,
     dC, dG and the fp32 gradient buffers on top (backward)."""
-    op = 4 if dtype == torch.float32 else 2
+    op = _operand_dtype(dtype).itemsize
     el = torch.finfo(dtype).bits // 8
     per = (nq + nk) * na * op + nq * nk * (op + 1) + nq * dv * 4
     if backward:

@@ -106,6 +106,7 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, DOUT, AV, DELTA, EDW,
     """E = exp(L - max_t L) for the logits L = C (IS_QUERY: rows are queries, with the mask) or G (rows
     are keys). Queries also get lz (logsumexp of lu over kept keys) and, with HAS_DOUT, EDW = E * dW
     with dW_it = dout_i . a_v_t - delta_i (see _dc_kernel for the shift)."""
+    sc = tl.cast(sc, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi = _bh(), tl.program_id(1)
     ri, rd = pi * BM + tl.arange(0, BM), tl.arange(0, BD)
     X, AK, E = X + bh * NR * D, AK + bh * NA * D, E + bh * NR * NA
@@ -161,6 +162,7 @@ def _pair_kernel(EC, EG, EDW, LU, LZ, MASK, R, RG, UG, BAD, TBAD,
     """R = u / S per (query, source) pair, S = EC @ EG^T; bad pairs (S <= SAFE, u > 0) get R = 0,
     BAD = 1 and count in TBAD (one int per tile). BACKWARD: also T = EDW @ EG^T, g = T / S,
     RG = R * g and (NEED_UG) UG = u * g."""
+    SAFE = tl.cast(SAFE, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
     ri, rj, rk = pi * BM + tl.arange(0, BM), pj * BN + tl.arange(0, BN), tl.arange(0, BK)
     EC, EG = EC + bh * NQ * NA, EG + bh * NK * NA
@@ -224,6 +226,7 @@ def _dc_kernel(EC, EG, R, RG, AV, DOUT, DELTA, DC, DAV, NQ, NK, NA, DV, sc,
     amount) and so does the gradient of u (softmax over j per query); shifting by
     delta_i = dout_i . out_i = sum_t W_it dW_it, FlashAttention's delta, centres dW and makes the
     cancellation relative to |dW - delta| instead of |dW|."""
+    sc = tl.cast(sc, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pt = _bh(), tl.program_id(1)
     rt, rdv = pt * BT + tl.arange(0, BT), tl.arange(0, BDV)
     EC, EG, R, RG = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, RG + bh * NQ * NK
@@ -254,6 +257,7 @@ def _dg_kernel(EC, EG, R, RG, EDW, DG, NQ, NK, NA, sg,
                BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """sg * dG = sg * EG * (R^T @ EDW - RG^T @ EC) for BN sources x BT templates."""
+    sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pj, pt = _bh(), tl.program_id(1), tl.program_id(2)
     rj, rt = pj * BN + tl.arange(0, BN), pt * BT + tl.arange(0, BT)
     EC, EDW = EC + bh * NQ * NA, EDW + bh * NQ * NA
@@ -336,6 +340,8 @@ def _fallback_fwd_kernel(Q, K, AK, AV, MASK, LU, LZ, BAD, TBAD, OUT,
                          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """out_i += sum_{j bad} u_ij sum_t softmax_t(C_it + G_jt) a_v_t for the pair tile (CBM x CBN) of
     _pair_kernel on grid axes 1, 2, in (FB x FB) sub-tiles holding a bad pair."""
+    sc = tl.cast(sc, tl.float32)
+    sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
     n_bad = tl.load(TBAD + (bh * tl.num_programs(1) + pi) * tl.num_programs(2) + pj)
     if n_bad > 0:
@@ -373,6 +379,8 @@ def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG,
     (dW shifted by delta as in _dc_kernel, so that g, hence UG, matches the matmul path's):
     d a_v_t += sum W_it dout_i, dq_i += sc sum dL a_t, dk_j += sg sum dL a_t,
     d a_t += sc sum dL q_i + sg sum dL k_j (atomics, fp32), and UG_ij = u_ij g_ij."""
+    sc = tl.cast(sc, tl.float32)
+    sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _bh(), tl.program_id(1), tl.program_id(2)
     n_bad = tl.load(TBAD + (bh * tl.num_programs(1) + pi) * tl.num_programs(2) + pj)
     if n_bad > 0:

@@ -74,6 +74,7 @@ def _lse_kernel(X, Y, OTHER, OUT, MASK, H, Nx, Ny, D, A,
                 BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = lse_y(A x.y + OTHER_y) over the y taking part (natural log); 0 where none does."""
+    A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
@@ -106,6 +107,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = sum_y exp(A x.y + XP_x + YP_y) W_y. The callers' exponents are entries of a transport
     plan (<= 1 up to rounding), so no running maximum is needed."""
+    A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
@@ -134,6 +136,7 @@ def _attend_kernel(X, Y, V, G, OUT, LSE, MASK, H, Nx, Ny, D, DV, A,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y (online softmax,
     FlashAttention's forward with a per-key bias) and LSE_x of that softmax; zeros for an empty row."""
+    A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
@@ -187,6 +190,7 @@ def _grad_v_kernel(X, Y, V, DO, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D, DV
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries)."""
+    A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
@@ -232,6 +236,7 @@ def _grad_qk_kernel(X, Y, V, DO, G, LSE, DELTA, FQ, HK, U, RHO, DF, T, DQ, DK, M
     l2 term of dq, -q_y sum_x dL_yx, is omitted: every row of dL sums to zero (the outputs do not
     change when a constant is added to a row of logits), while the column sums are the adjoint
     of g^0 = -a|k|^2 and stay."""
+    A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
