@@ -5,7 +5,9 @@
 #
 # Environment: ATTNZOO_PHASES (gpu_speed.py's phases, default "warm speed correctness"),
 # ATTNZOO_SPEED_SECONDS (its budget, default 300), ATTNZOO_TESTS_SECONDS (pytest -m gpu, default 150;
-# 0 skips the tests), ATTNZOO_TESTS (what pytest collects, default "tests").
+# 0 skips the tests), ATTNZOO_TESTS (what pytest collects, default "tests"), ATTNZOO_SPEED_ARGS (more
+# gpu_speed.py arguments), ATTNZOO_RESULTS (results folder, default benchmarks/results/gpu/<device>),
+# ATTNZOO_SPEED_SLACK (seconds past its budget before the measurement is stopped, default 90).
 # Files in $OUT (the device tool returns at most eight): env.txt, speed.md, log.txt (the
 # measurement's progress), tests.log, results.tar.gz (the whole results folder: `tar xzf
 # results.tar.gz` in the repository root puts it in place).
@@ -21,11 +23,11 @@ export PYTHONUNBUFFERED=1
 { date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi; "$PY" -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/env.txt" 2>&1
 
 name=$("$PY" -c "import torch; from attnzoo.ops.measured import slug; print(slug(torch.cuda.get_device_name()))")
-results="benchmarks/results/gpu/$name"
+results="${ATTNZOO_RESULTS:-benchmarks/results/gpu/$name}"
 # the measurement keeps its own deadlines; the outer limit only catches a hang
 # shellcheck disable=SC2086  # PHASES is a word list on purpose
-timeout -s INT -k 20 $((SPEED_SECONDS + 90)) "$PY" benchmarks/gpu_speed.py --budget-seconds "$SPEED_SECONDS" --out "$results" \
-  --phases $PHASES 2>&1 | tail -n 400 > "$OUT/speed_stdout.txt"
+timeout -s INT -k 20 $((SPEED_SECONDS + ${ATTNZOO_SPEED_SLACK:-90})) "$PY" benchmarks/gpu_speed.py --budget-seconds "$SPEED_SECONDS" \
+  --out "$results" --phases $PHASES ${ATTNZOO_SPEED_ARGS:-} 2>&1 | tail -n 400 > "$OUT/speed_stdout.txt"
 cp "$results/speed.md" "$results/log.txt" "$OUT/" 2>/dev/null
 
 if [ "$TESTS_SECONDS" -gt 0 ]; then
