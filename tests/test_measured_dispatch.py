@@ -101,3 +101,21 @@ def test_t5_router(monkeypatch):
     assert t5.choose(q, q, q, backend="torch") is None  # any other fenchel backend: dense
     with dispatch.use_backend("reference"):
         assert t5.choose(q, q, q) is None
+
+
+def test_the_lookup_traces_into_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) through auto's measured lookup: no file-system or device query
+    may be traced (on a GPU an os.stat in this path failed every layer's compile). The lookup is
+    exercised on CPU tensors by ranking CPU calls too, with a table of this test's own."""
+    monkeypatch.setattr(measured, "RANKED_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(measured, "_entries_for_device", lambda index: (_entry("l2", 8, 4, ["reference"]),))
+    measured._tables.cache_clear()
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 8, 4)
+
+    def f(q):
+        return AF.l2(q, q, q)
+    out = torch.compile(f, fullgraph=True, backend="eager")(q)
+    assert AF.explain("l2", q, q, q).backend.name == "reference"
+    torch.testing.assert_close(out, AF.l2(q, q, q, backend="reference"))
+    torch._dynamo.reset()
