@@ -139,7 +139,8 @@ def check_any(variant, spec, backend, shape, dtype, device) -> dict:
 
 
 def nan_query(variant, spec, backend, device) -> dict:
-    """A NaN in one query must reach that query's output row and no other (attnzoo's NaN rule)."""
+    """A NaN in one query must reach that query's output row and no other (attnzoo's NaN rule); in
+    Sinkhorn the column sums couple every row of the head, so there it reaches the whole head."""
     fn = AF.VARIANT_FUNCTIONS[variant]
     B, H, n, D = 1, 2, 64, 64
     q, k, v = _inputs(B, H, n, n, D, torch.bfloat16, device, seed=3)
@@ -149,7 +150,9 @@ def nan_query(variant, spec, backend, device) -> dict:
     row_nan = bool(torch.isnan(out[0, 1, 5]).all())
     others = torch.ones(n, dtype=torch.bool, device=device)
     others[5] = False
-    rest_finite = bool(torch.isfinite(out[0, 1, others]).all() and torch.isfinite(out[0, 0]).all())
+    head_coupled = variant == "sinkhorn"
+    rest_finite = bool(torch.isfinite(out[0, 0]).all() and
+                       (head_coupled or torch.isfinite(out[0, 1, others]).all()))
     return {"ok": row_nan and rest_finite, "row_nan": row_nan, "rest_finite": rest_finite}
 
 

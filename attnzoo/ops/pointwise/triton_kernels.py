@@ -90,7 +90,8 @@ if HAVE_TRITON:
             w = sigmoid(s + bias, SIGMOID_IMPL)
             dw = w * (1.0 - w)
         else:
-            w = tl.maximum(s, 0.0) * inv_n
+            # relu that keeps NaN (tl.maximum(NaN, 0) is 0): a NaN score reaches its row, as in torch
+            w = tl.where(s > 0.0, s, tl.where(s == s, 0.0, s)) * inv_n
             dw = tl.where(s > 0.0, inv_n, 0.0)
         return w, dw
 
