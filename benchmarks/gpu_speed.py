@@ -70,6 +70,9 @@ def parse(argv=None):
                    default=["bfloat16", "float16", "float32"])
     p.add_argument("--train-layers", nargs="*", default=None, help="layer specs for the train phase (default: all)")
     p.add_argument("--paper-runs", nargs="*", default=None, help="run labels for the paper phase (default: all)")
+    p.add_argument("--from-results", nargs="+", type=Path, default=None, metavar="SPEED_JSON",
+                   help="measure nothing: write the report, plot and ranking table of earlier runs' speed.json files "
+                        "(their rows together; each row's ratios use the SDPA row of its own run and shape)")
     return p.parse_args(argv)
 
 
@@ -241,6 +244,8 @@ class Run:
                   "Ratios are SDPA default time / path time (higher is faster; 1.0 = as fast as SDPA softmax), "
                   "measured side by side in one process by `benchmarks/gpu_speed.py`.\n",
                   "## Summary: the fastest attnzoo backend per variant\n", report.summary_markdown(rows),
+                  "\n## Sinkhorn, linear and OT as multiples of SDPA's time (lower is faster)\n",
+                  report.cost_model_markdown(rows),
                   "\n## Every row", report.full_markdown(rows)]
             (self.out / "speed.md").write_text("\n".join(md) + "\n")
             report.write_json(report.measured_table(rows, self.info), self.out / "measured_table.json")
@@ -263,8 +268,31 @@ def _flex_applies(case, shape) -> bool:
     return not (case.backend == "flex" or case.label.startswith("flex")) or shape.n == 4096
 
 
+def report_only(args) -> int:
+    """--from-results: the outputs of earlier runs' rows, merged (no run shares a shape with another)."""
+    rows, meta = [], None
+    for path in args.from_results:
+        data = json.loads(path.read_text())
+        meta = meta or data["meta"]
+        done = [r for r in data["rows"] if "deadline" not in r.get("skipped", "")]  # rows a run got to
+        seen = {(r["case"], r["head_dim"], r["n"], r["causal"]) for r in rows}
+        clash = [r["case"] for r in done if (r["case"], r["head_dim"], r["n"], r["causal"]) in seen]
+        if clash:
+            raise SystemExit(f"--from-results: {path} measures again what an earlier file measured: {clash[:3]}")
+        rows += done
+    run = Run.__new__(Run)
+    run.args, run.info, run.rows, run.start = args, meta["device"], rows, time.time()
+    run.out = args.out or ROOT / "benchmarks" / "results" / "gpu" / "merged"
+    run.out.mkdir(parents=True, exist_ok=True)
+    run.log_file = open(os.devnull, "w")
+    run.write({})
+    return 0
+
+
 def main(argv=None):
     args = parse(argv)
+    if args.from_results:
+        return report_only(args)
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256

@@ -7,7 +7,10 @@ import math
 from collections import defaultdict
 
 DIRECTIONS = ("fwd", "fwd+bwd")
-SUMMARY_SHAPES = [(64, 4096, False), (128, 4096, False), (64, 16384, False), (64, 4096, True), (128, 16384, True)]
+SUMMARY_SHAPES = [(64, 4096, False), (128, 4096, False), (64, 16384, False), (64, 4096, True), (128, 16384, True),
+                  (64, 1024, False)]
+# the variants whose targets are written as "at most k times SDPA's time" (Sinkhorn, linear, OT)
+COST_MODEL_VARIANTS = ("sinkhorn", "linear", "ot")
 
 
 def shape_key(row) -> tuple:
@@ -79,6 +82,25 @@ def summary_markdown(rows) -> str:
                     cells.append(f"{_fmt(base[s][d] / hit[0])} ({hit[1]})" if hit else "")
         name = variant[0] + ("" if variant[1] == "plain" else f" + {variant[1]}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_model_markdown(rows) -> str:
+    """Sinkhorn, linear and OT as multiples of SDPA's time (lower is faster) and their extra peak
+    memory next to SDPA's, per measured shape: the form their cost-model targets take."""
+    base = sdpa_ms(rows)
+    lines = ["| call | shape | fwd x SDPA | fwd+bwd x SDPA | extra MB fwd / fwd+bwd | SDPA's MB fwd / fwd+bwd |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r.get("table_variant") in COST_MODEL_VARIANTS and "fwd" in r),
+                    key=lambda r: (COST_MODEL_VARIANTS.index(r["table_variant"]), r["case"], r["head_dim"], r["n"],
+                                   r["causal"])):
+        b = base.get(shape_key(r))
+        if not b:
+            continue
+        ratio = [(_fmt(r[d] / b[d], 1) if d in r and d in b else "") for d in DIRECTIONS]
+        shape = f"D{r['head_dim']} N{r['n']}{' causal' if r['causal'] else ''} (B{r['batch']} H{r['heads']})"
+        lines.append(f"| {r['case']} | {shape} | {ratio[0]} | {ratio[1]} | {_fmt(r.get('mem_fwd_mb'), 0)} / "
+                     f"{_fmt(r.get('mem_fwd_bwd_mb'), 0)} | {_fmt(b.get('mem_fwd_mb'), 0)} / {_fmt(b.get('mem_fwd_bwd_mb'), 0)} |")
     return "\n".join(lines)
 
 
