@@ -45,7 +45,7 @@ def test_benchmark_section_is_generated_from_committed_results():
     rr = _render_readme_module()
     cpu_json = ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json"
     cpu = (load(cpu_json), cpu_json) if cpu_json.exists() else None
-    gpu = rr.newest_gpu_sweep(ROOT / "benchmarks" / "results" / "gpu")
+    gpu = rr.gpu_section(ROOT / "benchmarks" / "results" / "gpu")
     text = README.read_text()
     section = text.split(rr.BEGIN + "\n", 1)[1].split(rr.END, 1)[0]
     assert section == front_page(cpu, gpu, README, ROOT / "docs" / "benchmarks.md"), \

@@ -68,8 +68,9 @@ def summary_markdown(rows) -> str:
     shapes = [s for s in SUMMARY_SHAPES if s in base] or sorted(base)
     head = "| path | " + " | ".join(f"D{d} N{n}{' causal' if c else ''} {x}" for d, n, c in shapes for x in DIRECTIONS) + " |"
     lines = [head, "|" + "---|" * (1 + 2 * len(shapes))]
-    variants = sorted({k[0] for k in best}, key=lambda v: [x[0] for x in _ORDER].index(v[0]) if v[0] in
-                      [x[0] for x in _ORDER] else 99)
+    order = [x[0] for x in _ORDER]
+    variants = sorted({k[0] for k in best}, key=lambda v: (order.index(v[0]) if v[0] in order else 99, v[1] != "plain",
+                                                          v[1]))
     for variant in [("sdpa-flash", "plain"), ("sdpa-cudnn", "plain"), ("flex", "plain")] + variants:
         cells = []
         for s in shapes:
