@@ -25,7 +25,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache
 
 # The compile tests again on the oldest torch pyproject allows (the GPU image's torch 2.11, with its
-# Triton 3.6), in a second virtual environment; .ci/run calls it after `make test`.
+# Triton 3.6), in a second virtual environment; .ci/run calls it after `make test`. Left out there:
+# the Triton kernels under Triton 3.6's interpreter, which cannot run their staged loops (a helper's
+# loop bounds reach it as 1-element arrays); those kernels compile with Triton 3.6 for sm_90
+# (benchmarks/compile_triton_kernels.py) and ran with it on an H200 (benchmarks/results/gpu/).
 OLD := .venv-torch-oldest
 OLD_STAMP := $(OLD)/.installed
 OLDEST_TORCH := torch==2.11.0 torchvision==0.26.0
@@ -37,4 +40,5 @@ $(OLD_STAMP): pyproject.toml
 	touch $(OLD_STAMP)
 
 test-oldest-torch: $(OLD_STAMP)
-	TRITON_INTERPRET=1 $(OLD)/bin/python -m pytest -q -p no:cacheprovider tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py
+	TRITON_INTERPRET=1 $(OLD)/bin/python -m pytest -q -p no:cacheprovider -k "not under_the_interpreter" \
+		tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py
