@@ -29,19 +29,18 @@ def images_per_second(spec: str, device, batch: int, warmup: int, steps: int) ->
         opt.zero_grad(set_to_none=True)
         return loss
 
-    start = time.perf_counter()
-    for _ in range(warmup):
-        loss = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"images_per_s": batch * steps / seconds, "warmup_s": first, "loss": float(loss),
+    def timed(n):
+        """(seconds of n steps, synchronised, and the last loss)."""
+        start, loss = time.perf_counter(), None
+        for _ in range(n):
+            loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, loss
+
+    first, _ = timed(warmup)
+    seconds, loss = timed(steps)
+    return {"images_per_s": batch * steps / seconds, "warmup_s": first, "loss": float(loss.detach()),
             "finite": bool(torch.isfinite(loss))}
 
 
