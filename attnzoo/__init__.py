@@ -6,12 +6,13 @@ from .layers import (AttentionLayer, FenchelAttention, L2Attention, LinearAttent
                      MultiheadAttention, OTAttention, ReLUAttention, SigmoidAttention, SinkhornAttention,
                      SoftmaxAttention)
 from .ops.dispatch import use_backend
-from .registry import available, create, describe, layer, parse_spec, register
+from .ops.variant import LayerHook, Variant
+from .registry import available, create, describe, layer, parse_spec, register, register_variant, unregister
 from .adapters import plan_swap, register_hf_attention, swap, unswap
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "explain", "use_backend", "available", "create", "describe", "layer", "parse_spec",
-           "register", "AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention",
+           "register", "register_variant", "unregister", "Variant", "LayerHook", "AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention",
            "SigmoidAttention", "ReLUAttention", "LinearAttention", "MaskedAttention", "MultiheadAttention",
            "FenchelAttention", "OTAttention", "swap", "unswap", "plan_swap", "register_hf_attention"]

@@ -2,23 +2,34 @@
 
 ``create(spec, dim, num_heads=8, **kw)`` builds a layer; ``layer(spec)`` returns a class with the
 spec's arguments bound, usable wherever timm takes an attention class
-(``timm.create_model(..., attn_layer=attnzoo.layer("l2"))``); ``register(name)`` adds a variant.
+(``timm.create_model(..., attn_layer=attnzoo.layer("l2"))``). The names are the declared variants
+(their records, ops/<variant>/), the wrappers "masked" and "multihead" (layers/wrapper.py), and
+classes added with ``register(name)``. ``register_variant(record)`` adds a variant from outside the
+package: its reference, hook and costs are then used everywhere a built-in variant's are.
+``resolve(spec)`` says which variant's kernel a name runs, with which arguments: the benchmark and
+the adapters read it instead of knowing the wrappers.
 """
 from __future__ import annotations
 
 import ast
 import difflib
 import inspect
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from torch import nn
 
-from . import functional as AF
-from .layers import (FenchelAttention, L2Attention, LinearAttention, MaskedAttention, MultiheadAttention,
-                     OTAttention, ReLUAttention, SigmoidAttention, SinkhornAttention, SoftmaxAttention)
+from .layers import variants
+from .layers.base import AttentionLayer
+from .layers.base import TIMM_EXTRA
+from .layers.masked import MASKED
+from .layers.multihead import MULTIHEAD
+from .layers.wrapper import Wrapper
+from .ops import variant as catalog
 
-_REGISTRY: dict[str, type] = {}
-_INFO: dict[str, dict] = {}
+_REGISTRY: dict[str, type] = {}   # name -> layer class
+_INFO: dict[str, dict] = {}       # name -> what describe() returns
+_WRAPPERS: dict[str, Wrapper] = {}
 
 
 def register(name: str, **capabilities) -> Callable[[type], type]:
@@ -33,6 +44,37 @@ def register(name: str, **capabilities) -> Callable[[type], type]:
         _INFO[name] = {"name": name, "class": cls.__name__, **capabilities}
         return cls
     return deco
+
+
+def register_variant(record: catalog.Variant) -> type:
+    """Declare a variant (``attnzoo.Variant``: a reference function, optionally a layer hook, costs)
+    and register its layer class under its name; returns the class. It then works everywhere a
+    built-in variant does: ``attnzoo.functional.VARIANT_FUNCTIONS``, ``create`` and spec strings,
+    ``swap``, ``explain``, ``attnzoo bench``, masked/multihead and training."""
+    if record.name in _REGISTRY:
+        raise ValueError(f"{record.name!r} is already registered")
+    catalog.declare(record)
+    cls = variants.variant_class(record)
+    register(record.name, **record.describe())(cls)
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove a name added by ``register`` or ``register_variant`` (and the variant's backends)."""
+    if name not in _REGISTRY:
+        raise _unknown(name)
+    _REGISTRY.pop(name)
+    _INFO.pop(name, None)
+    _WRAPPERS.pop(name, None)
+    if catalog.is_declared(name):
+        variants.forget(catalog.get(name))
+        catalog.remove(name)
+
+
+def _register_wrapper(wrapper: Wrapper) -> None:
+    _WRAPPERS[wrapper.name] = wrapper
+    register(wrapper.name, **{**catalog.DEFAULT_CAPABILITIES, "complexity": wrapper.complexity,
+                              "parameters": wrapper.parameters, "paper": wrapper.paper})(wrapper.layer_class)
 
 
 def available() -> list[str]:
@@ -79,17 +121,37 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def _init_params(cls: type) -> set[str]:
-    """Every named constructor argument along the class chain (timm's extras included)."""
-    from .layers.base import _TIMM_EXTRA
-    names = set(_TIMM_EXTRA)
+def _init_params(cls: type) -> Optional[set[str]]:
+    """Every named constructor argument along the class chain, timm's extras and the variant's own
+    options included; None when the class takes any keyword argument (torch-style **kwargs)."""
+    names = set(TIMM_EXTRA)
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             break
         if "__init__" in vars(klass):
-            names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()
-                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+            params = inspect.signature(klass.__init__).parameters.values()
+            if klass is cls and not issubclass(cls, AttentionLayer) and any(p.kind is p.VAR_KEYWORD for p in params):
+                return None
+            names |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     return names - {"self"}
+
+
+def _default_kind(cls: type) -> str:
+    if catalog.is_declared(cls.variant):
+        return cls.variant
+    kind = inspect.signature(cls.__init__).parameters.get("kind")
+    return kind.default if kind is not None and isinstance(kind.default, str) else "softmax"
+
+
+def _unknown_layer_kwargs(cls: type, kwargs: dict) -> list[str]:
+    known = _init_params(cls)
+    if known is None:
+        return []
+    if issubclass(cls, AttentionLayer):
+        kind = kwargs.get("kind") or _default_kind(cls)
+        if catalog.is_declared(kind):
+            known |= set(catalog.get(kind).hook.options())
+    return [k for k in kwargs if k not in known]
 
 
 def create(spec: str, dim: int, num_heads: int = 8, **kwargs) -> nn.Module:
@@ -97,41 +159,17 @@ def create(spec: str, dim: int, num_heads: int = 8, **kwargs) -> nn.Module:
     name, spec_kwargs = parse_spec(spec)
     merged = {**spec_kwargs, **kwargs}
     cls = _REGISTRY[name]
-    if cls is MultiheadAttention:
-        return cls(dim, num_heads, **merged)
-    bad = _unknown_layer_kwargs(name, cls, merged)
+    bad = _unknown_layer_kwargs(cls, merged)
     if bad:
         raise ValueError(f"{name} does not take {bad}")
-    return cls(dim, num_heads=num_heads, **merged)
-
-
-def _unknown_layer_kwargs(name, cls, kwargs):
-    known = _init_params(cls)
-    if name == "masked":
-        known |= _kernel_params(kwargs.get("kind", "softmax"))
-    return [k for k in kwargs if k not in known]
-
-
-def _kernel_params(kind: str) -> set[str]:
-    fn = AF.VARIANT_FUNCTIONS.get(kind)
-    if fn is None:
-        return set()
-    return {p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind is p.KEYWORD_ONLY and p.name not in ("dropout_p", "backend")}
-
-
-def split_layer_kwargs(kind: str, kwargs: dict) -> tuple[dict, dict]:
-    """Split MaskedAttention's keyword arguments into the wrapped kernel's and the layer's."""
-    kernel = _kernel_params(kind)
-    return ({k: v for k, v in kwargs.items() if k in kernel},
-            {k: v for k, v in kwargs.items() if k not in kernel})
+    return cls(dim, num_heads, **merged)
 
 
 def layer(spec: str) -> type:
     """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer)."""
     name, spec_kwargs = parse_spec(spec)
     cls = _REGISTRY[name]
-    bad = _unknown_layer_kwargs(name, cls, spec_kwargs) if cls is not MultiheadAttention else []
+    bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
         raise ValueError(f"{name} does not take {bad}")
 
@@ -154,33 +192,91 @@ def _new_bound_instance(spec: str):
     return cls.__new__(cls)
 
 
-_CAPS = {
-    "softmax": dict(causal=True, cross=True, masks=True, complexity="O(N^2 D) time, O(N) memory fused",
-                    parameters="none beyond qkv/proj", paper="Vaswani et al. 2017; paper 002 eq (2.2)"),
-    "l2": dict(causal=True, cross=True, masks=True, complexity="O(N^2 D)",
-               parameters="tie_qk=True ties W_Q = W_K", paper="paper 002 sec 2.3; Kim et al. 2021"),
-    "sinkhorn": dict(causal=True, cross=True, masks=True,
-                     complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3)",
-                     parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022"),
-    "sigmoid": dict(causal=True, cross=True, masks=True, complexity="O(N^2 D), no row statistics",
-                    parameters="optional learnable per-head bias shift", paper="paper 002 eq (2.5); Ramapuram et al. 2024"),
-    "relu": dict(causal=True, cross=True, masks=True, complexity="O(N^2 D), no row statistics",
-                 parameters="none", paper="paper 002 eq (2.5)"),
-    "linear": dict(causal=True, cross=True, masks=True,
-                   complexity="O(N D Dv) without a general mask; a general mask needs O(N^2)",
-                   parameters="feature_map", paper="paper 002 eq (2.2); Katharopoulos et al. 2020"),
-    "masked": dict(causal=True, cross=True, masks=True, complexity="that of its kind",
-                   parameters="kind", paper="paper 002 sec 2.6, eqs (2.6)-(2.8)"),
-    "multihead": dict(causal=True, cross=True, masks=True, complexity="that of its kind",
-                      parameters="nn.MultiheadAttention's", paper="paper 002 eq (2.7)/(2.9); paper 001 (multi-head)"),
-    "fenchel": dict(causal=True, cross=True, masks=True,
-                    complexity="first_order O(N^2 D); second_order/exact add O(N D^3) per query",
-                    parameters="preference=uniform|t5|context, alpha, solve", paper="paper 004 eqs (7), (13), (16)-(18)"),
-    "ot": dict(causal=True, cross=True, masks=True, complexity="O(Nq Nk |A| D) time",
-               parameters="alpha, gamma; forward(templates=)", paper="paper 004 sec 9, eq (22)"),
-}
-for _name, _cls in (("softmax", SoftmaxAttention), ("l2", L2Attention), ("sinkhorn", SinkhornAttention),
-                    ("sigmoid", SigmoidAttention), ("relu", ReLUAttention), ("linear", LinearAttention),
-                    ("masked", MaskedAttention), ("multihead", MultiheadAttention),
-                    ("fenchel", FenchelAttention), ("ot", OTAttention)):
-    register(_name, **_CAPS[_name])(_cls)
+def layer_classes() -> dict[str, type]:
+    """Registered name -> layer class."""
+    return dict(_REGISTRY)
+
+
+# -- which kernel a name runs ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Resolved:
+    """A name (and its arguments) resolved to the variant whose kernel runs it.
+
+    spec:    what was written; name: the registry name; kind: the variant whose functional runs;
+    kwargs:  the arguments given (``kind`` removed); wrapper: the Wrapper record, for "masked" and
+    "multihead" (None for a variant)."""
+    spec: str
+    name: str
+    kind: str
+    kwargs: dict = field(default_factory=dict)
+    wrapper: Optional[Wrapper] = None
+
+    @property
+    def record(self) -> catalog.Variant:
+        return catalog.get(self.kind)
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """The arguments of the kind's functional."""
+        options = self.record.options
+        return {k: v for k, v in self.kwargs.items() if k in options}
+
+    @property
+    def layer_kwargs(self) -> dict:
+        """The other arguments (the layer's or module's)."""
+        options = self.record.options
+        return {k: v for k, v in self.kwargs.items() if k not in options}
+
+    def causal(self, flag: bool) -> bool:
+        return True if self.wrapper is not None and self.wrapper.causal else bool(flag)
+
+    def forward_flops(self, shape, causal: bool, **extra):
+        """Forward FLOPs of one call (the kind's formula, and what the wrapper adds around it)."""
+        total = self.record.flops(shape, self.causal(causal), **{**self.kernel_kwargs, **extra})
+        if self.wrapper is not None and self.wrapper.module_flops is not None:
+            total += self.wrapper.module_flops(shape)
+        return total
+
+    def backward_flops(self, shape, causal: bool, **extra):
+        record = self.record
+        total = record.flops(shape, self.causal(causal), **{**self.kernel_kwargs, **extra}) * record.backward_factor
+        if self.wrapper is not None and self.wrapper.module_flops is not None:
+            total += self.wrapper.module_flops(shape) * self.wrapper.module_backward_factor
+        return total
+
+
+def resolve(spec: str, **overrides) -> Resolved:
+    """Which variant's kernel ``spec`` runs: itself for a variant, its ``kind`` for a wrapper (or a
+    class registered with ``register`` whose layer runs a variant). ValueError naming the choices
+    for an unknown name or kind."""
+    name, kwargs = parse_spec(spec)
+    kwargs = {**kwargs, **overrides}
+    wrapper = _WRAPPERS.get(name)
+    if wrapper is not None:
+        kind = kwargs.pop("kind", "softmax")
+        if not isinstance(kind, str) or not catalog.is_declared(kind):
+            raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}")
+    elif catalog.is_declared(name):
+        kind = name
+    else:
+        cls = _REGISTRY[name]
+        if not (issubclass(cls, AttentionLayer) and catalog.is_declared(cls.variant)):
+            raise ValueError(f"{name!r} is registered as a class, not a variant: it has no functional kernel")
+        kind = cls.variant
+    return Resolved(spec.strip(), name, kind, kwargs, wrapper)
+
+
+def wrappers() -> dict[str, Wrapper]:
+    return dict(_WRAPPERS)
+
+
+def _register_builtins() -> None:
+    """The declared variants in declaration order, then the wrappers."""
+    for record in catalog.records():
+        register(record.name, **record.describe())(variants.variant_class(record))
+    for wrapper in (MASKED, MULTIHEAD):
+        _register_wrapper(wrapper)
+
+
+_register_builtins()

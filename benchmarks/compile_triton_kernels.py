@@ -54,9 +54,9 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 from attnzoo.ops import triton_dropout as dropout  # noqa: E402
 from attnzoo.ops.linear import triton as linear_triton  # noqa: E402
 from attnzoo.ops.ot import triton as ot_triton  # noqa: E402
-from attnzoo.ops.pointwise import triton as pointwise_host  # noqa: E402
+from attnzoo.ops.kernels.pointwise import triton as pointwise_host  # noqa: E402
 from attnzoo.ops.sinkhorn import triton as sinkhorn_triton  # noqa: E402
-from attnzoo.ops.softmax import triton as softmax_host  # noqa: E402
+from attnzoo.ops.kernels.flash_softmax import triton as softmax_host  # noqa: E402
 
 # Dynamic shared memory one block may opt into, bytes (CUDA occupancy tables, "maximum shared memory
 # per block (opt-in)"): 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89.

@@ -59,7 +59,7 @@ def _call(variant, backend, qkv, kw, backward=True):
     if backend == "torch" and variant == "fenchel":
         # the dispatcher declines SDPA for a log_u that needs a gradient on CPU (SDPA would take its
         # math kernel); call the kernel directly to measure what that decision avoids
-        from attnzoo.ops.softmax.torch import fenchel_torch
+        from attnzoo.ops.fenchel.kernels import fenchel_torch
         q = qkv[0]
         out = fenchel_torch(*qkv, scale=q.shape[-1] ** -0.5, **kw)
     else:
@@ -179,7 +179,7 @@ def run_crossover(args):
 def run_blocks(args):
     import torch
 
-    import attnzoo.ops.blockwise as BW
+    import attnzoo.ops.kernels.blockwise as BW
     torch.set_num_threads(args.threads)
     rows = []
     qkv, kw = _inputs("softmax", 1, 4, 2048, 64)

@@ -17,7 +17,7 @@ several such fp32 tensors).
     .venv/bin/python benchmarks/ot_dispatch_crossover.py --replot  # only redraw the PNG from the JSON
     .venv/bin/python benchmarks/ot_dispatch_crossover.py --quick   # a few shapes, to check the script
 
-attnzoo/ops/backends_linear_ot.py uses the two thresholds derived here (``summary``) and
+attnzoo/ops/ot/__init__.py uses the two thresholds derived here (``summary``) and
 tests/test_fused_ot.py checks that they match the committed JSON.
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _allow_cpu_tensors():
     def ok(*args, **kwargs):
         return None
 
-    for name in ("attnzoo.ops.softmax.triton", "attnzoo.ops.pointwise.triton", "attnzoo.ops.sinkhorn.triton",
+    for name in ("attnzoo.ops.kernels.flash_softmax.triton", "attnzoo.ops.kernels.pointwise.triton", "attnzoo.ops.sinkhorn.triton",
                  "attnzoo.ops.linear.triton", "attnzoo.ops.ot.triton"):
         module = importlib.import_module(name)
         for check in ("device_reason", "common_reason", "unsupported_reason", "_check_runnable", "_check"):
@@ -56,9 +56,10 @@ def _allow_cpu_tensors():
 def _cases():
     from attnzoo.ops.linear.triton import linear_attention_triton
     from attnzoo.ops.ot.triton import ot_attention_triton
-    from attnzoo.ops.pointwise import triton as pointwise
+    from attnzoo.ops.kernels.pointwise import triton as pointwise
     from attnzoo.ops.sinkhorn.triton import sinkhorn_attention
-    from attnzoo.ops.softmax import triton as fused
+    from attnzoo.ops.fenchel.t5 import t5_bias_attention
+    from attnzoo.ops.kernels.flash_softmax import triton as fused
 
     g = torch.Generator().manual_seed(0)
 
@@ -72,7 +73,7 @@ def _cases():
         "softmax": lambda: fused.softmax_attention(q, k, v, attn_mask=float_mask, is_causal=True, scale=0.25),
         "l2": lambda: fused.l2_attention(q, k, v, attn_mask=bool_mask, scale=0.25),
         "preference": lambda: fused.preference_attention(q, k, v, leaf(1, 2, 37), is_causal=True),
-        "t5+dropout": lambda: fused.t5_bias_attention(q, k, v, leaf(8, 2), 8, 20, True, attn_mask=bool_mask,
+        "t5+dropout": lambda: t5_bias_attention(q, k, v, leaf(8, 2), 8, 20, True, attn_mask=bool_mask,
                                                       dropout_p=0.1),
         "sigmoid+bias+dropout": lambda: pointwise.sigmoid_attention(
             q, k, v, attn_mask=bool_mask, scale=0.25, bias=leaf(1, 2, 1, 1), dropout_p=0.1),

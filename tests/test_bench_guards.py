@@ -266,7 +266,7 @@ def test_recompile_limits_raised_during_the_run_only(monkeypatch):
 
 
 def test_flex_attention_compiled_once_per_process(monkeypatch):
-    from attnzoo.ops.softmax import flex
+    from attnzoo.ops.kernels import flex
     compiles = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiles.append(kw) or fn)
     flex.compiled_flex_attention.cache_clear()

@@ -152,7 +152,7 @@ def test_mask_shapes_match_the_formula(variant, backend, shape, kind):
 def test_key_broadcast_mask_counts_every_kept_key_blockwise(monkeypatch):
     """The blockwise ('cpu') path counts n_i block by block: a float (Nq, 1) mask without -inf keeps
     all Nk keys of every row, not one per key block (issue 12: relu off by 149 at N = 2048)."""
-    from attnzoo.ops import blockwise
+    from attnzoo.ops.kernels import blockwise
     monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_K", 4)  # 7 keys: blocks of 4 and 3
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, D, generator=g, dtype=torch.float64) for n in (NQ, NK, NK))

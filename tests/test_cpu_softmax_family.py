@@ -13,7 +13,7 @@ import torch
 
 import attnzoo
 import attnzoo.functional as AF
-from attnzoo.ops import blockwise
+from attnzoo.ops.kernels import blockwise
 from tests.memory_probe import LargestOutput
 
 # --- float64 ground truth, straight from the formulas ---------------------------------------------
@@ -296,7 +296,8 @@ FLEX_CASES = [c for c in CASES if c["id"] in ("plain", "causal_nq<nk", "causal_n
 @pytest.mark.parametrize("case", FLEX_CASES, ids=[c["id"] for c in FLEX_CASES])
 @pytest.mark.parametrize("variant", ["l2", "fenchel"])
 def test_flex_forward_matches_formula_on_cpu(variant, case):
-    from attnzoo.ops.softmax.flex import fenchel_flex, l2_flex
+    from attnzoo.ops.fenchel.kernels import fenchel_flex
+    from attnzoo.ops.l2.kernels import l2_flex
     g = torch.Generator().manual_seed(11)
     q, k, v = (t.detach() for t in _inputs(case, g))
     mask = _make_mask(case, g)

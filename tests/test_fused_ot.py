@@ -25,7 +25,7 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.models import OTViT
-from attnzoo.ops import backends_linear_ot
+from attnzoo.ops import ot as ot_backends
 from attnzoo.ops.ot import cpu as ot_cpu
 from attnzoo.ops.ot import tiles as ot_tiles
 from attnzoo.ops.ot import triton as ot_triton
@@ -447,8 +447,8 @@ CROSSOVER = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cp
 
 def test_dispatch_thresholds_are_the_measured_ones():
     summary = json.loads(CROSSOVER.read_text())["summary"]
-    assert backends_linear_ot.OT_CPU_MIN_CUBE == summary["cube_threshold"]
-    assert backends_linear_ot.OT_CPU_MIN_CUBE_SINGLE_QUERY == summary["cube_threshold_single_query"]
+    assert ot_backends.OT_CPU_MIN_CUBE == summary["cube_threshold"]
+    assert ot_backends.OT_CPU_MIN_CUBE_SINGLE_QUERY == summary["cube_threshold_single_query"]
 
 
 # (B*H, Nq, Nk, extra templates, backend auto picks on CPU): both sides of both thresholds, with
@@ -464,7 +464,7 @@ AUTO_CASES = [
 
 def _expected_auto(bh, nq, nk, n_templates):
     cube = bh * nq * nk * (nk + n_templates)
-    limit = (backends_linear_ot.OT_CPU_MIN_CUBE_SINGLE_QUERY if nq == 1 else backends_linear_ot.OT_CPU_MIN_CUBE)
+    limit = (ot_backends.OT_CPU_MIN_CUBE_SINGLE_QUERY if nq == 1 else ot_backends.OT_CPU_MIN_CUBE)
     return "reference" if cube < limit else "cpu"
 
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from attnzoo.ops.softmax.torch import fenchel_torch, l2_torch, split_coordinate
+from attnzoo.ops.fenchel.kernels import fenchel_torch
+from attnzoo.ops.kernels.sdpa import split_coordinate
+from attnzoo.ops.l2.kernels import l2_torch
 from tests import formulas as Fm
 
 

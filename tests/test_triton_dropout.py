@@ -19,7 +19,8 @@ import torch
 
 import attnzoo
 import attnzoo.functional as AF
-from attnzoo.ops.softmax import triton as fused
+from attnzoo.ops.fenchel.t5 import t5_bias_attention
+from attnzoo.ops.kernels.flash_softmax import triton as fused
 from attnzoo.ops.triton_dropout import draw_seed, dropout_keep_mask
 from attnzoo.ops.triton_utils import INTERPRETED
 from tests.flash_rule import assert_flash_rule, max_error
@@ -109,7 +110,7 @@ def run_kernel(case: Case, inp, p):
     if case.kind == "fenchel":
         return AF.fenchel(q, k, v, log_u=inp["pref"], alpha=0.7, backend="triton", **kw)
     if case.kind == "t5":
-        return fused.t5_bias_attention(q, k, v, inp["table"], NUM_BUCKETS, MAX_DISTANCE, False, alpha=1.3, **kw)
+        return t5_bias_attention(q, k, v, inp["table"], NUM_BUCKETS, MAX_DISTANCE, False, alpha=1.3, **kw)
     bias = {"default": None, "fixed": 0.4, "learnable": inp.get("bias")}[case.bias]
     return AF.sigmoid(q, k, v, bias=bias, backend="triton", **kw)
 
@@ -283,7 +284,7 @@ def test_explain_and_named_backend_run_the_kernel_with_dropout():
     (lambda q: AF.softmax(q, q, q, dropout_p=1.0, backend="triton"), ValueError),
     (lambda q: AF.relu(q, q, q, dropout_p=-0.1, backend="triton"), ValueError),
     (lambda q: AF.sigmoid(q, q, q, dropout_p="0.1x", backend="triton"), TypeError),
-    (lambda q: fused.t5_bias_attention(q, q, q, torch.zeros(8, 2), 8, 20, True, dropout_p=1.5), ValueError),
+    (lambda q: t5_bias_attention(q, q, q, torch.zeros(8, 2), 8, 20, True, dropout_p=1.5), ValueError),
     (lambda q: fused.preference_attention(q, q, q, torch.zeros(5), dropout_p=None), TypeError),
 ])
 def test_bad_dropout_p_is_named(call, exc):

@@ -127,8 +127,8 @@ CONFIG_CASES = [(torch.bfloat16, 64, True), (torch.bfloat16, 128, True), (torch.
 
 
 def _longest_list(dtype, head_dim):
-    from attnzoo.ops.pointwise import triton as pointwise
-    from attnzoo.ops.softmax import triton as softmax
+    from attnzoo.ops.kernels.pointwise import triton as pointwise
+    from attnzoo.ops.kernels.flash_softmax import triton as softmax
 
     kernels = [m.__dict__[n] for m in (softmax, pointwise) for n in ("FORWARD", "KEYS_BACKWARD", "QUERIES_BACKWARD")]
     return max(len(kernel.configs_for(dtype, head_dim, head_dim)) for kernel in kernels)
@@ -162,14 +162,14 @@ def test_autotuned_t5_table_gradient_is_not_accumulated_twice(monkeypatch):
     """The T5 table gradient is summed with atomics into a zeroed buffer; autotuning runs a kernel several
     times on the same output, so that kernel runs its fixed default tiles: the gradient must equal the one
     of a run without autotuning (it would be a multiple of it otherwise)."""
-    from attnzoo.ops.softmax import triton as fused
+    from attnzoo.ops.fenchel.t5 import t5_bias_attention
 
     q, k, v = _leaves((1, 2, 200, 64), (1, 2, 200, 64), torch.float32, seed=2)
     table = torch.randn(8, 2, device="cuda", requires_grad=True)
     grads = []
     for autotune in ("0", "1"):
         monkeypatch.setenv(tuning.AUTOTUNE_ENV, autotune)
-        out = fused.t5_bias_attention(q, k, v, table, 8, 20, False, is_causal=True)
+        out = t5_bias_attention(q, k, v, table, 8, 20, False, is_causal=True)
         grads.append(torch.autograd.grad(out.square().sum(), table)[0])
     assert max_error(grads[0], grads[1]) <= 1e-4 * float(grads[0].abs().max()), grads
 
@@ -197,7 +197,7 @@ def test_sigmoid_evaluations_on_the_device():
 def test_fast_sigmoid_meets_the_flash_rule(monkeypatch, impl, dtype):
     """Sigmoid attention with the default bias -log n (weights ~1/n, where 0.5 tanh(x/2) + 0.5 cancels)
     in fp16/bf16, forward and gradients, for each fast evaluation the kernels can use."""
-    from attnzoo.ops.pointwise import triton as pointwise
+    from attnzoo.ops.kernels.pointwise import triton as pointwise
 
     monkeypatch.setattr(pointwise, "FAST_SIGMOID", impl)
     q, k, v = _leaves((2, 4, 256, 64), (2, 4, 1024, 64), dtype, seed=3)

@@ -19,7 +19,7 @@ import pytest
 from attnzoo.ops.triton_utils import HAVE_TRITON
 
 ROOT = Path(__file__).resolve().parents[1]
-S, P, SK = "attnzoo.ops.softmax.triton_kernels", "attnzoo.ops.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
+S, P, SK = "attnzoo.ops.kernels.flash_softmax.triton_kernels", "attnzoo.ops.kernels.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
 L, O = "attnzoo.ops.linear.chunk_kernels", "attnzoo.ops.ot.triton_kernels"
 OUTPUTS = {
     f"{S}.softmax_fwd_kernel": {"O", "LSE"},

@@ -201,7 +201,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from attnzoo.ops.pointwise.triton_kernels import sigmoid
+    from attnzoo.ops.kernels.pointwise.triton_kernels import sigmoid
 
     @triton.jit
     def apply_sigmoid(X, Y, n, IMPL: tl.constexpr, BLOCK: tl.constexpr):

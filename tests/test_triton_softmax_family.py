@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops import dispatch
-from attnzoo.ops.softmax import triton as fused
+from attnzoo.ops.fenchel.t5 import t5_bias_attention
+from attnzoo.ops.kernels.flash_softmax import triton as fused
 from attnzoo.ops.triton_utils import INTERPRETED
 from tests.flash_rule import assert_flash_rule, max_error
 
@@ -162,7 +163,7 @@ def run_kernel(case: Case, inp):
     if case.kind == "pref_l2":
         return fused.preference_attention(q, k, v, inp["pref"][:, :, 0, :], attn_mask=mask, is_causal=case.causal,
                                           scale=s, l2=True)
-    return fused.t5_bias_attention(q, k, v, inp["table"], NUM_BUCKETS, MAX_DISTANCE, case.bidirectional,
+    return t5_bias_attention(q, k, v, inp["table"], NUM_BUCKETS, MAX_DISTANCE, case.bidirectional,
                                    attn_mask=mask, is_causal=case.causal, scale=s, alpha=case.alpha)
 
 
@@ -322,9 +323,9 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("call,exc,expect", [
-    (lambda q, k, v: fused.t5_bias_attention(q, k, v, torch.zeros(8, 3), 8, 20, True), ValueError, "table must have shape"),
-    (lambda q, k, v: fused.t5_bias_attention(q, k, v, torch.zeros(8, 2, dtype=torch.long), 8, 20, True), TypeError, "table"),
-    (lambda q, k, v: fused.t5_bias_attention(q, k, v, torch.zeros(8, 2), 8, 1.5, True), ValueError, "max_distance"),
+    (lambda q, k, v: t5_bias_attention(q, k, v, torch.zeros(8, 3), 8, 20, True), ValueError, "table must have shape"),
+    (lambda q, k, v: t5_bias_attention(q, k, v, torch.zeros(8, 2, dtype=torch.long), 8, 20, True), TypeError, "table"),
+    (lambda q, k, v: t5_bias_attention(q, k, v, torch.zeros(8, 2), 8, 1.5, True), ValueError, "max_distance"),
     (lambda q, k, v: fused.preference_attention(q, k, v, None), ValueError, "log_pref"),
     (lambda q, k, v: fused.preference_attention(q, k, v, torch.zeros(1, 2, 5)), ValueError, "log_pref"),
     (lambda q, k, v: fused.preference_attention(q, k[..., :8], v, torch.zeros(9)), ValueError, "head dim"),

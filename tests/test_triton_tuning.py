@@ -46,7 +46,7 @@ def test_tile_class_follows_dtype_and_widest_head(dtype, d, dv, expect):
 
 
 def _kernel():
-    from attnzoo.ops.softmax import triton as softmax
+    from attnzoo.ops.kernels.flash_softmax import triton as softmax
     return softmax.FORWARD
 
 
@@ -89,8 +89,8 @@ def test_gpu_launches_autotune_unless_told_not_to(monkeypatch):
 
 def test_tuning_keys_name_kernel_arguments():
     """A key name that is no argument of the kernel would be silently ignored by triton.autotune."""
-    from attnzoo.ops.pointwise import triton as pointwise
-    from attnzoo.ops.softmax import triton as softmax
+    from attnzoo.ops.kernels.pointwise import triton as pointwise
+    from attnzoo.ops.kernels.flash_softmax import triton as softmax
 
     for module in (softmax, pointwise):
         for kernel in (module.FORWARD, module.KEYS_BACKWARD, module.QUERIES_BACKWARD):

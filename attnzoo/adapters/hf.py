@@ -68,8 +68,7 @@ def _mask_for_kernel(attention_mask: Optional[torch.Tensor], position_bias: Opti
     return mask
 
 
-def _run(kernel: AttentionLayer, target_scale: bool, module, query, key, value, attention_mask, dropout, scaling,
-         is_causal, kwargs):
+def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
@@ -95,7 +94,7 @@ def _run(kernel: AttentionLayer, target_scale: bool, module, query, key, value, 
                                 or bool(getattr(getattr(module, "config", None), "is_decoder", False)))
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
-                     scale=scaling if (target_scale and scaling is not None) else None, x=tokens,
+                     scale=scaling, x=tokens,
                      self_attention=self_attention, causal_queries=causal_queries)
     return out.transpose(1, 2).contiguous(), None
 
@@ -124,8 +123,7 @@ def _dispatch(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    return _run(kernel, getattr(kernel, "_attnzoo_follow_scale", True), module, query, key, value,
-                attention_mask, dropout, scaling, is_causal, kwargs)
+    return _run(kernel, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
 
 def _function_for(target: Target):
@@ -139,8 +137,7 @@ def _function_for(target: Target):
             cache[slot] = kernel_layer(target, H * D, H, D, device=query.device, dtype=query.dtype)
         kernel = cache[slot]
         kernel.train(module.training)
-        return _run(kernel, target.uses_logit_scale(), module, query, key, value, attention_mask, dropout,
-                    scaling, is_causal, kwargs)
+        return _run(kernel, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     attention.__name__ = f"attnzoo_{target.name}_attention"
     attention.__doc__ = f"attnzoo {target.spec!r} attention for transformers' AttentionInterface."
     return attention
@@ -155,8 +152,7 @@ def _mask_function(*args, **kwargs):
 
 def _adds_parameters(target: Target) -> bool:
     probe = kernel_layer(target, 8, 2, 4)
-    return any(True for _ in probe.parameters()) or getattr(probe, "tie_qk", False) or \
-        getattr(probe, "context_net", None) is not None
+    return any(True for _ in probe.parameters()) or probe.keys_are_queries or probe.needs_key_tokens
 
 
 def register_hf_attention(spec: Optional[str] = None, name: Optional[str] = None) -> list[str]:
@@ -242,7 +238,6 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
     ref = next(module.parameters(), None)
     kernel = kernel_layer(target, dim, H, D, device=None if ref is None else ref.device,
                           dtype=None if ref is None else ref.dtype)
-    object.__setattr__(kernel, "_attnzoo_follow_scale", target.uses_logit_scale())
     object.__setattr__(kernel, "_tokens", None)
     old_kernel = getattr(module, KERNEL_CHILD, None)
     added = [f"{KERNEL_CHILD}.{a}" for a in describe_new_parameters(kernel, set())]
@@ -259,7 +254,7 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
             getattr(module, _HOOK).remove()
         module.add_module(KERNEL_CHILD, kernel)
         kernel.train(module.training)
-        if getattr(kernel, "context_net", None) is not None:  # Fenchel's context preference reads x
+        if kernel.needs_key_tokens:  # e.g. Fenchel's context preference reads x
             object.__setattr__(module, _HOOK, module.register_forward_pre_hook(_stash_tokens, with_kwargs=True))
         config._attn_implementation_internal = DISPATCH_NAME
     change.apply = apply

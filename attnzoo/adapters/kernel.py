@@ -22,12 +22,6 @@ def kernel_layer(target: Target, dim: int, num_heads: int, head_dim: int, *, dev
     return layer
 
 
-def couples_queries(layer: AttentionLayer) -> bool:
-    """Sinkhorn normalises columns too, so every query row shapes every other row's weights."""
-    kind = getattr(layer, "kind", None) if layer.variant == "masked" else layer.variant
-    return kind == "sinkhorn"
-
-
 def drop_padded_queries(attn_mask, nq: int):
     """Self-attention with a padding mask: a token no query may attend to is padding, so its query row
     is masked too (its output becomes 0). Only Sinkhorn needs this: a padded query would otherwise
@@ -72,7 +66,7 @@ def causal_and_rest(attn_mask: torch.Tensor, nq: int, nk: int) -> tuple[Optional
     return (per_key if attn_mask.dtype == torch.bool else attn_mask[..., -1:, :]), True
 
 
-def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x) -> torch.Tensor:
+def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x, **call) -> torch.Tensor:
     """Cross-attention whose queries are causal (a decoder's positions attending to an encoder's
     tokens), for a variant that couples queries (Sinkhorn): query i is solved together with queries
     0..i only, as paper 002 eq 2.6 defines causal attention, so a later decoder token cannot move an
@@ -81,7 +75,7 @@ def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x) -> torch.Te
     rows = []
     for i in range(nq):
         mask_i = attn_mask[..., :i + 1, :] if attn_mask is not None and attn_mask.shape[-2] == nq else attn_mask
-        rows.append(layer.attend(q[..., :i + 1, :], k, v, attn_mask=mask_i, is_causal=False, x=x)[..., -1:, :])
+        rows.append(layer.attend(q[..., :i + 1, :], k, v, attn_mask=mask_i, is_causal=False, x=x, **call)[..., -1:, :])
     return torch.cat(rows, dim=-2)
 
 
@@ -89,23 +83,24 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
                self_attention: bool = False, causal_queries: bool = False) -> torch.Tensor:
-    """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``).
+    """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``), with the host's
+    logit ``scale`` (ignored by a variant without logits) and ``dropout_p``.
     ``self_attention``: q and k come from the same tokens (see drop_padded_queries).
     ``causal_queries``: the queries are a causal decoder's positions (see attend_each_prefix)."""
-    if self_attention and couples_queries(layer):
+    if self_attention and layer.couples_queries:
         attn_mask = drop_padded_queries(attn_mask, q.shape[-2])
-    if getattr(layer, "tie_qk", False):
+    if layer.keys_are_queries:
         if k.shape != q.shape:
-            raise ValueError("l2(tie_qk=True) uses the queries as keys, so it needs self-attention without "
-                             f"a key cache; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+            raise ValueError(f"{type(layer).__name__} uses the queries as keys (l2's tie_qk=True), so it needs "
+                             f"self-attention without a key cache; got q {tuple(q.shape)} and k {tuple(k.shape)}")
         k = q
     if x is None:
-        if getattr(layer, "context_net", None) is not None:
-            raise ValueError("fenchel(preference='context') needs the key tokens x, which this host does not provide")
-        x = q  # other variants read x only for its device and dtype (Fenchel's T5 buckets)
-    if scale is not None:
-        layer.scale = float(scale)
-    layer.attn_drop.p = float(dropout_p)  # the host decides dropout (0 at eval, for attention weights)
-    if causal_queries and not is_causal and not self_attention and q.shape[-2] > 1 and couples_queries(layer):
-        return attend_each_prefix(layer, q, k, v, attn_mask, x)
-    return layer.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x)
+        if layer.needs_key_tokens:
+            raise ValueError(f"{type(layer).__name__} reads the key tokens x (fenchel's preference='context'), "
+                             "which this host does not provide")
+        x = q  # other variants read x only for its device and dtype
+    call = {"dropout_p": float(dropout_p),
+            "scale": float(scale) if scale is not None and layer.uses_logit_scale else None}
+    if causal_queries and not is_causal and not self_attention and q.shape[-2] > 1 and layer.couples_queries:
+        return attend_each_prefix(layer, q, k, v, attn_mask, x, **call)
+    return layer.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x, **call)

@@ -1,8 +1,9 @@
 """Resolve a swap spec once, before any model is touched.
 
-``multihead(kind=K, ...)`` names attnzoo.MultiheadAttention, whose kernel is K: inside a timm or Hugging
-Face model the same request means "the K layer", so it resolves to K's layer class. Every other name
-resolves to its own layer class.
+A wrapper that host models see as its kind (``Wrapper.in_host_models``: ``multihead(kind=K, ...)``
+names attnzoo.MultiheadAttention, whose kernel is K; inside a timm or Hugging Face model the same
+request means "the K layer") resolves to K's layer class. Every other name resolves to its own layer
+class.
 """
 from __future__ import annotations
 
@@ -20,12 +21,7 @@ class Target:
 
     @property
     def layer_class(self) -> type:
-        return registry._REGISTRY[self.name]
-
-    def uses_logit_scale(self) -> bool:
-        """Linear attention (alone or as masked's kind) has no logits: its scale is 1, not the host's."""
-        kind = self.kwargs.get("kind", "softmax") if self.name == "masked" else self.name
-        return kind != "linear"
+        return registry.layer_classes()[self.name]
 
     def build_layer(self, dim: int, num_heads: int, head_dim: int, **layer_kwargs):
         """A fresh attnzoo layer of this variant (timm's constructor; spec kwargs applied last)."""
@@ -40,13 +36,14 @@ def resolve(spec: str, overrides: dict) -> Target:
                         f"got the class {spec.__name__}; use its registered name")
     name, kwargs = registry.parse_spec(spec)
     kwargs = {**kwargs, **overrides}
-    if name == "multihead":
+    wrapper = registry.wrappers().get(name)
+    if wrapper is not None and wrapper.in_host_models:
         kind = kwargs.pop("kind", "softmax")
         if not isinstance(kind, str):
-            raise TypeError(f"multihead's kind must be a variant name, got {kind!r}")
+            raise TypeError(f"{name}'s kind must be a variant name, got {kind!r}")
         registry.parse_spec(kind)  # unknown kind fails here too
-        if kind == "multihead":
-            raise ValueError("multihead(kind='multihead') is circular; pick a kernel such as 'softmax'")
+        if kind in registry.wrappers():
+            raise ValueError(f"{name}(kind={kind!r}) wraps a wrapper; pick a kernel such as 'softmax'")
         name = kind
     target = Target(spec=spec, name=name, kwargs=kwargs)
     target.build_layer(8, num_heads=2, head_dim=4)  # a bad keyword argument fails now, not mid-swap

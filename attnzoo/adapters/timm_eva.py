@@ -30,7 +30,7 @@ class EvaLayout:
     def project_qkv(self, x):
         from timm.layers import apply_rot_embed_cat
         q, k, v = self.raw_qkv(x)
-        if getattr(self, "tie_qk", False):
+        if self.keys_are_queries:
             k = q
         q, k = self.q_norm(q), self.k_norm(k)
         rope = self._rope
@@ -59,7 +59,7 @@ def __getattr__(name: str):
     """Lets pickle find ``EvaSoftmaxAttention`` & co. (made on demand) in a fresh process."""
     if name.startswith("Eva"):
         from .. import registry
-        for cls in registry._REGISTRY.values():
+        for cls in registry.layer_classes().values():
             if cls.__name__ == name[3:]:
                 return eva_class(cls)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,10 +33,9 @@ class SwappedMultiheadAttention(MultiheadAttention):
     def __init__(self, embed_dim, num_heads, *args, target: Target, **kw):
         super().__init__(embed_dim, num_heads, *args, **kw)
         self.spec = target.spec
-        self.kind = target.name if target.name in ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear",
-                                                   "fenchel", "ot") else "softmax"
         self.variant_layer = kernel_layer(target, self.kdim, num_heads, self.head_dim,
                                           device=self.out_proj.weight.device, dtype=self.out_proj.weight.dtype)
+        self.kind = self.variant_layer.kind
         self._key_tokens: Optional[torch.Tensor] = None
         self._self_attention = False
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .errors import Unavailable, Unsupported
 from .problem import Problem, make_step, qkv, randn
-from .targets import Prepared, VariantSpec
+from .targets import Prepared, VariantSpec, parse_variant
 
 SDPA = "sdpa"
 _SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -88,7 +88,7 @@ class FlexTarget(Baseline):
             raise Unsupported("FlexAttention is benchmarked on CUDA only (it has no backward on CPU)")
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from ..ops.softmax.flex import compiled_flex_attention
+        from ..ops.kernels.flex import compiled_flex_attention
         causal = self.spec.causal(problem.causal)
         q, k, v = qkv(problem)
         s = problem.shape
@@ -186,20 +186,26 @@ def sdpa_names(device: torch.device) -> list[str]:
     return [SDPA, *(_CPU_SDPA if torch.device(device).type == "cpu" else _SDPA_BACKENDS)]
 
 
+# the variants a FlexAttention score_mod is tried for (those it cannot express record why)
+FLEX_TRIED = ("softmax", "l2", "fenchel", "sigmoid", "relu", "sinkhorn")
+
+
 def baseline_targets(spec: VariantSpec, device: torch.device, backends: Optional[list[str]] = None) -> list[Baseline]:
-    """The baselines that compete with ``spec`` (each recorded, even when unavailable or unsupported)."""
+    """The baselines that compete with ``spec`` (each recorded, even when unavailable or unsupported):
+    for a module-level wrapper, torch's own module; for a kernel, the libraries that compute it."""
     out: list[Baseline] = []
-    plain_softmax = spec.kernel == "softmax" and not spec.kernel_kwargs
-    if spec.name in ("softmax", "masked") and plain_softmax:
-        out += [SdpaTarget(spec, n) for n in sdpa_names(device)]
-    if spec.name in ("softmax", "masked", "l2", "fenchel", "sigmoid", "relu", "sinkhorn"):
-        out.append(FlexTarget(spec, FLEX))
-    if spec.name in ("softmax", "masked") and plain_softmax:
-        out.append(FlashAttnTarget(spec, FLASH_ATTN))
-    if spec.kernel == "linear" and spec.name != "multihead":
-        out.append(FlaTarget(spec, FLA))
-    if spec.name == "multihead":
+    if spec.timed_module is not None:
         out.append(TorchMhaTarget(spec, TORCH_MHA))
+    else:
+        plain_softmax = spec.kernel == "softmax" and not spec.kernel_kwargs
+        if plain_softmax:
+            out += [SdpaTarget(spec, n) for n in sdpa_names(device)]
+        if spec.kernel in FLEX_TRIED:
+            out.append(FlexTarget(spec, FLEX))
+        if plain_softmax:
+            out.append(FlashAttnTarget(spec, FLASH_ATTN))
+        if spec.kernel == "linear":
+            out.append(FlaTarget(spec, FLA))
     if backends:
         out = [t for t in out if t.backend in backends]
     return out
@@ -207,4 +213,4 @@ def baseline_targets(spec: VariantSpec, device: torch.device, backends: Optional
 
 def anchor(causal: bool) -> SdpaTarget:
     """SDPA softmax with default dispatch: the denominator of every "x SDPA" ratio."""
-    return SdpaTarget(VariantSpec("masked" if causal else "softmax", "masked" if causal else "softmax"), SDPA)
+    return SdpaTarget(parse_variant("masked" if causal else "softmax"), SDPA)

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .flops import Shape
+from ..ops.sizes import Shape
 
 CPU_METHOD = "live tensor bytes (TorchDispatchMode storage tracking; excludes inputs and kernel-internal scratch)"
 CUDA_METHOD = "torch.cuda.max_memory_allocated minus memory allocated before the call"
@@ -92,21 +92,10 @@ def memory_method(device: torch.device) -> str:
 
 
 def estimate_reference_bytes(variant: str, shape: Shape, mode: str, causal: bool, itemsize: int = 4,
-                             kind: str | None = None, n_iters: int = 3, n_templates: int = 0, **_) -> int:
-    """Rough peak of the eager reference (which materialises N x N, or N x N x |A| for OT), used only
-    to skip calls that would exhaust host memory (the kernel's OOM would be the OS killing us)."""
-    kind = (kind or "softmax") if variant in ("masked", "multihead") else variant
-    causal = causal or variant == "masked"
-    train = mode == "fwd+bwd"
-    square = shape.bh * shape.seq_q * shape.nk * itemsize
-    if kind == "ot":
-        return square * (shape.nk + n_templates) * (6 if train else 3)
-    if kind == "linear":
-        prefix = shape.bh * shape.nk * shape.head_dim * shape.dv * itemsize if causal else 0
-        return prefix * (3 if train else 1) + (square if causal else 0)
-    if kind == "sinkhorn":
-        per_problem = square * (2 * n_iters + 4)
-        if causal and train:
-            return per_problem * shape.seq_q  # autograd keeps every prefix problem's iterations
-        return per_problem * (2 if train else 1)
-    return square * (6 if train else 3)
+                             kind: str | None = None, **kwargs) -> int:
+    """Rough peak of the eager reference (which materialises N x N, or N x N x |A| for OT; each variant
+    declares its estimate in its record), used only to skip calls that would exhaust host memory (the
+    kernel's OOM would be the OS killing us)."""
+    from .. import registry
+    resolved = registry.resolve(variant, **({} if kind is None else {"kind": kind}))
+    return resolved.record.reference_bytes(shape, mode == "fwd+bwd", resolved.causal(causal), itemsize, **kwargs)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import environment, errors
-from .flops import BACKWARD_RULE, FORMULAS
+from .flops import backward_rule, formulas
 from .memory import memory_method
 
 SCHEMA = "attnzoo.bench/1"
@@ -70,7 +70,7 @@ def header(config, memory_limit: float = math.inf, planned_rows: Optional[int] =
         "environment": {**environment.collect(device), "load_average_at_start": environment.load_average()},
         "settings": settings,
         "methods": _methods(device),
-        "flop_conventions": {"forward": dict(FORMULAS), "backward": BACKWARD_RULE},
+        "flop_conventions": {"forward": formulas(), "backward": backward_rule()},
     }
 
 

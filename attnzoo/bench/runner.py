@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import registry
 from . import errors
 from .baselines import anchor, baseline_targets
 from .dynamo import raised_recompile_limits
@@ -25,7 +26,7 @@ from .result import anchor_key, finish, header, is_anchor, set_ratio
 from .targets import attnzoo_targets, parse_variant
 from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
 
-__all__ = ["ALL_VARIANTS", "BenchConfig", "Runner", "plan", "run"]
+__all__ = ["ALL_VARIANTS", "BenchConfig", "Runner", "all_variants", "plan", "run"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
@@ -38,7 +39,19 @@ def dtype_name(name: str) -> str:
     if canonical not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {name!r}")
     return canonical
-ALL_VARIANTS = ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "masked", "multihead", "fenchel", "ot")
+def all_variants() -> list[str]:
+    """Every registered name that runs a variant's kernel (variants, then wrappers)."""
+    out = []
+    for name in registry.available():
+        try:
+            registry.resolve(name)
+        except ValueError:
+            continue  # a class registered with register() whose layer runs no declared variant
+        out.append(name)
+    return out
+
+
+ALL_VARIANTS = tuple(all_variants())  # the names registered when attnzoo was imported
 
 
 def default_device() -> str:
@@ -47,7 +60,7 @@ def default_device() -> str:
 
 @dataclass
 class BenchConfig:
-    variants: list[str] = field(default_factory=lambda: list(ALL_VARIANTS))
+    variants: list[str] = field(default_factory=all_variants)
     backends: Optional[list[str]] = None      # None: every attnzoo backend, "auto" and every baseline
     seq_lens: list[int] = field(default_factory=lambda: [256, 1024])
     dtypes: list[str] = field(default_factory=lambda: ["float32"])

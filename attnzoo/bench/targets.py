@@ -1,20 +1,20 @@
 """attnzoo's own targets: a variant (spec string) run through one backend of the dispatcher.
 
 Every backend registered for the variant's kernel (``ops.dispatch.backends``) is a target, plus
-"auto". "masked" is causal attention with its ``kind`` (default softmax) through
-``functional.masked``; "multihead" is the ``attnzoo.MultiheadAttention`` module (projections
-included) with its ``kind`` (default softmax) and the backend passed to the module.
+"auto". A wrapper runs its ``kind`` (``registry.resolve``): "masked" through the kind's functional
+with is_causal=True; a wrapper that adds work around the kernel ("multihead": the projections of
+attnzoo.MultiheadAttention) is timed as its whole module, with the backend passed to the module.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from .. import functional as AF
 from .. import registry
+from ..functional import explain
 from ..ops import dispatch
 from .errors import Skipped, Unsupported
 from .problem import Problem, make_step, qkv, randn
@@ -24,43 +24,51 @@ AUTO = dispatch.AUTO
 
 @dataclass(frozen=True)
 class VariantSpec:
-    label: str                 # as given, e.g. "sinkhorn(n_iters=5)"
-    name: str                  # registry name
-    kwargs: dict = field(default_factory=dict)
+    label: str                    # as given, e.g. "sinkhorn(n_iters=5)"
+    resolved: registry.Resolved   # which variant's kernel runs it, with which arguments
+
+    @property
+    def name(self) -> str:
+        """The registry name."""
+        return self.resolved.name
+
+    @property
+    def kwargs(self) -> dict:
+        return self.resolved.kwargs
 
     @property
     def kernel(self) -> str:
-        """The functional whose backends run this variant."""
-        if self.name in ("masked", "multihead"):
-            return self.kwargs.get("kind", "softmax")
-        return self.name
+        """The variant whose backends run this spec."""
+        return self.resolved.kind
 
     @property
     def kernel_kwargs(self) -> dict:
         """Keyword arguments for the kernel's functional (kind and layer-only arguments removed)."""
-        kw = {k: v for k, v in self.kwargs.items() if k != "kind"}
-        if self.name == "multihead":
-            kw = registry.split_layer_kwargs(self.kernel, kw)[0]
-        return kw
+        return self.resolved.kernel_kwargs
+
+    @property
+    def timed_module(self):
+        wrapper = self.resolved.wrapper
+        return None if wrapper is None else wrapper.timed_module
 
     def causal(self, flag: bool) -> bool:
-        return True if self.name == "masked" else bool(flag)
+        return self.resolved.causal(flag)
 
     def flop_kwargs(self) -> dict:
         kw = dict(self.kernel_kwargs)
-        if self.name in ("masked", "multihead"):
+        if self.resolved.wrapper is not None:
             kw["kind"] = self.kernel
         return kw
 
 
 def parse_variant(spec: str) -> VariantSpec:
-    name, kwargs = registry.parse_spec(spec)
-    if name not in ("masked", "multihead") and name not in AF.VARIANT_FUNCTIONS:
-        raise ValueError(f"variant {name!r} has no functional kernel to benchmark")
-    vs = VariantSpec(spec.strip(), name, kwargs)
-    if vs.kernel not in AF.VARIANT_FUNCTIONS:
-        raise ValueError(f"{spec!r}: kind must be one of {list(AF.VARIANT_FUNCTIONS)}, got {vs.kernel!r}")
-    return vs
+    try:
+        resolved = registry.resolve(spec)
+    except ValueError as e:
+        if "not a variant" in str(e):
+            raise ValueError(f"variant {registry.parse_spec(spec)[0]!r} has no functional kernel to benchmark") from None
+        raise
+    return VariantSpec(spec.strip(), resolved)
 
 
 @dataclass
@@ -87,7 +95,7 @@ class AttnzooTarget:
     def _resolve(self, q, k, v, causal: bool) -> str:
         """Ask the dispatcher (through attnzoo.explain) who runs this call; its reason if nobody can."""
         try:
-            choice = AF.explain(self.spec.kernel, q, k, v, backend=self.backend, is_causal=causal,
+            choice = explain(self.spec.kernel, q, k, v, backend=self.backend, is_causal=causal,
                                 **self.spec.kernel_kwargs)
         except ValueError as e:
             raise Unsupported(str(e)) from None
@@ -102,29 +110,26 @@ class AttnzooTarget:
         q, k, v = qkv(problem)
         resolved = self._resolve(q, k, v, causal)
         key = ("attnzoo", self.spec.label, resolved, problem.key(), causal)
-        if self.spec.name == "multihead":
-            return Prepared(self._multihead_step(problem, causal), resolved, key, resolved == "reference")
-        fn, kw = AF.VARIANT_FUNCTIONS[self.spec.kernel], self.spec.kernel_kwargs
+        if self.spec.timed_module is not None:
+            return Prepared(self._module_step(problem, causal), resolved, key, resolved == "reference")
+        fn, kw = self.spec.resolved.record.functional, self.spec.kernel_kwargs
         backend = None if self.backend == AUTO else self.backend
 
         def forward():
             return fn(q, k, v, is_causal=causal, backend=backend, **kw)
         return Prepared(make_step(forward, (q, k, v), problem), resolved, key, resolved == "reference")
 
-    def _multihead_step(self, problem: Problem, causal: bool):
-        from ..layers import MultiheadAttention
+    def _module_step(self, problem: Problem, causal: bool):
         s = problem.shape
         embed = s.heads * s.head_dim
-        layer_kwargs = {k: v for k, v in self.spec.kwargs.items() if k != "kind"}
-        module = MultiheadAttention(embed, s.heads, batch_first=True, kind=self.spec.kernel,
-                                    backend=None if self.backend == AUTO else self.backend,
-                                    device=problem.device, dtype=problem.dtype, **layer_kwargs)
+        module_forward, params = self.spec.timed_module(
+            embed, s.heads, kind=self.spec.kernel, backend=None if self.backend == AUTO else self.backend,
+            device=problem.device, dtype=problem.dtype, **self.spec.kwargs)
         torch.manual_seed(problem.seed)
         x = randn(problem, (s.batch, s.seq_q, embed), 5)
-        params = [p for p in module.parameters() if p.requires_grad]
 
         def forward():
-            return module(x, x, x, need_weights=False, is_causal=causal)[0]
+            return module_forward(x, causal)
         return make_step(forward, [x, *params], problem)
 
 

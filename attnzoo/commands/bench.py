@@ -32,10 +32,10 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(parser) -> None:
     from ..bench.flops import MODES
-    from ..bench.runner import ALL_VARIANTS, DTYPES
+    from ..bench.runner import DTYPES, all_variants
     g = parser.add_argument_group("what to run")
-    g.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), metavar="SPEC",
-                   help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: all ten)")
+    g.add_argument("--variants", nargs="+", default=all_variants(), metavar="SPEC",
+                   help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: every registered variant and wrapper)")
     g.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                    help="only these backends: attnzoo ones (reference, cpu, torch, triton, auto, ...) and baselines "
                         "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, torch-flex, flash-attn, fla, torch-mha). "
@@ -173,11 +173,11 @@ def _from_rowlog(args, console) -> int:
 def known_backends() -> set[str]:
     """Every name --backends / --skip-backends can mean: attnzoo's backends of every variant, auto, baselines."""
     from ..bench.baselines import BASELINE_NAMES
-    from ..bench.runner import ALL_VARIANTS
+    from ..bench.runner import all_variants
     from ..bench.targets import AUTO, parse_variant
     from ..ops import dispatch
     names = {AUTO, *BASELINE_NAMES}
-    for v in ALL_VARIANTS:
+    for v in all_variants():
         names.update(dispatch.backends(parse_variant(v).kernel))
     return names
 

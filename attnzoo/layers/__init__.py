@@ -1,10 +1,12 @@
-"""attnzoo.layers: one nn.Module per attention variant, all with timm's Attention interface."""
+"""attnzoo.layers: one nn.Module per attention variant, all with timm's Attention interface (the
+classes of the built-in variants are made from their records in variants.py), and the wrappers
+MaskedAttention and MultiheadAttention."""
+from ..ops.fenchel.t5_buckets import t5_relative_buckets
 from .base import AttentionLayer
-from .fenchel import FenchelAttention, t5_relative_buckets
+from .masked import MaskedAttention
 from .multihead import MultiheadAttention
-from .ot import OTAttention
-from .simple import (L2Attention, LinearAttention, MaskedAttention, ReLUAttention, SigmoidAttention,
-                     SinkhornAttention, SoftmaxAttention)
+from .variants import (FenchelAttention, L2Attention, LinearAttention, OTAttention, ReLUAttention,  # noqa: F401
+                       SigmoidAttention, SinkhornAttention, SoftmaxAttention)
 
 __all__ = ["AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention", "SigmoidAttention",
            "ReLUAttention", "LinearAttention", "MaskedAttention", "MultiheadAttention", "FenchelAttention",

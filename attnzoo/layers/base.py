@@ -1,9 +1,14 @@
-"""The shared nn.Module shell: timm's Attention constructor, forward and submodule names.
+"""The shared nn.Module shell: timm's Attention constructor, forward and submodule names, and the one
+call of a variant's functional.
 
 Submodules are named ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj`` (and ``gate`` when gated)
-exactly as in ``timm.layers.Attention``, so a timm state_dict loads with ``strict=True``. A variant
-subclass only says which functional it calls (``variant``) and which keyword arguments it passes
-(``kernel_kwargs``); it adds parameters when the paper's variant has them.
+exactly as in ``timm.layers.Attention``, so a timm state_dict loads with ``strict=True``. Everything
+variant-specific comes from the variant's record (ops/<variant>/): its functional, its default scale,
+and its layer hook, which takes the variant's constructor options (storing them and any parameters on
+the layer) and returns the functional's extra keyword arguments on every call (a bias, log u,
+templates). A host model that projects q, k and v itself (attnzoo.swap into torch.nn or Hugging Face)
+calls ``attend`` and reads ``keys_are_queries``, ``needs_key_tokens``, ``couples_queries`` and
+``uses_logit_scale``.
 """
 from __future__ import annotations
 
@@ -13,24 +18,32 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from .. import functional as AF
+from .. import functional  # noqa: F401  (declares the built-in variants)
+from ..ops import variant as catalog
 
 # keyword arguments timm's Block / create_model may pass to an attention layer; accepted silently
-_TIMM_EXTRA = {"depth", "fused_attn", "rope", "attn_type", "qk_norm_layer", "rotate_half"}
+TIMM_EXTRA = {"depth", "fused_attn", "rope", "attn_type", "qk_norm_layer", "rotate_half"}
 
 
 class AttentionLayer(nn.Module):
+    """timm's Attention running a variant's functional. ``kind`` names the variant for a class that
+    is not one (a wrapper such as MaskedAttention); a variant's own class runs its variant."""
     variant: ClassVar[str] = "softmax"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
                  norm_layer: Optional[type] = None, *, scale_norm: bool = False, gated: bool = False,
                  attn_head_dim: Optional[int] = None, dim_out: Optional[int] = None,
-                 backend: Optional[str] = None, device=None, dtype=None, **extra) -> None:
+                 backend: Optional[str] = None, device=None, dtype=None, kind: Optional[str] = None,
+                 **extra) -> None:
         super().__init__()
-        unknown = sorted(set(extra) - _TIMM_EXTRA)
+        kind = self._check_kind(kind)
+        record = catalog.get(kind)
+        hook_options = record.hook.options()
+        options = {name: extra.pop(name) for name in list(extra) if name in hook_options}
+        unknown = sorted(set(extra) - TIMM_EXTRA)
         if unknown:
-            warnings.warn(f"{type(self).__name__} ignores unknown keyword arguments {unknown}", stacklevel=2)
+            warnings.warn(f"{type(self).__name__} ignores unknown keyword arguments {unknown}", stacklevel=3)
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
         if not isinstance(num_heads, int) or num_heads <= 0:
@@ -44,10 +57,11 @@ class AttentionLayer(nn.Module):
         if not 0.0 <= float(attn_drop) < 1.0:
             raise ValueError(f"attn_drop must be in [0, 1), got {attn_drop}")
         dd = {"device": device, "dtype": dtype}
+        self.kind = kind
         self.num_heads = num_heads
         self.head_dim = attn_head_dim
         self.attn_dim = num_heads * attn_head_dim
-        self.scale = attn_head_dim ** -0.5
+        self.scale = attn_head_dim ** -0.5 if record.default_scale is None else record.default_scale
         self.backend = backend
         self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()
@@ -57,12 +71,45 @@ class AttentionLayer(nn.Module):
         self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
         self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        record.hook.setup(self, **options)
 
-    # -- the parts a variant overrides ---------------------------------------------------------
-    def kernel_kwargs(self) -> dict:
-        """Variant keyword arguments passed to the functional on every call."""
-        return {}
+    def _check_kind(self, kind: Optional[str]) -> str:
+        own = type(self).variant
+        if kind is None or kind == own:
+            return own
+        if catalog.is_declared(own):
+            raise ValueError(f"{type(self).__name__} runs {own!r}; kind={kind!r} is for wrappers such as "
+                             f"MaskedAttention (or build the {kind!r} layer: attnzoo.create({kind!r}, ...))")
+        if not catalog.is_declared(kind):
+            raise ValueError(f"kind must be one of {catalog.names()}, got {kind!r}")
+        return kind
 
+    # -- what a host with its own projections reads ----------------------------------------------
+    @property
+    def record(self) -> catalog.Variant:
+        return catalog.get(self.kind)
+
+    @property
+    def keys_are_queries(self) -> bool:
+        """The keys are the query projection (L2's tie_qk): a host must pass k = q."""
+        return self.record.hook.keys_are_queries(self)
+
+    @property
+    def needs_key_tokens(self) -> bool:
+        """``attend`` reads the key tokens ``x`` (Fenchel's context preference)."""
+        return self.record.hook.needs_key_tokens(self)
+
+    @property
+    def couples_queries(self) -> bool:
+        """One query's output depends on the other queries (Sinkhorn's column normalisation)."""
+        return self.record.couples_queries
+
+    @property
+    def uses_logit_scale(self) -> bool:
+        """False for a variant without logits (linear): a host's logit scale does not apply to it."""
+        return self.record.default_scale is None
+
+    # -- projections and the kernel call ---------------------------------------------------------
     def raw_qkv(self, x: torch.Tensor):
         """(q, k, v), each (B, H, N, head_dim), before q/k normalisation."""
         B, N, _ = x.shape
@@ -71,13 +118,23 @@ class AttentionLayer(nn.Module):
 
     def project_qkv(self, x: torch.Tensor):
         q, k, v = self.raw_qkv(x)
+        if self.keys_are_queries:
+            k = q
         return self.q_norm(q), self.k_norm(k), v
 
-    def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, **extra):
-        fn = AF.VARIANT_FUNCTIONS[self.variant]
-        return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
-                  dropout_p=self.attn_drop.p if self.training else 0.0, backend=self.backend,
-                  **self.kernel_kwargs(), **extra)
+    def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, *, scale: Optional[float] = None,
+               dropout_p: Optional[float] = None, **forward_kwargs):
+        """The variant's functional on (B, H, N, head_dim) q, k, v, with the hook's extra keyword
+        arguments. ``scale`` and ``dropout_p`` default to the layer's own (attn_drop.p in training, 0 in
+        eval); ``x`` are the key tokens (B, Nk, dim) for hooks that read them."""
+        record = self.record
+        extra = record.hook.kernel_kwargs(self, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal,
+                                          **forward_kwargs)
+        if dropout_p is None:
+            dropout_p = self.attn_drop.p if self.training else 0.0
+        return record.functional(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                 scale=self.scale if scale is None else scale, dropout_p=dropout_p,
+                                 backend=self.backend, **extra)
 
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
@@ -108,8 +165,11 @@ class AttentionLayer(nn.Module):
             raise ValueError(f"{name}: x must be on the layer's device {w.device}, got {x.device}")
 
     def extra_repr(self) -> str:
-        kw = ", ".join(f"{k}={v!r}" for k, v in self.kernel_kwargs().items() if not isinstance(v, torch.Tensor))
-        return f"variant={self.variant!r}, num_heads={self.num_heads}, head_dim={self.head_dim}" + (f", {kw}" if kw else "")
+        options = self.record.hook.describe(self)
+        kw = ", ".join(f"{k}={v!r}" for k, v in options.items() if not isinstance(v, torch.Tensor))
+        kind = f", kind={self.kind!r}" if self.kind != self.variant else ""
+        return (f"variant={self.variant!r}{kind}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+                + (f", {kw}" if kw else ""))
 
 
 def _heads_mask(attn_mask):

@@ -8,14 +8,19 @@ Masks follow torch's MHA convention (the opposite of SDPA's): a bool ``attn_mask
 """
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import functional as AF
+from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import validate as V
+from ..ops import variant as catalog
+from ..ops.masking import causal_keep
+from ..ops.sizes import Shape
+from .wrapper import Wrapper
 
 
 class MultiheadAttention(nn.Module):
@@ -30,7 +35,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        self.kind = V.check_choice("kind", kind, AF.VARIANT_FUNCTIONS)
+        self.kind = V.check_choice("kind", kind, catalog.names())
         self.kind_kwargs = dict(kind_kwargs)
         self.backend = backend
         dd = {"device": device, "dtype": dtype}
@@ -87,7 +92,7 @@ class MultiheadAttention(nn.Module):
 
     def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
         """The kernel call on (B, H, N, hd) tensors; attnzoo.swap overrides it to run a layer's variant."""
-        fn = AF.VARIANT_FUNCTIONS[self.kind]
+        fn = catalog.get(self.kind).functional
         return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, backend=self.backend,
                   **self.kind_kwargs)
 
@@ -154,7 +159,6 @@ def is_causal_mask(attn_mask: torch.Tensor, L: int, S: int) -> bool:
     L == S the upper triangle, as nn.Transformer.generate_square_subsequent_mask makes)?"""
     if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape[-2:]) != (L, S):
         return False
-    from ..ops.masking import causal_keep
     keep = causal_keep(L, S, attn_mask.device)
     if attn_mask.dtype == torch.bool:
         return bool((attn_mask == ~keep).all())
@@ -193,3 +197,26 @@ def _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
                         for m in (mask, kpm)]
             mask = as_float[0] + as_float[1]
     return mask
+
+
+def projection_flops(s: Shape) -> Fraction:
+    """The four projections of attnzoo.MultiheadAttention: in_proj 2 B N E 3E, out_proj 2 B N E E (E = H D)."""
+    e = s.heads * s.head_dim
+    return Fraction(2 * s.batch * s.seq_q * e * 3 * e + 2 * s.batch * s.seq_q * e * e)
+
+
+def timed_module(embed_dim, num_heads, *, kind, backend, device, dtype, **layer_kwargs):
+    """The module the benchmark times for "multihead": self-attention of (B, N, E) tokens."""
+    module = MultiheadAttention(embed_dim, num_heads, batch_first=True, kind=kind, backend=backend, device=device,
+                                dtype=dtype, **layer_kwargs)
+
+    def forward(x, causal):
+        return module(x, x, x, need_weights=False, is_causal=causal)[0]
+    return forward, [p for p in module.parameters() if p.requires_grad]
+
+
+MULTIHEAD = Wrapper(name="multihead", layer_class=MultiheadAttention, module_flops=projection_flops,
+                    module_formula="in/out projections 8 B N E^2 (E = H D)", module_work="projections",
+                    timed_module=timed_module,
+                    in_host_models=True, parameters="nn.MultiheadAttention's",
+                    paper="paper 002 eq (2.7)/(2.9); paper 001 (multi-head)")

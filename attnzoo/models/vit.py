@@ -16,7 +16,7 @@ from .mha_adapter import MultiheadAsTimmAttention
 def timm_attention_class(spec: str) -> type:
     """The class to hand timm's ``Block(attn_layer=...)`` for an attnzoo spec string."""
     name, kwargs = registry.parse_spec(spec)
-    if registry._REGISTRY[name] is MultiheadAttention:
+    if registry.layer_classes()[name] is MultiheadAttention:
         class Bound(MultiheadAsTimmAttention):
             def __init__(self, *args, **kw):
                 super().__init__(*args, **{**kwargs, **kw})

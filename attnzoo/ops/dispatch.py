@@ -44,6 +44,10 @@ class Backend:
     # lower-priority backend for this call (e.g. a size where the reference was measured faster);
     # naming the backend explicitly bypasses it.
     auto_prefers: Optional[Callable[..., Optional[str]]] = None
+    # device types on which this backend returns a zero row for a query holding NaN (SDPA's fused CPU
+    # kernel: its running max skips NaN scores); the caller then puts the NaN back (attnzoo's rule is
+    # that NaN in q reaches the output row of that query, on every backend)
+    hides_query_nan_on: tuple = ()
 
 
 @dataclass
@@ -73,9 +77,27 @@ class _Default:
 
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
-                     description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None) -> None:
+                     description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None,
+                     hides_query_nan_on: tuple = ()) -> None:
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
-                                                   priority, description, tuple(auto_devices), auto_prefers)
+                                                   priority, description, tuple(auto_devices), auto_prefers,
+                                                   tuple(hides_query_nan_on))
+
+
+def all_of(*checks):
+    """A ``supports`` predicate: the first reason any of ``checks`` gives, or None."""
+    def supports(q, k, v, **kw):
+        for check in checks:
+            why = check(q, k, v, **kw)
+            if why is not None:
+                return why
+        return None
+    return supports
+
+
+def forget(variant: str) -> None:
+    """Drop every backend of ``variant`` (a variant removed from the catalog)."""
+    _TABLE.pop(variant, None)
 
 
 def backends(variant: str) -> list[str]:

@@ -332,3 +332,23 @@ if HAVE_TRITON:
             first = tl.maximum(start_n - (Nk - Nq), 0)
             return (first // BLOCK_M) * BLOCK_M
         return 0
+
+
+# -- how a Triton kernel becomes a variant's "triton" backend ---------------------------------------
+
+TRITON_PRIORITY = 20
+
+
+def call_reason(q, k, v, **kw):
+    """``common_reason`` for a backend call's keyword arguments."""
+    return common_reason(q, k, v, attn_mask=kw.get("attn_mask"), dropout_p=kw.get("dropout_p", 0.0))
+
+
+def register_triton(variant: str, fn, supports=call_reason, *, description: str, name: str = "triton",
+                    priority: int = TRITON_PRIORITY) -> None:
+    """Register a Triton kernel as a backend: auto picks it on CUDA tensors only (under
+    TRITON_INTERPRET=1 it also runs on CPU tensors, when asked for by name, far too slowly to be a
+    default); its ``supports`` says why a call is refused (``attnzoo.explain`` prints it)."""
+    from .dispatch import register_backend
+    register_backend(variant, name, fn, supports=supports, priority=priority, description=description,
+                     auto_devices=("cuda",))

@@ -86,7 +86,7 @@ def _flex_case(label: str, flavour: str) -> Case:
     """FlexAttention with the same math as an attnzoo flavour: plain softmax, T5 bias, per-key bias."""
     def build(shape, device, grad):
         from attnzoo.ops.fenchel.t5_buckets import t5_offset_lut
-        from attnzoo.ops.softmax.flex import _causal_block_mask, compiled_flex_attention
+        from attnzoo.ops.kernels.flex import _causal_block_mask, compiled_flex_attention
         q, k, v = qkv(shape, device, grad)
         leaves = [q, k, v]
         block_mask = _causal_block_mask(shape.n, shape.n, torch.device(device)) if shape.causal else None
@@ -164,8 +164,8 @@ def _t5_build(backend: str):
                 return AF.fenchel(q, k, v, is_causal=shape.causal, scale=scale, log_u=log_u, backend="torch")
         else:
             def forward():
-                return t5.t5_attention(q, k, v, table, 32, 128, not shape.causal, is_causal=shape.causal,
-                                       scale=scale, backend=backend)
+                return AF.fenchel(q, k, v, is_causal=shape.causal, scale=scale, backend=backend,
+                                  relative_bias=t5.T5Bias(table, 32, 128, not shape.causal))
         return Built(forward, [q, k, v, table])
     return build
 

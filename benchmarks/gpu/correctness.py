@@ -89,8 +89,8 @@ def check_t5(backend, shape, dtype, device) -> dict:
         return [out.detach()] + list(grads)
 
     def fused(q, k, v, tab):
-        return t5.t5_attention(q, k, v, tab, args["num_buckets"], args["max_distance"], args["bidirectional"],
-                               is_causal=causal, scale=args["scale"], backend=backend)
+        bias = t5.T5Bias(tab, args["num_buckets"], args["max_distance"], args["bidirectional"])
+        return AF.fenchel(q, k, v, is_causal=causal, scale=args["scale"], backend=backend, relative_bias=bias)
 
     def reference(q, k, v, tab):
         return t5_bias_attention_reference(q, k, v, tab, args["num_buckets"], args["max_distance"],

@@ -1,41 +1,91 @@
 """Fenchel attention with T5's relative-position preference (paper 004 eqs 16-18) on fused kernels.
 
 softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j can run on
-- "triton": attnzoo's fused kernel, which adds the bias tile by tile and accumulates the table's
-  gradient (ops/softmax/triton.py, t5_bias_attention);
-- "flex":   FlexAttention with the table lookup as a score_mod (CUDA; ops/softmax/flex.py);
-- any other fenchel backend: the dense (1, H, Nq, Nk) log u built by the layer (``t5_attention``
-  returns None and the layer calls ``attnzoo.functional.fenchel``).
+- "triton": the online-softmax kernel, which adds the bias tile by tile from the table and the
+  offset -> bucket vector, and accumulates the table's gradient (``t5_bias_attention``);
+- "flex":   FlexAttention with the table lookup as a score_mod (CUDA; kernels.py, t5_flex);
+- any other fenchel backend: the dense (1, H, Nq, Nk) log u (``dense_log_u``) through the fenchel
+  dispatcher (``t5_attention`` returns None).
 ``auto`` on CUDA follows the device's measured ranking (ops/measured.py, flavour "t5"), else the
 Triton kernel when it can run the call.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
+
+from torch import Tensor
 
 from .. import dispatch, measured
+from .. import validate as V
+from ..kernels.flash_softmax.triton import bucket_bias_attention
+from ..kernels.flex import flex_reason
 from ..triton_utils import common_reason
+from .kernels import t5_flex
 from .t5_buckets import t5_offset_lut
+from .t5_reference import t5_log_preference
 
 FUSED = ("triton", "flex")
 
 
-def _flex_reason(q, dropout_p) -> Optional[str]:
-    from ..softmax.flex import flex_available
-    if q.device.type != "cuda":
-        return "FlexAttention runs here on CUDA tensors only (it has no backward on CPU)"
-    if not flex_available():
-        return "torch.nn.attention.flex_attention is not available in this torch build"
-    if dropout_p > 0:
-        return "FlexAttention has no dropout on the weights"
-    return None
+class T5Bias(NamedTuple):
+    """A learned T5 relative-position log-preference: ``table`` (num_buckets, H), e.g. an
+    ``nn.Embedding(num_buckets, H).weight``, and the bucketing of the offsets j - i."""
+    table: Tensor
+    num_buckets: int = 32
+    max_distance: int = 128
+    bidirectional: bool = True
+
+
+def dense_log_u(bias: T5Bias, nq: int, nk: int) -> Tensor:
+    """log u_ij = table[bucket(j - i), h] as a (1, H, Nq, Nk) tensor (bottom-right aligned offsets)."""
+    return t5_log_preference(bias.table, bias.num_buckets, bias.max_distance, bias.bidirectional, nq, nk)
+
+
+def check_t5_args(table, num_buckets, max_distance, q) -> None:
+    H = q.shape[1]
+    if not isinstance(table, Tensor) or not table.is_floating_point():
+        raise TypeError(f"table must be a float tensor of shape (num_buckets, H), got {type(table).__name__}"
+                        + (f" {table.dtype}" if isinstance(table, Tensor) else ""))
+    for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 2:
+            raise ValueError(f"{name} must be an int >= 2, got {val!r}")
+    if tuple(table.shape) != (num_buckets, H):
+        raise ValueError(f"table must have shape (num_buckets={num_buckets}, H={H}), got {tuple(table.shape)}")
+    if table.device != q.device:
+        raise ValueError(f"table must be on {q.device} like q, got {table.device}")
+
+
+def check_bias(bias, q) -> None:
+    if not isinstance(bias, T5Bias):
+        raise TypeError(f"relative_bias must be a T5Bias(table, num_buckets, max_distance, bidirectional), "
+                        f"got {type(bias).__name__}")
+    check_t5_args(bias.table, bias.num_buckets, bias.max_distance, q)
+
+
+def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, attn_mask=None,
+                      is_causal=False, scale=None, *, alpha=1.0, dropout_p=0.0):
+    """softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j (paper 004 eqs 16-18)
+    on the Triton kernel, with dropout on those weights when ``dropout_p > 0``.
+
+    ``table`` is (num_buckets, H), e.g. ``nn.Embedding(num_buckets, H).weight``; the bucket of the
+    offset j - i (bottom-right aligned when Nq != Nk) is T5's, as in FenchelAttention. The kernel
+    adds the bias tile by tile and returns the gradient to ``table`` (summed per head and bucket)."""
+    V.check_qkv(q, k, v)
+    V.check_mask(attn_mask, q, k)
+    scale = V.resolve_scale(scale, q)
+    alpha = V.check_positive("alpha", alpha)
+    check_t5_args(table, num_buckets, max_distance, q)
+    dropout_p = V.check_dropout(dropout_p)
+    lut = t5_offset_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
+    return bucket_bias_attention(q, k, v, table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=scale * alpha,
+                                 dropout_p=dropout_p)
 
 
 def reason(name: str, q, k, v, attn_mask, dropout_p) -> Optional[str]:
     """None when the fused T5 path ``name`` can run the call, else why not."""
     if name == "triton":
         return common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-    return _flex_reason(q, dropout_p)
+    return flex_reason(q, k, v, dropout_p=dropout_p)
 
 
 def choose(q, k, v, *, backend=None, attn_mask=None, is_causal=False, dropout_p=0.0) -> Optional[str]:
@@ -58,17 +108,16 @@ def choose(q, k, v, *, backend=None, attn_mask=None, is_causal=False, dropout_p=
     return None
 
 
-def t5_attention(q, k, v, table, num_buckets, max_distance, bidirectional, *, attn_mask=None, is_causal=False,
-                 scale, alpha=1.0, dropout_p=0.0, backend=None):
+def t5_attention(q, k, v, bias: T5Bias, *, attn_mask=None, is_causal=False, scale, alpha=1.0, dropout_p=0.0,
+                 backend=None):
     """The fused T5 output, or None when the chosen path is the dense one."""
     name = choose(q, k, v, backend=backend, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)
     if name == "triton":
-        from ..softmax import triton as fused
-        return fused.t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional,
-                                       attn_mask=attn_mask, is_causal=is_causal, scale=scale, alpha=alpha,
-                                       dropout_p=dropout_p)
+        return t5_bias_attention(q, k, v, bias.table, bias.num_buckets, bias.max_distance, bias.bidirectional,
+                                 attn_mask=attn_mask, is_causal=is_causal, scale=scale, alpha=alpha,
+                                 dropout_p=dropout_p)
     if name == "flex":
-        from ..softmax.flex import t5_flex
-        lut = t5_offset_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
-        return t5_flex(q, k, v, table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=alpha * scale)
+        lut = t5_offset_lut(q.shape[2], k.shape[2], bias.num_buckets, bias.max_distance, bool(bias.bidirectional),
+                            q.device)
+        return t5_flex(q, k, v, bias.table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=alpha * scale)
     return None

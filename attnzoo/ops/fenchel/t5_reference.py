@@ -3,7 +3,7 @@ softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j.
 
 It builds the (1, H, Nq, Nk) log-preference from the table exactly as FenchelAttention(preference="t5")
 does (bottom-right offsets, T5 buckets) and hands it to the first-order Fenchel reference, so autograd
-gives the table's gradient. ``attnzoo.ops.softmax.triton.t5_bias_attention`` is tested against it.
+gives the table's gradient. ``attnzoo.ops.fenchel.t5.t5_bias_attention`` (the Triton kernel) is tested against it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,40 @@
+"""Linear attention (paper 002 eq 2.2; Katharopoulos et al. 2020): phi(q_i) . sum_j phi(k_j) v_j^T
+normalised by phi(q_i) . sum_j phi(k_j), phi = elu + 1 (or relu, or none); no logits, so no scale.
+
+Backends: "reference"; "cpu", chunked causal linear attention / two matmuls (cpu.py, factorised.py),
+custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as the reference at
+every size measured, far less memory); "triton", the chunked parallel form (triton.py,
+chunk_kernels.py), priority 20, auto on CUDA only.
+"""
+from __future__ import annotations
+
+from ..dispatch import all_of, register_backend
+from ..triton_utils import eager_under_interpreter, register_triton
+from ..variant import Variant, declare
+from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
+from .cpu import linear_attention_cpu, supports_linear_fused
+from .functional import check, linear
+from .layer import LinearHook
+from .reference import linear_attention
+from .triton import device_reason, dtype_reason, linear_attention_triton
+
+
+def _triton_device(q, k, v, **kw):
+    return device_reason(q)
+
+
+register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear_fused, priority=10,
+                 description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
+register_triton("linear", eager_under_interpreter(linear_attention_triton),
+                all_of(_triton_device, supports_linear_fused, dtype_reason),
+                description="Triton causal linear attention, chunked parallel form (tensor-core chunks, fp32 "
+                            "state scan), forward and backward")
+
+RECORD = declare(Variant(
+    name="linear", reference=linear_attention, functional=linear, check=check, hook=LinearHook(),
+    default_scale=1.0, doc="Linear attention; its kernel uses no 1/sqrt(d) scale (see functional.linear).",
+    complexity="O(N D Dv) without a general mask; a general mask needs O(N^2)",
+    parameters="feature_map", paper="paper 002 eq (2.2); Katharopoulos et al. 2020",
+    flops=linear_flops, flop_formula=FORMULA, backward_factor=BACKWARD_FACTOR,
+    reference_bytes=linear_reference_bytes,
+))

@@ -20,22 +20,16 @@ Non-causal calls are two matmuls (factorised.py): there is nothing a kernel woul
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from . import chunk_kernels as ck
 from .factorised import _causal_count, _key_weights, linear_attention_factorised
 from .reference import EPS, feature_map_fn
-from ..triton_utils import dot_precision
+from ..triton_utils import HAVE_TRITON, INTERPRETED, device_reason, dot_precision
 
-try:
+if HAVE_TRITON:
     import triton
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    HAVE_TRITON = False
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FEATURES = {"elu": ck.FEATURE_ELU, "relu": ck.FEATURE_RELU, "identity": ck.FEATURE_NONE}
 
@@ -48,19 +42,6 @@ INTERPRETER_TILE = 16
 # Input dtypes whose stored states are means (H_c / keys summed): fp16's range (65504) is too small for
 # a sum of N outer products (v with a mean over a long sequence); bf16 has fp32's range.
 MEAN_STATE_DTYPES = (torch.float16,)
-
-
-def device_reason(q):
-    """None when the kernels can run on q's device, else why not."""
-    if not HAVE_TRITON:
-        return "triton is not installed"
-    if q.device.type == "cpu" and not INTERPRETED:
-        return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (set before importing attnzoo)"
-    if q.device.type == "cuda" and INTERPRETED:
-        return "TRITON_INTERPRET=1 is set: the kernels are interpreted and take CPU tensors only"
-    if q.device.type not in ("cpu", "cuda"):
-        return f"Triton kernels run on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {q.device.type}"
-    return None
 
 
 def dtype_reason(q, k, v, **kw):

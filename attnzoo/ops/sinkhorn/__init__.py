@@ -1,0 +1,89 @@
+"""Sinkhorn attention (paper 002 sec 2.4 and A.2; Sander et al. 2022): log-domain Sinkhorn on the
+kernel exp(-scale ||q_i - k_j||^2 / (2 eps)), n_iters (row, column) rounds, then a final row
+normalisation; causal = Sinkhorn on every prefix.
+
+Backends:
+- "cpu": blockwise PyTorch (cpu.py), O(N) memory, unrolled backward; auto on CPU from Nq * Nk >= 2^21
+  on, and for every causal call. benchmarks/fused_sinkhorn.py --steady (warm, 1 thread, B*H = 4):
+  about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
+  faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
+- "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
+- "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
+  (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..dispatch import register_backend
+from ..triton_utils import HAVE_TRITON, eager_under_interpreter
+from ..variant import Variant, declare
+from . import cpu
+from .cost import FORMULA, sinkhorn_flops, sinkhorn_reference_bytes
+from .functional import check, sinkhorn
+from .layer import SinkhornHook
+from .reference import sinkhorn_attention
+
+if HAVE_TRITON:  # the kernels import triton at module level; the CPU backends do not need it
+    from . import triton as sinkhorn_triton
+
+
+def _common_reason(q, attn_mask=None, dropout_p=0.0):
+    if dropout_p > 0:
+        return "dropout on the transport plan needs the N x N weights (use backend='reference')"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "no gradient is computed for a float attn_mask (use backend='reference')"
+    return None
+
+
+def _cpu_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
+    return _common_reason(q, attn_mask, dropout_p)
+
+
+def _triton_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
+    return sinkhorn_triton.unsupported_reason(q, attn_mask, dropout_p, v=v)
+
+
+AUTO_MIN_LOGITS = 1 << 21  # Nq * Nk per head from which the streaming CPU path is also faster
+
+
+def _cpu_auto_prefers(q, k, v, is_causal=False, **_):
+    """Consulted by auto only (naming "cpu" always runs it)."""
+    if not is_causal and q.shape[-2] * k.shape[-2] < AUTO_MIN_LOGITS:
+        return (f"Nq * Nk = {q.shape[-2] * k.shape[-2]} < {AUTO_MIN_LOGITS}: the eager reference was measured "
+                "faster at this size (benchmarks/fused_sinkhorn.py --sweep); name backend='cpu' for O(N) memory")
+    return None
+
+
+def _backend(fn, grad_mode):
+    @functools.wraps(fn)
+    def run(q, k, v, *, attn_mask, is_causal, scale, dropout_p, n_iters=3, eps=1.0, cost="l2"):
+        return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                  n_iters=n_iters, eps=eps, cost=cost, grad_mode=grad_mode)
+    return run
+
+
+register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled"), _cpu_supports, priority=10,
+                 auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers,
+                 description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
+register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"), _cpu_supports,
+                 priority=1, auto_devices=(),
+                 description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
+if HAVE_TRITON:
+    register_backend("sinkhorn", "triton", eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "unrolled")),
+                     _triton_supports, priority=20, auto_devices=("cuda",),
+                     description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
+                                 "unrolled through the passes")
+    register_backend("sinkhorn", "triton_implicit",
+                     eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "implicit")),
+                     _triton_supports, priority=2, auto_devices=(),
+                     description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
+
+
+RECORD = declare(Variant(
+    name="sinkhorn", reference=sinkhorn_attention, functional=sinkhorn, check=check, hook=SinkhornHook(),
+    couples_queries=True,
+    complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3)",
+    parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022",
+    flops=sinkhorn_flops, flop_formula=FORMULA, reference_bytes=sinkhorn_reference_bytes,
+))

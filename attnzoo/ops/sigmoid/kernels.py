@@ -1,11 +1,10 @@
-"""Memory-efficient CPU paths for pointwise attention (sigmoid, ReLU/n): blockwise, no row
-statistics beyond n_i, recomputation in the backward (``ops.blockwise``). Same signatures and
-semantics as the references (n_i = keys taking part in row i)."""
+"""Sigmoid attention on the blockwise CPU path (no row statistics beyond n_i, recomputation in the
+backward); the Triton kernels are the pointwise family's (ops/kernels/pointwise/)."""
 from __future__ import annotations
 
 import torch
 
-from ..blockwise import blockwise_attention, split_attn_mask
+from ..kernels.blockwise import blockwise_attention, split_attn_mask
 
 
 def sigmoid_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
@@ -17,8 +16,3 @@ def sigmoid_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, d
         bias = torch.full((1, 1, 1, 1), float(bias), dtype=q.dtype, device=q.device)
     return blockwise_attention(q, k, v, kind="sigmoid", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
                                add_b=bias)
-
-
-def relu_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    keep, add = split_attn_mask(attn_mask)
-    return blockwise_attention(q, k, v, kind="relu", scale=scale, is_causal=is_causal, keep=keep, add_a=add)

@@ -1,18 +1,21 @@
-"""The softmax-family Triton kernels as torch custom ops, and their public entry points.
+"""The online-softmax (FlashAttention-2 style) Triton kernels as torch custom ops, and their entry points.
 
-Entry points (all take q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv) like SDPA):
-- ``softmax_attention`` / ``l2_attention`` / ``fenchel_attention``: the backends registered for the
-  ``softmax``, ``l2`` and ``fenchel`` variants (see ops/backends_triton_family.py);
+Used by the softmax, l2 and fenchel variants (their ``triton`` backends) and by Sinkhorn's final row
+pass. Entry points (all take q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv) like SDPA):
+- ``softmax_attention`` / ``l2_attention`` / ``fenchel_attention``: the kernels behind the ``triton``
+  backends that ops/softmax, ops/l2 and ops/fenchel register;
 - ``preference_attention(q, k, v, log_pref)``: out_i = sum_j softmax_j(l_ij + g_j) v_j with a per-key
   log-preference g (B|1, H|1, Nk) and its gradient (Sinkhorn's final row pass is this with
   g = the column potential);
-- ``t5_bias_attention(q, k, v, table, ...)``: softmax(scale q.k + table[bucket(j - i), h]) with the
-  gradient to the (num_buckets, H) table, no (Nq, Nk) bias ever built.
+- ``bucket_bias_attention(q, k, v, table, lut)``: softmax(scale q.k + table[lut[j - i + Nq - 1], h])
+  with the gradient to the (num_buckets, H) table, no (Nq, Nk) bias ever built (T5's relative
+  positions: ops/fenchel/t5.py).
 
 The kernels live in triton_kernels.py; the ops ``attnzoo::softmax_family_fwd`` / ``_bwd`` are
 ``torch.library.triton_op``s on a GPU, so torch.compile sees through them (under the interpreter they
-are opaque custom ops: triton_utils.kernel_op), and autograd uses the fused backward. No (Nq, Nk) tensor is allocated: masks are passed broadcast (stride 0), the T5 bias as an
-(Nq + Nk - 1) offset -> bucket vector plus the table.
+are opaque custom ops: triton_utils.kernel_op), and autograd uses the fused backward. No (Nq, Nk)
+tensor is allocated: masks are passed broadcast (stride 0), the offset bias as an (Nq + Nk - 1)
+offset -> bucket vector plus the table.
 
 Dropout on the weights (``dropout_p > 0``) happens in the kernels (see ops/triton_dropout.py): each
 forward call draws one seed from torch's generator of q's device and the backward regenerates the
@@ -25,10 +28,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import validate as V
-from ..triton_dropout import call_seed, dropout_flag
-from .. import triton_tuning as tuning
-from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
+from ... import validate as V
+from ...triton_dropout import call_seed, dropout_flag
+from ... import triton_tuning as tuning
+from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
                             kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
 
 if HAVE_TRITON:
@@ -215,7 +218,7 @@ def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=
     pref = key_preference(log_u, q, k)
     if log_u is not None and pref is None:
         raise ValueError(f"log_u of shape {tuple(log_u.shape)} varies with the query; the Triton kernel takes "
-                         "a per-key preference (B|1, H|1, 1, Nk) (T5 tables: use t5_bias_attention)")
+                         "a per-key preference (B|1, H|1, 1, Nk) (T5 tables: ops/fenchel/t5.py)")
     return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref, dropout_p=dropout_p)
 
 
@@ -237,64 +240,14 @@ def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, 
     return _run(q, k, v, attn_mask, is_causal, scale, l2=l2, pref=log_pref, dropout_p=dropout_p)
 
 
-def t5_bucket_lut(nq: int, nk: int, num_buckets: int, max_distance: int, bidirectional: bool, device):
-    """int32 (Nq + Nk - 1,): entry j - i + Nq - 1 is the T5 bucket of the offset j - (i + Nk - Nq),
-    exactly what FenchelAttention(preference="t5") uses."""
-    from ...layers.fenchel import t5_relative_buckets  # layers import ops; import lazily to avoid a cycle
-    rel = torch.arange(-(nk - 1), nq, device=device)
-    return t5_relative_buckets(rel, num_buckets, max_distance, bidirectional).to(torch.int32)
-
-
-def _check_t5_args(table, num_buckets, max_distance, q):
-    H = q.shape[1]
-    if not isinstance(table, Tensor) or not table.is_floating_point():
-        raise TypeError(f"table must be a float tensor of shape (num_buckets, H), got {type(table).__name__}"
-                        + (f" {table.dtype}" if isinstance(table, Tensor) else ""))
-    for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 2:
-            raise ValueError(f"{name} must be an int >= 2, got {val!r}")
-    if tuple(table.shape) != (num_buckets, H):
-        raise ValueError(f"table must have shape (num_buckets={num_buckets}, H={H}), got {tuple(table.shape)}")
-    if table.device != q.device:
-        raise ValueError(f"table must be on {q.device} like q, got {table.device}")
-
-
-def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, attn_mask=None,
-                      is_causal=False, scale=None, *, alpha=1.0, dropout_p=0.0):
-    """softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j (paper 004 eqs 16-18),
-    with dropout on those weights when ``dropout_p > 0`` (FenchelAttention passes attn_drop in training).
-
-    ``table`` is (num_buckets, H), e.g. ``nn.Embedding(num_buckets, H).weight``; the bucket of the
-    offset j - i (bottom-right aligned when Nq != Nk) is T5's, as in FenchelAttention. The kernel
-    adds the bias tile by tile and returns the gradient to ``table`` (summed per head and bucket)."""
-    V.check_qkv(q, k, v)
-    V.check_mask(attn_mask, q, k)
-    scale = V.resolve_scale(scale, q)
-    alpha = V.check_positive("alpha", alpha)
-    _check_t5_args(table, num_buckets, max_distance, q)
-    dropout_p = V.check_dropout(dropout_p)
+def bucket_bias_attention(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    """softmax_j(scale q_i.k_j + table[lut[j - i + Nq - 1], h] + mask_ij) v_j: a per-head bias looked up
+    by the query-key offset (``table`` (num_buckets, H) float, ``lut`` int32 (Nq + Nk - 1,)), added tile
+    by tile; the gradient reaches ``table`` (summed per head and bucket). Arguments are checked by the
+    caller (ops/fenchel/t5.py builds T5's lut)."""
     _check_runnable(q, k, v, attn_mask, dropout_p)
-    lut = t5_bucket_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
-    return _run(q, k, v, attn_mask, is_causal, scale * alpha, table=table, lut=lut, dropout_p=dropout_p)
+    return _run(q, k, v, attn_mask, is_causal, scale, table=table, lut=lut, dropout_p=dropout_p)
 
 
-def t5_wanted(q, k, v, *, backend=None, attn_mask=None, dropout_p=0.0) -> bool:
-    """Whether FenchelAttention(preference="t5") should call t5_bias_attention for this call: when the
-    triton backend is requested by name (it then runs or raises, never falls back) or by ``auto`` on a
-    CUDA tensor the kernel supports."""
-    from .. import dispatch
-    requested = backend or dispatch.default_backend()
-    if requested not in ("triton", dispatch.AUTO):
-        return False
-    if attn_mask is not None and not isinstance(attn_mask, Tensor):
-        return False  # let the functional path raise its argument error
-    why = common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-    if requested == "triton":
-        if why is not None:
-            raise ValueError(f"backend='triton' cannot run this fenchel (T5) call: {why}")
-        return True
-    return why is None and q.device.type == "cuda"
-
-
-__all__ = ["softmax_attention", "l2_attention", "fenchel_attention", "preference_attention", "t5_bias_attention",
-           "t5_bucket_lut", "key_preference", "t5_wanted"]
+__all__ = ["softmax_attention", "l2_attention", "fenchel_attention", "preference_attention", "bucket_bias_attention",
+           "key_preference"]

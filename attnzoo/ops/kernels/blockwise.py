@@ -289,3 +289,39 @@ def split_attn_mask(attn_mask):
     if attn_mask.dtype == torch.bool:
         return attn_mask, None
     return None, attn_mask
+
+
+# -- how the blockwise path serves as a variant's "cpu" backend ------------------------------------
+
+# Below this many scores per call (B * H * Nq * Nk) auto keeps the eager reference instead of the
+# blockwise path. Measured (benchmarks/results/cpu/dispatch_crossover.json, fp32, fwd+bwd, 1 thread):
+# at 2^22 scores (B=1, H=4, N=1024) blockwise sigmoid/relu were still 1.05-1.4x slower than the
+# reference, at 2^23 (B=8, H=4, N=512) every variant was as fast or faster (0.5-0.96x), and from
+# 2^24 on it is 2-4x faster with 10-40x less memory.
+SMALL_CALL_ELEMENTS = 2 ** 23
+DESCRIPTION = "blockwise online softmax / pointwise weights with recomputation in backward, no N x N tensor"
+
+
+def refuses_dropout(q, k, v, **kw):
+    if kw.get("dropout_p", 0.0) > 0:
+        return ("dropout_p > 0 is not supported: the backward recomputes the weights block by block and "
+                "would need each block's dropout mask; 'reference' supports it (and SDPA's 'torch' for "
+                "softmax, l2 and fenchel)")
+    return None
+
+
+def small_call(q, k, v, **kw):
+    """(auto only) Why the reference is kept for a call this small, or None."""
+    n = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    if n < SMALL_CALL_ELEMENTS:
+        return (f"small call ({n} scores < {SMALL_CALL_ELEMENTS}): the reference was measured faster "
+                f"here and its N x N weights are small")
+    return None
+
+
+def register(variant: str, fn, *checks, name: str = "cpu", priority: int = 10, description: str = DESCRIPTION):
+    """Register ``fn`` (a variant's form of the blockwise path) as its CPU backend: refuses dropout and
+    whatever ``checks`` refuse; auto picks it on CPU tensors from SMALL_CALL_ELEMENTS scores on."""
+    from ..dispatch import all_of, register_backend
+    register_backend(variant, name, fn, supports=all_of(refuses_dropout, *checks), priority=priority,
+                     description=description, auto_devices=("cpu",), auto_prefers=small_call)

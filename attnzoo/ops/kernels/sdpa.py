@@ -1,5 +1,5 @@
-"""torch's own fused kernels for the softmax family: ``F.scaled_dot_product_attention`` (SDPA) on
-every device, FlexAttention on CUDA.
+"""torch's ``F.scaled_dot_product_attention`` (SDPA) with attnzoo's semantics, on every device: the
+``torch`` backends of softmax, l2 and fenchel run through ``sdpa_attention``.
 
 attnzoo's semantics on top of SDPA's:
 - causal is bottom-right aligned: SDPA's ``is_causal=True`` (top-left) is used only when Nq == Nk,
@@ -8,14 +8,11 @@ attnzoo's semantics on top of SDPA's:
   before SDPA (so it computes finite numbers there) and their output is replaced by zeros after,
   which also zeroes every gradient flowing through them;
 - q, k and v are zero-padded to one head dim, a multiple of 8 on CUDA (SDPA's fused kernels, cuDNN
-  and FlashAttention, need it);
-- L2: q' = [2q, -1], k' = [k, ||k||^2] so q'.k' = 2 q.k - ||k||^2 = -||q - k||^2 + ||q||^2, and the
-  ||q||^2 term, constant along a softmax row, cancels;
-- Fenchel first order: softmax(alpha * scale * q.k + log u + mask). A per-key log u (one value per
-  key, no attn_mask) is one more coordinate, q' = [q, 1], k' = [k, log u / (alpha * scale)], so SDPA
-  runs its fastest mask-free kernel; any other log u is an additive float mask.
+  and FlashAttention, need it).
 
-Half precision: a bf16/fp16 coordinate holding ||k||^2 or log u would carry only 8 (11) bits, an
+A per-key logit term g_j (L2's -||k_j||^2, Fenchel's per-key log u) rides along as one more
+coordinate, q' = [c q, 1], k' = [k, g] (``augment``), so SDPA runs its fastest mask-free kernel.
+Half precision: a bf16/fp16 coordinate holding such a value would carry only 8 (11) bits, an
 absolute logit error of ~0.4% of ||k||^2. Those values are computed in fp32 and split into two
 coordinates, hi = x rounded to the input dtype and lo = (x - hi) rounded, with q' = 1 in both: the
 kernel's fp32 dot product adds them back to ~16 (22) bits. Gradients flow through autograd
@@ -72,7 +69,7 @@ def _round_up_head_dims(q, k, v):
     return q, k, v
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
+def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p):
     mask, causal, has_key = sdpa_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device, q.dtype)
     dv = v.shape[-1]
     q, k, v = _round_up_head_dims(q, k, v)
@@ -83,11 +80,7 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     return out
 
 
-def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
-
-
-def _at_least_fp32(dtype):
+def at_least_fp32(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -109,57 +102,29 @@ def augment(q, k, q_coeff: float, key_values: torch.Tensor):
     return torch.cat([qa, ones], dim=-1), torch.cat([k, extra.expand(k.shape[:-1] + (extra.shape[-1],))], dim=-1)
 
 
-def l2_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    """softmax(scale (2 q.k - ||k||^2) + mask) v: -scale ||q - k||^2 up to the per-row ||q||^2."""
-    kf = k.to(_at_least_fp32(k.dtype))
-    key_sq = -(kf * kf).sum(-1, keepdim=True)
-    qa, ka = augment(q, k, 2.0, key_sq)
-    return _sdpa(qa, ka, v, attn_mask, is_causal, scale, dropout_p)
+# -- how SDPA serves as a variant's "torch" backend -------------------------------------------------
+
+DESCRIPTION = "F.scaled_dot_product_attention with attnzoo's mask semantics"
 
 
-def fenchel_additive_mask(attn_mask, log_u, dtype):
-    """log u plus the float mask (a bool mask becomes 0 / -inf), broadcast together; None if neither."""
-    if log_u is None:
-        return attn_mask
-    log_u = log_u.to(dtype)
-    if attn_mask is None:
-        return log_u
-    if attn_mask.dtype == torch.bool:
-        return log_u.masked_fill(~attn_mask, -math.inf)
-    return log_u + attn_mask.to(dtype)
+def mask_grad_on_cpu(q, k, v, **kw):
+    """(auto only) On CPU, SDPA's fused kernel gives no gradient for an additive mask: SDPA would use
+    its math kernel (N x N weights), which the blockwise path avoids. Named explicitly, 'torch' runs."""
+    if q.device.type != "cpu" or not torch.is_grad_enabled():
+        return None
+    for name in ("attn_mask", "log_u"):
+        t = kw.get(name)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return (f"{name} requires grad and on CPU SDPA has no fused kernel with a mask gradient (its math "
+                    f"kernel would build the N x N weights); 'cpu' computes it blockwise")
+    return None
 
 
-def _rows_with_a_key(finite_keys, is_causal, nq, nk):
-    """(B|1, H|1, Nq|1, 1) bool: the query rows that keep at least one key whose log u is finite."""
-    if not is_causal:
-        return finite_keys.any(-1, keepdim=True).unsqueeze(-1)
-    seen = finite_keys.cumsum(-1) > 0                            # any finite key among 0..j
-    last = torch.arange(nq, device=finite_keys.device) + (nk - nq)  # each row's last visible key
-    rows = seen.index_select(-1, last.clamp(0, nk - 1)) & (last >= 0)
-    return rows.unsqueeze(-1)
-
-
-def _fenchel_key_coordinate(q, k, v, log_u_keys, is_causal, scale, dropout_p):
-    """softmax(scale q.k + g_j) v for a per-key g (B|1, H|1, Nk) with the mask-free SDPA kernels.
-    A key with g = -inf is given a logit so negative that its weight is exactly 0 whenever its row
-    keeps any other key; rows left with none are zeroed, as everywhere in attnzoo."""
-    g = log_u_keys.to(_at_least_fp32(q.dtype)).expand(*log_u_keys.shape[:-1], k.shape[-2])
-    finite = g > -math.inf
-    g = torch.where(finite, g, torch.full((), -1e30, dtype=g.dtype, device=g.device))
-    qa, ka = augment(q, k, 1.0, (g / scale).unsqueeze(-1))
-    out = _sdpa(qa, ka, v, None, is_causal, scale, dropout_p)
-    has_key = _rows_with_a_key(finite, is_causal, q.shape[-2], k.shape[-2])
-    return torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def fenchel_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                  solve="first_order", dropout_p=0.0):
-    if solve != "first_order":
-        raise ValueError(f"the torch backend computes solve='first_order' only, got solve={solve!r}")
-    scale = alpha * scale
-    if attn_mask is None and log_u is not None and scale > 0:
-        per_key = log_u.reshape((1,) * (4 - log_u.dim()) + tuple(log_u.shape)) if log_u.dim() < 4 else log_u
-        if per_key.shape[-2] == 1:
-            return _fenchel_key_coordinate(q, k, v, per_key[..., 0, :], is_causal, scale, dropout_p)
-    mask = fenchel_additive_mask(attn_mask, log_u, q.dtype)
-    return _sdpa(q, k, v, mask, is_causal, scale, dropout_p)
+def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION):
+    """Register ``fn`` (a variant's form of SDPA) as its "torch" backend. SDPA's fused CPU kernel
+    returns a zero row for a query holding NaN, so the dispatcher puts the NaN back on CPU tensors
+    (on CUDA that would cost a pass over q and the output per call; benchmarks/gpu_speed.py's
+    "nan-query" rows check cuDNN / FlashAttention there)."""
+    from ..dispatch import register_backend
+    register_backend(variant, "torch", fn, supports=supports, priority=priority, description=description,
+                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",))

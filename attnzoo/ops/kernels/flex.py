@@ -1,14 +1,15 @@
-"""FlexAttention paths (CUDA only) for L2, Fenchel first order and the T5 relative-position bias.
+"""FlexAttention (CUDA only) with attnzoo's mask semantics: the ``flex`` backends of l2 and fenchel
+and the fused T5 path run through ``flex_attention``.
 
-FlexAttention compiles a score modifier into a fused kernel: L2 becomes 2 * scale * q.k minus
-scale * ||k_j||^2 (the ||q_i||^2 term cancels in the softmax), Fenchel adds log u_ij, T5 adds
-table[bucket(j - i), h] read from an (Nq + Nk - 1) offset -> bucket vector, and FlexAttention's
-backward returns the table's gradient (a captured tensor that requires grad). Masks use the same
-preparation as the SDPA path (``torch.sdpa_mask``): bottom-right causal, rows with no key opened and
-then zeroed; a causal block mask is built once per (Nq, Nk, device) and reused. The backends accept
-CUDA tensors only; the forward logic is checked on CPU under no_grad by an opt-in test
-(ATTNZOO_FLEX_CPU=1, tests/test_cpu_softmax_family.py), CUDA and the backward by tests/test_triton_gpu.py
-and the GPU benchmark's correctness pass.
+FlexAttention compiles a score modifier into a fused kernel; ``flex_attention`` offers three terms on
+top of scale * q.k: a float mask, minus a per-key term (L2's scale * ||k_j||^2; the ||q_i||^2 term
+cancels in the softmax) and a per-head bias read by query-key offset, table[lut[j - i + Nq - 1], h]
+(T5), whose gradient FlexAttention's backward returns (a captured tensor that requires grad). Masks
+use the same preparation as the SDPA path (``sdpa.sdpa_mask``): bottom-right causal, rows with no key
+opened and then zeroed; a causal block mask is built once per (Nq, Nk, device) and reused. The
+backends accept CUDA tensors only; the forward logic is checked on CPU under no_grad by an opt-in
+test (ATTNZOO_FLEX_CPU=1, tests/test_cpu_softmax_family.py), CUDA and the backward by
+tests/test_triton_gpu.py and the GPU benchmark's correctness pass.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from .torch import fenchel_additive_mask, sdpa_mask
+from .sdpa import sdpa_mask
 
 
 def flex_available() -> bool:
@@ -44,9 +45,9 @@ def _causal_block_mask(nq: int, nk: int, device: torch.device):
     return create_block_mask(lambda b, h, i, j: j <= i, None, None, nq, nk, device=device)
 
 
-def _flex(q, k, v, mask, is_causal, scale, key_term=None, t5=None):
+def flex_attention(q, k, v, mask, is_causal, scale, key_term=None, offset_bias=None):
     """softmax(scale q.k + mask_ij - key_term_j + table[lut[j - i + Nq - 1], h]) v with attnzoo's
-    mask semantics; ``t5`` is (table (num_buckets, H), lut (Nq + Nk - 1,) int) or None."""
+    mask semantics; ``offset_bias`` is (table (num_buckets, H), lut (Nq + Nk - 1,) int) or None."""
     from torch.nn.attention.flex_attention import create_block_mask
     B, H, nq, _ = q.shape
     nk = k.shape[2]
@@ -66,8 +67,8 @@ def _flex(q, k, v, mask, is_causal, scale, key_term=None, t5=None):
             score = score + additive[b, h, i, j]
         if key_term is not None:
             score = score - key_term[b, h, j]
-        if t5 is not None:
-            score = score + t5[0][t5[1][j - i + (nq - 1)], h]
+        if offset_bias is not None:
+            score = score + offset_bias[0][offset_bias[1][j - i + (nq - 1)], h]
         return score
 
     out = compiled_flex_attention()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
@@ -76,17 +77,12 @@ def _flex(q, k, v, mask, is_causal, scale, key_term=None, t5=None):
     return out
 
 
-def l2_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    kk = (k.float() * k.float()).sum(-1) * scale
-    return _flex(q, k, v, attn_mask, is_causal, 2.0 * scale, key_term=kk)
-
-
-def fenchel_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                 solve="first_order", dropout_p=0.0):
-    mask = fenchel_additive_mask(attn_mask, log_u, q.dtype)
-    return _flex(q, k, v, mask, is_causal, alpha * scale)
-
-
-def t5_flex(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale):
-    """softmax(scale q.k + table[bucket(j - i), h] + mask) v; ``lut`` from ``t5_bucket_lut``."""
-    return _flex(q, k, v, attn_mask, is_causal, scale, t5=(table, lut))
+def flex_reason(q, k, v, **kw):
+    """A FlexAttention backend's ``supports``: CUDA, this torch build, no dropout."""
+    if q.device.type != "cuda":
+        return "FlexAttention runs here on CUDA tensors only (it has no backward on CPU)"
+    if not flex_available():
+        return "torch.nn.attention.flex_attention is not available in this torch build"
+    if kw.get("dropout_p", 0.0) > 0:
+        return "FlexAttention has no dropout on the weights"
+    return None

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import triton_tuning as tuning
-from ..triton_dropout import call_seed, dropout_flag
-from ..triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
+from ... import triton_tuning as tuning
+from ...triton_dropout import call_seed, dropout_flag
+from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
                             kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR, SIGMOID_EXACT, SIGMOID_EXP2, SIGMOID_TANH
 

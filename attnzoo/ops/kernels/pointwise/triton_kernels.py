@@ -26,7 +26,7 @@ The eager version is ops/pointwise/reference.py.
 """
 from __future__ import annotations
 
-from ..triton_utils import HAVE_TRITON
+from ...triton_utils import HAVE_TRITON
 
 BIAS_DEFAULT, BIAS_SCALAR, BIAS_ROWS = 0, 1, 2
 SIGMOID_EXACT, SIGMOID_TANH, SIGMOID_EXP2 = 0, 1, 2
@@ -35,8 +35,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..triton_dropout import dropout_args, dropout_scale_at
-    from ..triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, tile_logits,
+    from ...triton_dropout import dropout_args, dropout_scale_at
+    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, tile_logits,
                                 visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)

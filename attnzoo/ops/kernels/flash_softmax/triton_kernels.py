@@ -38,14 +38,14 @@ ops/fenchel/reference.py and ops/fenchel/t5_reference.py.
 """
 from __future__ import annotations
 
-from ..triton_utils import HAVE_TRITON
+from ...triton_utils import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..triton_dropout import dropout_args, dropout_scale_at
-    from ..triton_utils import (load_rows, load_tile, mm, mma, tile_logits, visible_keys,
+    from ...triton_dropout import dropout_args, dropout_scale_at
+    from ...triton_utils import (load_rows, load_tile, mm, mma, tile_logits, visible_keys,
                                 visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)

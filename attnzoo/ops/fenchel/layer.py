@@ -1,0 +1,57 @@
+"""What Fenchel attention adds to the shared layer: alpha, the solver and a learned preference log u.
+
+preference="uniform": u uniform (alpha = 1 is plain softmax attention).
+preference="t5":      log u_ij = b[h, bucket(j - i)], T5's relative-position buckets (paper 004
+                      eqs 17-18): exact buckets for small offsets, log-spaced up to max_distance,
+                      bidirectional (sign gets half the buckets) or causal (only j <= i offsets);
+                      the table is ``layer.relative_bias`` (an nn.Embedding(num_buckets, H)).
+preference="context": log u_j = a small MLP of the key token x_j, one output per head (paper 004
+                      sec 7, "factor in the input context"), ``layer.context_net``; its last layer
+                      starts at zero, so a fresh layer starts uniform.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .. import validate as V
+from ..variant import LayerHook
+from .reference import SOLVES
+from .t5 import T5Bias
+
+PREFERENCES = ("uniform", "t5", "context")
+
+
+class FenchelHook(LayerHook):
+    def setup(self, layer, *, preference: str = "uniform", alpha: float = 1.0, solve: str = "first_order",
+              num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
+              context_hidden: int = 64) -> None:
+        layer.preference = V.check_choice("preference", preference, PREFERENCES)
+        layer.alpha = V.check_positive("alpha", alpha)
+        layer.solve = V.check_choice("solve", solve, SOLVES)
+        layer.num_buckets, layer.max_distance, layer.bidirectional = num_buckets, max_distance, bidirectional
+        layer.relative_bias = None
+        layer.context_net = None
+        if preference == "t5":
+            layer.relative_bias = nn.Embedding(num_buckets, layer.num_heads)
+            nn.init.zeros_(layer.relative_bias.weight)
+        elif preference == "context":
+            layer.context_net = nn.Sequential(nn.Linear(layer.qkv.in_features, context_hidden), nn.GELU(),
+                                              nn.Linear(context_hidden, layer.num_heads))
+            nn.init.zeros_(layer.context_net[-1].weight)
+            nn.init.zeros_(layer.context_net[-1].bias)
+
+    def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
+        kw = super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
+        kw.update(alpha=layer.alpha, solve=layer.solve)
+        if layer.relative_bias is not None:
+            kw["relative_bias"] = T5Bias(layer.relative_bias.weight, layer.num_buckets, layer.max_distance,
+                                         layer.bidirectional)
+        elif layer.context_net is not None:
+            kw["log_u"] = layer.context_net(x).transpose(1, 2).unsqueeze(2)  # (B, H, 1, Nk)
+        return kw
+
+    def needs_key_tokens(self, layer) -> bool:
+        return layer.context_net is not None
+
+    def describe(self, layer) -> dict:
+        return {"alpha": layer.alpha, "solve": layer.solve, "preference": layer.preference}

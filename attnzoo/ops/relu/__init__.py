@@ -1,0 +1,26 @@
+"""ReLU attention (paper 002 eq 2.5): sum_j relu(s_ij) v_j / n_i, no row statistics.
+
+Backends: "reference"; "triton", the pointwise kernels (ops/kernels/pointwise/), priority 20; "cpu",
+the blockwise path (10), also registered as "torch" (9, the non-Triton path under the name the
+softmax family's SDPA backends carry; SDPA itself does not apply).
+"""
+from __future__ import annotations
+
+from ..kernels import blockwise
+from ..kernels.pointwise import triton as pointwise
+from ..triton_utils import register_triton
+from ..variant import Variant, declare
+from .functional import relu
+from .kernels import relu_cpu
+from .reference import relu_attention
+
+register_triton("relu", pointwise.relu_attention,
+                description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
+blockwise.register("relu", relu_cpu)
+blockwise.register("relu", relu_cpu, name="torch", priority=9,
+                   description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
+
+RECORD = declare(Variant(
+    name="relu", reference=relu_attention, functional=relu, class_name="ReLUAttention",
+    complexity="O(N^2 D), no row statistics", parameters="none", paper="paper 002 eq (2.5)",
+))

@@ -1,0 +1,10 @@
+"""ReLU attention on the blockwise CPU path (recomputation in the backward); the Triton kernels are
+the pointwise family's (ops/kernels/pointwise/)."""
+from __future__ import annotations
+
+from ..kernels.blockwise import blockwise_attention, split_attn_mask
+
+
+def relu_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    keep, add = split_attn_mask(attn_mask)
+    return blockwise_attention(q, k, v, kind="relu", scale=scale, is_causal=is_causal, keep=keep, add_a=add)

@@ -1,0 +1,38 @@
+"""Sigmoid attention (paper 002 eq 2.5; Ramapuram et al. 2024): sum_j sigmoid(s_ij + b) v_j, b = -log n_i
+by default, no row statistics.
+
+Backends: "reference"; "triton", the pointwise kernels (ops/kernels/pointwise/), priority 20; "cpu",
+the blockwise path (10), also registered as "torch" (9, the non-Triton path under the name the
+softmax family's SDPA backends carry; SDPA itself does not apply).
+"""
+from __future__ import annotations
+
+from ..dispatch import all_of
+from ..kernels import blockwise
+from ..kernels.pointwise import triton as pointwise
+from ..triton_utils import call_reason, register_triton
+from ..variant import Variant, declare
+from .functional import check, sigmoid
+from .kernels import sigmoid_cpu
+from .layer import SigmoidHook
+from .reference import sigmoid_attention
+
+
+def _bias_reason(q, k, v, **kw):
+    return pointwise.bias_reason(kw.get("bias"), q)
+
+
+register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
+                description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
+                            "in-kernel dropout")
+blockwise.register("sigmoid", sigmoid_cpu)
+blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9,
+                   description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
+
+RECORD = declare(Variant(
+    name="sigmoid", reference=sigmoid_attention, functional=sigmoid, check=check, hook=SigmoidHook(),
+    doc=("sum_j sigmoid(s_ij + b) v_j. ``bias`` fixes b (default -log n); ``learnable_bias=True`` adds a "
+         "learned per-head shift (initialised to 0) on top of it."),
+    complexity="O(N^2 D), no row statistics", parameters="optional learnable per-head bias shift",
+    paper="paper 002 eq (2.5); Ramapuram et al. 2024",
+))

@@ -1,0 +1,14 @@
+"""Softmax attention on the shared kernels: SDPA (``torch``) and the blockwise CPU path (``cpu``)."""
+from __future__ import annotations
+
+from ..kernels.blockwise import blockwise_attention, split_attn_mask
+from ..kernels.sdpa import sdpa_attention
+
+
+def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    return sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p)
+
+
+def softmax_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+    keep, add = split_attn_mask(attn_mask)
+    return blockwise_attention(q, k, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add)

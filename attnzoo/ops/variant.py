@@ -1,0 +1,254 @@
+"""One record per attention variant, declared beside its code, and the catalog of declared variants.
+
+A variant is a folder ``ops/<variant>/`` whose ``__init__.py`` registers its backends and declares a
+:class:`Variant`: its name, the reference (the eager ground truth, registered as backend
+"reference"), its public function, the layer hook (the constructor options, parameters and per-call
+keyword arguments it adds to the shared attention layer), the capabilities in which it differs from
+the others, and its cost formulas. The functional API, the layers, the registry and spec strings,
+``attnzoo.explain``, the benchmark harness and the model adapters all read these records; nothing
+else lists the variants. A variant declared from outside the package (``attnzoo.register_variant``)
+is a record like any other.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Mapping, Optional
+
+from . import call, dispatch
+from . import validate as V
+from .sizes import DEFAULT_BACKWARD_FACTOR, SCORE_MATMUL_FORMULA, score_matmul_flops, weights_bytes
+
+# the arguments every variant's functional and backends share (everything else is the variant's own)
+SHARED_ARGS = ("attn_mask", "is_causal", "scale", "dropout_p", "backend")
+DEFAULT_CAPABILITIES = {"causal": True, "cross": True, "masks": True}
+
+
+class LayerHook:
+    """What a variant adds to the shared attention layer (``attnzoo.layers.AttentionLayer``).
+
+    ``setup(layer, **options)`` runs once in the layer's constructor with the variant's own
+    constructor arguments (the keyword parameters of ``setup`` name them, with their defaults); it
+    checks them and stores them (and any parameters) on the layer. ``kernel_kwargs`` runs on every
+    call and returns the extra keyword arguments of the variant's functional (a bias, log u,
+    templates, ...); it receives the forward's extra keyword arguments too. A hook holds no state
+    itself: one instance serves every layer of the variant."""
+
+    def options(self) -> dict[str, Any]:
+        """The constructor options this hook takes, with their defaults."""
+        sig = inspect.signature(self.setup)
+        return {p.name: p.default for p in sig.parameters.values()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "layer"}
+
+    def setup(self, layer) -> None:
+        return None
+
+    def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
+        if forward_kwargs:
+            raise TypeError(f"{type(layer).__name__}.forward() got unexpected keyword arguments "
+                            f"{sorted(forward_kwargs)}")
+        return {}
+
+    def keys_are_queries(self, layer) -> bool:
+        """True when the layer uses its query projection as keys (they must be the same tokens)."""
+        return False
+
+    def needs_key_tokens(self, layer) -> bool:
+        """True when ``kernel_kwargs`` reads the key tokens ``x`` (a host that projects q, k, v itself
+        must hand them over)."""
+        return False
+
+    def describe(self, layer) -> dict:
+        """The layer's options, for its repr."""
+        return {name: getattr(layer, name) for name in self.options() if hasattr(layer, name)}
+
+
+class OptionsHook(LayerHook):
+    """The hook of a variant without one of its own: every keyword argument of its functional is a
+    constructor option, stored on the layer under its name and passed on every call."""
+
+    def __init__(self, defaults: Mapping[str, Any]):
+        self.defaults = dict(defaults)
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.defaults)
+
+    def setup(self, layer, **options) -> None:
+        for name, value in {**self.defaults, **options}.items():
+            setattr(layer, name, value)
+
+    def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
+        super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
+        return {name: getattr(layer, name) for name in self.defaults}
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """Everything attnzoo needs to know about one attention variant.
+
+    name:            the registry name, also the dispatcher's table and the functional's name
+    reference:       ``(q, k, v, *, attn_mask, is_causal, scale, dropout_p, **options) -> out``, the
+                     eager ground truth; its keyword-only parameters beyond the shared ones are the
+                     variant's options when ``functional`` is not given
+    functional:      the public function; default: one made from the reference's options that runs
+                     the shared checks, ``check`` and the dispatcher
+    check:           ``(q, k, v, *, scale, **options) -> options``: checks the variant's own arguments
+                     (naming them in errors) and returns them as the backends receive them
+    hook:            the :class:`LayerHook`; default: every option is a constructor option
+    class_name/doc:  the layer class's name (default ``<Name>Attention``) and docstring
+    default_scale:   the scale when none is given (None: 1/sqrt(D)); a variant without logits sets
+                     1.0 and then ignores a host model's logit scale
+    couples_queries: True when one query's output depends on the other queries (Sinkhorn normalises
+                     columns): padded queries must be masked out and a causal decoder's queries
+                     solved prefix by prefix
+    capabilities:    only where the variant differs from DEFAULT_CAPABILITIES
+    complexity/parameters/paper: what ``attnzoo.describe`` and ``attnzoo list`` show
+    flops:           ``(shape, causal, **options) -> forward FLOPs`` (ops/sizes.py's convention)
+    flop_formula:    the same in words, written into every benchmark result
+    backward_factor: backward FLOPs = this x forward
+    reference_bytes: ``(shape, train, causal, itemsize, **options) -> bytes``: a rough peak of the
+                     eager reference, which the benchmark uses to skip calls that cannot fit
+    """
+    name: str
+    reference: Callable
+    functional: Optional[Callable] = None
+    check: Optional[Callable] = None
+    hook: Optional[LayerHook] = None
+    class_name: Optional[str] = None
+    doc: str = ""
+    default_scale: Optional[float] = None
+    couples_queries: bool = False
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    complexity: str = "O(Nq Nk D)"
+    parameters: str = "none beyond qkv/proj"
+    paper: str = ""
+    flops: Callable = score_matmul_flops
+    flop_formula: str = SCORE_MATMUL_FORMULA
+    backward_factor: Fraction = DEFAULT_BACKWARD_FACTOR
+    reference_bytes: Callable = weights_bytes
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"name must be an identifier string, got {self.name!r}")
+        if not callable(self.reference):
+            raise TypeError(f"reference must be a function (q, k, v, *, attn_mask, is_causal, scale, dropout_p), "
+                            f"got {self.reference!r}")
+        if self.hook is not None and not isinstance(self.hook, LayerHook):
+            raise TypeError(f"hook must be a LayerHook instance, got {self.hook!r}")
+        if self.class_name is None:
+            object.__setattr__(self, "class_name", self.name.capitalize() + "Attention")
+        if self.functional is None:
+            object.__setattr__(self, "functional", make_functional(self))
+        if self.hook is None:
+            object.__setattr__(self, "hook", OptionsHook(option_defaults(self.functional)))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The variant's own keyword arguments of its functional, with their defaults."""
+        return option_defaults(self.functional)
+
+    def describe(self) -> dict:
+        return {**DEFAULT_CAPABILITIES, **self.capabilities, "complexity": self.complexity,
+                "parameters": self.parameters, "paper": self.paper}
+
+
+def option_defaults(fn: Callable) -> dict[str, Any]:
+    """Keyword-only parameters of a functional or reference beyond the shared ones, with defaults."""
+    return {p.name: (None if p.default is p.empty else p.default) for p in inspect.signature(fn).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.name not in SHARED_ARGS}
+
+
+def make_functional(record: Variant) -> Callable:
+    """The public function of a variant declared with only a reference: the reference's signature
+    with ``backend=``, the shared checks, ``record.check`` (if any) and the dispatcher."""
+    defaults = option_defaults(record.reference)
+    name = record.name
+
+    def functional(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None, **options):
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            raise TypeError(f"{name}() got unexpected keyword arguments {unknown}; its options are {sorted(defaults)}")
+        return attend(name, q, k, v, attn_mask, is_causal, scale, dropout_p, backend, **{**defaults, **options})
+
+    P = inspect.Parameter
+    params = [P("q", P.POSITIONAL_OR_KEYWORD), P("k", P.POSITIONAL_OR_KEYWORD), P("v", P.POSITIONAL_OR_KEYWORD),
+              P("attn_mask", P.POSITIONAL_OR_KEYWORD, default=None),
+              P("is_causal", P.POSITIONAL_OR_KEYWORD, default=False),
+              P("scale", P.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [P(n, P.KEYWORD_ONLY, default=d) for n, d in defaults.items()]
+    params += [P("dropout_p", P.KEYWORD_ONLY, default=0.0), P("backend", P.KEYWORD_ONLY, default=None)]
+    functional.__signature__ = inspect.Signature(params)
+    functional.__name__ = functional.__qualname__ = name
+    functional.__doc__ = record.reference.__doc__
+    return functional
+
+
+# -- the catalog ---------------------------------------------------------------------------------
+
+_VARIANTS: dict[str, Variant] = {}
+
+
+def declare(record: Variant) -> Variant:
+    """Add ``record`` to the catalog and register its reference as the backend "reference"."""
+    if not isinstance(record, Variant):
+        raise TypeError(f"declare expects a Variant record, got {type(record).__name__}")
+    if record.name in _VARIANTS and _VARIANTS[record.name] is not record:
+        raise ValueError(f"a variant named {record.name!r} is already declared")
+    _VARIANTS[record.name] = record
+    dispatch.register_backend(record.name, "reference", record.reference, priority=0,
+                              description="eager PyTorch, materialises the N x N weights (the ground truth)")
+    return record
+
+
+def remove(name: str) -> None:
+    """Take a variant out of the catalog and the dispatcher."""
+    _VARIANTS.pop(name, None)
+    dispatch.forget(name)
+
+
+def get(name: str) -> Variant:
+    if name not in _VARIANTS:
+        raise ValueError(f"variant must be one of {list(_VARIANTS)}, got {name!r}")
+    return _VARIANTS[name]
+
+
+def names() -> list[str]:
+    return list(_VARIANTS)
+
+
+def records() -> list[Variant]:
+    return list(_VARIANTS.values())
+
+
+def is_declared(name) -> bool:
+    return name in _VARIANTS
+
+
+# -- the call path -------------------------------------------------------------------------------
+
+def backend_kwargs(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
+                   **options) -> dict:
+    """The keyword arguments ``name``'s backends receive for this call (every argument checked)."""
+    record = get(name)
+    kw = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, record.default_scale)
+    if record.check is not None:
+        options = record.check(q, k, v, scale=kw["scale"], **options)
+    return {**kw, **options}
+
+
+def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0, backend=None,
+           **options):
+    """Check the arguments of a ``name`` call, then run it on the backend the dispatcher picks."""
+    return call.run(name, backend, q, k, v, **backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p,
+                                                               **options))
+
+
+def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
+    """Which backend runs this call and why the others were skipped (the functional's defaults fill
+    the options not given)."""
+    V.check_choice("variant", name, _VARIANTS)
+    record = _VARIANTS[name]
+    options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS}}
+    shared = {n: kwargs[n] for n in ("attn_mask", "is_causal", "scale", "dropout_p") if n in kwargs}
+    return dispatch.choose(name, backend, q, k, v, **backend_kwargs(name, q, k, v, **shared, **options))
