@@ -18,25 +18,12 @@ from torch.utils.data import DataLoader
 from .augment import CropFlip, crop_flip_one
 from .config import TrainConfig
 from .datasets import DatasetInfo, dataset_info, load_split, synthetic_split
+from .device_data import DeviceEvalData, DeviceTrainData
+from .normalize import normalization_table, normalize
 from .samplers import EpochAware, EpochShardSampler, EvalShardSampler, SameClassPartnerSampler
 
 SUBSET_SEED = 12345      # the same subset for every model and seed, so reduced runs stay comparable
 VALIDATION_SEED = 54321  # the same validation hold-out for every model and seed
-
-
-def normalization_table(info: DatasetInfo, device=None) -> torch.Tensor:
-    """(C, 256) float32: (v / 255 - mean_c) / std_c for every pixel value v, computed once on the CPU.
-    Normalising is then a lookup, so every device gives the same floats (a GPU divides by a scalar
-    as a multiplication by its reciprocal, which can differ from the CPU's division in the last bit)."""
-    mean, std = torch.tensor(info.mean).view(-1, 1), torch.tensor(info.std).view(-1, 1)
-    return ((torch.arange(256).float() / 255.0 - mean) / std).to(device)
-
-
-def normalize(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """uint8 (..., C, H, W) -> float32 of the same shape through the channel's ``normalization_table``."""
-    c = table.shape[0]
-    offsets = torch.arange(0, 256 * c, 256, device=images.device).view(c, 1, 1)
-    return table.view(-1)[images.long() + offsets]
 
 
 class ImageDataset(EpochAware):
@@ -209,7 +196,6 @@ def build_loaders(cfg: TrainConfig, rank: int = 0, world: int = 1, device=None,
     lb = local_batch(cfg, world)
     splits = splits or load_splits(cfg)
     if pipeline(cfg) == "device":
-        from .device_data import DeviceEvalData, DeviceTrainData
         dev = torch.device("cpu") if device is None else torch.device(device)
         channels_last = cfg.train.channels_last and dev.type == "cuda"  # as the loop's memory_format
         train = DeviceTrainData(*splits.train, splits.info, dev, batch_size=lb, seed=cfg.train.seed,

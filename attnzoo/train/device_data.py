@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .augment import CropFlip, crop_flip_gather, pad_split
-from .data import normalization_table, normalize
+from .normalize import normalization_table, normalize
 from .datasets import DatasetInfo
 from .samplers import SameClassPartnerSampler, shard_order
 
