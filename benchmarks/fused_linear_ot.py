@@ -8,7 +8,7 @@ extra memory the attention forward + backward needed at its peak.
     .venv/bin/python benchmarks/fused_linear_ot.py               # writes benchmarks/results/cpu/fused_linear_ot.{json,png}
     .venv/bin/python benchmarks/fused_linear_ot.py --quick       # small sizes, to check the script
 
-Cases (issue 4): linear causal and non-causal at N = 4096; OT at N = 256 with |A| = 2N (N extra
+Cases: linear causal and non-causal at N = 4096; OT at N = 256 with |A| = 2N (N extra
 templates); OT at N = 1024 with |A| = 2N on the fused path only (its reference size is computed,
 not run). "cpu-tiles" is the OT cpu backend forced to send every (i, j) pair through its exact
 blockwise fallback (ops/ot/tiles.py): its worst case, when no pair can use the matmul path.

@@ -217,7 +217,7 @@ def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int
 def gpu_markdown(rows, device_name: str, command: str) -> str:
     k = rows[0]["n_iters"] if rows else 3
     lines = [f"# Sinkhorn (n_iters={k}) Triton kernels vs SDPA softmax, {device_name}, bf16", "",
-             f"`{command}`. Targets (issue 15): fwd and fwd+bwd <= {k + 1}x SDPA, extra memory <= 1.5x SDPA's.", "",
+             f"`{command}`. Targets: fwd and fwd+bwd <= {k + 1}x SDPA, extra memory <= 1.5x SDPA's.", "",
              "| D | N | B x H | SDPA fwd ms | Sinkhorn fwd ms | ratio | SDPA fwd+bwd ms | Sinkhorn fwd+bwd ms "
              "| ratio | extra MB fwd+bwd (SDPA) | passes, ms (x SDPA fwd) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Issue 3 on CPU: time and peak memory of the memory-efficient paths vs the eager reference.
+"""The softmax family on CPU: time and peak memory of the memory-efficient paths vs the eager reference.
 
 Three measurements, all side by side in one run on this machine (fp32, 1 thread by default):
 
@@ -10,7 +10,7 @@ Three measurements, all side by side in one run on this machine (fp32, 1 thread 
              call (so library code pages are already loaded). RSS counts what the OS gave the
              process, including freed memory malloc keeps: an upper bound on live tensors.
   crossover  small shapes, in-process: where each backend starts to beat the reference (the
-             thresholds `auto` uses, see attnzoo/ops/backends_softmax_family.py).
+             thresholds `auto` uses: SMALL_CALL_ELEMENTS in attnzoo/ops/kernels/blockwise.py).
   blocks     the blockwise path's block sizes at N = 2048.
 
 Fenchel runs with a learnable per-key log-preference log_u of shape (B, H, 1, N) (paper 004's

@@ -16,8 +16,8 @@ still leaves everything measured so far:
 4. train: timm ViT-S/16 training images/s with each layer;
 5. compile: torch.compile(fullgraph=True) of every layer with the default backend;
 6. paper: paper 004's ViT and OT-ViT training images/s (attnzoo.train.throughput), compiled and eager.
-Outputs (in --out, default benchmarks/results/gpu/<device>): speed.json, speed.md (summary table
-in the issues' format + every row), speed.png, correctness.json, train.json, compile.json,
+Outputs (in --out, default benchmarks/results/gpu/<device>): speed.json, speed.md (the fastest
+attnzoo backend per variant against SDPA + every row), speed.png, correctness.json, train.json, compile.json,
 paper.json, rows.jsonl, log.txt, and measured_table.json, which is what attnzoo/ops/measured_tables/<device>.json
 (read by ``auto``) is copied from.
 
@@ -263,8 +263,8 @@ def _shape_fields(shape) -> dict:
 
 
 def _flex_applies(case, shape) -> bool:
-    """FlexAttention compiles one kernel per shape: the flex rows run at N 4096 only, where the issues
-    compare against it."""
+    """FlexAttention compiles one kernel per shape: the flex rows run at N 4096 only (one
+    compile per head dim and causality instead of one per N)."""
     return not (case.backend == "flex" or case.label.startswith("flex")) or shape.n == 4096
 
 

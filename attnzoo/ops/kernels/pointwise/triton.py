@@ -1,9 +1,10 @@
-"""Pointwise attention (sigmoid, ReLU / n) Triton kernels as torch custom ops, and the backends.
+"""Pointwise attention (sigmoid, ReLU / n) Triton kernels as torch custom ops, and their entry points.
 
-``sigmoid_attention`` / ``relu_attention`` have the references' signatures (ops/pointwise/reference.py)
-and are registered as the ``triton`` backend of the ``sigmoid`` and ``relu`` variants. The sigmoid
-bias is the default -log n_i, a Python float, or a tensor broadcastable to (B, H, Nq, 1) (one value per
-head and/or row, e.g. SigmoidAttention's -log n + learned per-head shift), which gets its gradient.
+``sigmoid_attention`` / ``relu_attention`` have the references' signatures (the eager form is
+ops/kernels/pointwise/reference.py) and are registered as the ``triton`` backend of the ``sigmoid``
+and ``relu`` variants (ops/sigmoid, ops/relu). The sigmoid bias is the default -log n_i, a Python
+float, or a tensor broadcastable to (B, H, Nq, 1) (one value per head and/or row, e.g.
+SigmoidAttention's -log n + learned per-head shift), which gets its gradient.
 A bias that varies with the key is refused (``bias_reason``). ``dropout_p > 0`` drops weights in the
 kernels (ops/triton_dropout.py): one seed per forward call from torch's generator of q's device, the
 same keep-mask regenerated in the backward; ``dropout_p == 0`` launches the kernels without dropout code.

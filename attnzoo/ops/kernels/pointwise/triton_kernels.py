@@ -22,7 +22,7 @@ against two small dots. Three evaluations, all overflow-free at logits of +-1e4:
               on [1, 2] (FMAs only, relative error < 2e-5), w = r or e r: accurate for small w too.
 Loops run in stages as in the softmax-family kernels: whole, in-bounds blocks below the causal
 diagonal without masking arithmetic; the dK/dV kernel works on transposed (keys x queries) tiles.
-The eager version is ops/pointwise/reference.py.
+The eager version is ops/kernels/pointwise/reference.py.
 """
 from __future__ import annotations
 
