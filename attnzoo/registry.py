@@ -30,6 +30,14 @@ from .ops import variant as catalog
 _REGISTRY: dict[str, type] = {}   # name -> layer class
 _INFO: dict[str, dict] = {}       # name -> what describe() returns
 _WRAPPERS: dict[str, Wrapper] = {}
+_LISTENERS: list[Callable[[str], None]] = []  # called with each name registered later (adapters subscribe)
+
+
+def on_register(listener: Callable[[str], None]) -> None:
+    """Call ``listener(name)`` whenever a name is registered from now on (the Hugging Face adapter
+    registers ``attnzoo_<name>`` with transformers this way)."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
 
 
 def register(name: str, **capabilities) -> Callable[[type], type]:
@@ -42,6 +50,8 @@ def register(name: str, **capabilities) -> Callable[[type], type]:
             raise TypeError(f"register({name!r}) expects an nn.Module subclass, got {cls!r}")
         _REGISTRY[name] = cls
         _INFO[name] = {"name": name, "class": cls.__name__, **capabilities}
+        for listener in list(_LISTENERS):
+            listener(name)
         return cls
     return deco
 

@@ -260,8 +260,8 @@ def test_create_and_layer_from_spec_strings(cosine_variant):
         attnzoo.create("cosine(temperature=2.0)", DIM, HEADS)
     with pytest.raises(ValueError, match="temperature"):
         attnzoo.layer("cosine(temperature=2.0)")
-    with pytest.raises(ValueError, match="tau"):  # at the first call: the default hook stores options unchecked
-        attnzoo.create("cosine(tau=0.0)", DIM, HEADS)(x)
+    with pytest.raises(ValueError, match="tau"):  # when the layer is built: the default hook runs the check
+        attnzoo.create("cosine(tau=0.0)", DIM, HEADS)
     with pytest.raises(ValueError, match="did you mean 'cosine'"):
         attnzoo.create("cosin", DIM, HEADS)
 
@@ -291,6 +291,18 @@ def test_layer_trains_and_reloads(cosine_variant):
     fresh.load_state_dict(layer.state_dict(), strict=True)
     with torch.no_grad():
         assert max_diff(fresh(x), layer(x)) == 0
+
+
+def test_a_variant_declared_after_transformers_loaded_is_an_attention_implementation():
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    late = attnzoo.Variant(name="cosine_late", reference=cosine_attention, check=check_cosine)
+    assert "attnzoo_cosine_late" not in ALL_ATTENTION_FUNCTIONS
+    attnzoo.register_variant(late)
+    try:
+        assert "attnzoo_cosine_late" in ALL_ATTENTION_FUNCTIONS  # nothing else ran register_hf_attention
+    finally:
+        attnzoo.unregister("cosine_late")
 
 
 def test_unregister_removes_a_variant_everywhere():
@@ -485,11 +497,12 @@ def test_hugging_face_causal_model_and_attention_implementation():
         a, b = decoder(ids).last_hidden_state, decoder(later).last_hidden_state
     assert max_diff(a[:, :3], b[:, :3]) <= 1e-5 and max_diff(a[:, 3:], b[:, 3:]) > 1e-4
 
-    # a variant without parameters is also a transformers attention implementation, "attnzoo_cosine", once
-    # register_hf_attention has run after its declaration (attnzoo.swap runs it; so does importing
-    # transformers after attnzoo); a transformers loaded earlier does not hear of a later declaration
-    assert f"attnzoo_{NAME}" in attnzoo.register_hf_attention()
+    # a variant without parameters is also a transformers attention implementation, "attnzoo_cosine",
+    # registered with transformers when it is declared (or, when transformers is imported after it, then)
     transformers = pytest.importorskip("transformers", minversion="5.0")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert f"attnzoo_{NAME}" in ALL_ATTENTION_FUNCTIONS
+    assert f"attnzoo_{NAME}" in attnzoo.register_hf_attention()
     swapped, config = _bert()
     attnzoo.swap(swapped, NAME)
     by_name = transformers.AutoModel.from_config(config, attn_implementation=f"attnzoo_{NAME}").eval()

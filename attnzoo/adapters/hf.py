@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import registry
 from ..layers.base import AttentionLayer
 from .common import Change, describe_new_parameters, param_names
 from .kernel import causal_and_rest, kernel_layer, run_kernel
@@ -155,6 +156,16 @@ def _adds_parameters(target: Target) -> bool:
     return any(True for _ in probe.parameters()) or probe.keys_are_queries or probe.needs_key_tokens
 
 
+def _runs_a_kernel_in_place(name: str) -> bool:
+    """A registry name that is an attention function in a host model: a variant, or a wrapper that
+    keeps the host's module layout (not "multihead"; not a class registered without a kernel)."""
+    try:
+        resolved = registry.resolve(name)
+    except ValueError:
+        return False
+    return resolved.wrapper is None or not resolved.wrapper.in_host_models
+
+
 def register_hf_attention(spec: Optional[str] = None, name: Optional[str] = None) -> list[str]:
     """Register attnzoo attention implementations with transformers; returns the names registered.
 
@@ -169,9 +180,8 @@ def register_hf_attention(spec: Optional[str] = None, name: Optional[str] = None
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    from .. import registry
     if spec is None:
-        specs = {f"attnzoo_{v}": v for v in registry.available() if v != "multihead"}
+        specs = {f"attnzoo_{v}": v for v in registry.available() if _runs_a_kernel_in_place(v)}
     else:
         target = resolve(spec, {})
         if name is None:

@@ -16,10 +16,14 @@ import warnings
 WATCHED = "transformers.modeling_utils"
 
 
-def _register() -> None:
+def _register(_name=None) -> None:
+    """Register every attnzoo implementation with transformers, and again whenever a name is added to
+    attnzoo's registry later (``attnzoo.register_variant``)."""
     try:
+        from .. import registry
         from .hf import register_hf_attention
         register_hf_attention()
+        registry.on_register(_register)
     except Exception as e:  # never break the user's transformers import because of attnzoo
         warnings.warn(f"attnzoo could not register its attention implementations with transformers: {e}",
                       stacklevel=2)

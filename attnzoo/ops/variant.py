@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Mapping, Optional
 
+import torch
+
 from . import call, dispatch
 from . import validate as V
 from .sizes import DEFAULT_BACKWARD_FACTOR, SCORE_MATMUL_FORMULA, score_matmul_flops, weights_bytes
@@ -66,16 +68,23 @@ class LayerHook:
 
 class OptionsHook(LayerHook):
     """The hook of a variant without one of its own: every keyword argument of its functional is a
-    constructor option, stored on the layer under its name and passed on every call."""
+    constructor option, stored on the layer under its name and passed on every call. With the
+    variant's ``check``, bad option values fail when the layer is built (on stand-in q, k, v of the
+    layer's head dim), not at its first call inside a host model."""
 
-    def __init__(self, defaults: Mapping[str, Any]):
+    def __init__(self, defaults: Mapping[str, Any], check: Optional[Callable] = None):
         self.defaults = dict(defaults)
+        self.check = check
 
     def options(self) -> dict[str, Any]:
         return dict(self.defaults)
 
     def setup(self, layer, **options) -> None:
-        for name, value in {**self.defaults, **options}.items():
+        values = {**self.defaults, **options}
+        if self.check is not None:
+            stand_in = torch.zeros(1, 1, 1, layer.head_dim)
+            self.check(stand_in, stand_in, stand_in, scale=layer.scale, **values)
+        for name, value in values.items():
             setattr(layer, name, value)
 
     def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
@@ -94,7 +103,8 @@ class Variant:
     functional:      the public function; default: one made from the reference's options that runs
                      the shared checks, ``check`` and the dispatcher
     check:           ``(q, k, v, *, scale, **options) -> options``: checks the variant's own arguments
-                     (naming them in errors) and returns them as the backends receive them
+                     (naming them in errors) and returns them as the backends receive them; the
+                     default hook also runs it when a layer is built, on stand-in zeros (1, 1, 1, D)
     hook:            the :class:`LayerHook`; default: every option is a constructor option
     class_name/doc:  the layer class's name (default ``<Name>Attention``) and docstring
     default_scale:   the scale when none is given (None: 1/sqrt(D)); a variant without logits sets
@@ -141,7 +151,7 @@ class Variant:
         if self.functional is None:
             object.__setattr__(self, "functional", make_functional(self))
         if self.hook is None:
-            object.__setattr__(self, "hook", OptionsHook(option_defaults(self.functional)))
+            object.__setattr__(self, "hook", OptionsHook(option_defaults(self.functional), self.check))
 
     @property
     def options(self) -> dict[str, Any]:
