@@ -160,3 +160,21 @@ def ot(q, k, v, allow, add, scale, alpha=1.0, gamma=None, log_u=None, tk=None, t
                     logits = (alpha * At @ q[b, h, i] + At @ k[b, h, j]) / gamma + extra_add
                     out[b, h, i] += uj * torch.softmax(logits, 0) @ Av
     return out
+
+
+def t5_bucket(rel: int, num_buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """T5 (Raffel et al. 2020): the bucket of the offset rel = j - i: exact buckets for |offset| <
+    max_exact, then log-spaced up to max_distance; bidirectional gives each sign half of the buckets,
+    causal only counts j <= i."""
+    base = 0
+    if bidirectional:
+        num_buckets //= 2
+        base = num_buckets if rel > 0 else 0
+        dist = abs(rel)
+    else:
+        dist = max(-rel, 0)
+    max_exact = num_buckets // 2
+    if dist < max_exact:
+        return base + dist
+    large = max_exact + int(math.log(dist / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    return base + min(large, num_buckets - 1)

@@ -6,17 +6,14 @@ import torch
 
 from attnzoo.analysis import dynamics, gaussian, kernel_sums, particles
 from attnzoo.analysis.fields import self_velocity
+from tests.common import randn  # float64 N(0, 1) * scale from its own seed
 
 DT = torch.float64
 torch.set_default_dtype(torch.float32)
 
 
-def _rand(shape, seed, scale=1.0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
-
-
 def _spd(d, seed):
-    B = _rand((d, d), seed)
+    B = randn((d, d), seed)
     return B @ B.T / d + 0.3 * torch.eye(d, dtype=DT)
 
 
@@ -47,8 +44,8 @@ def paper_rhs(variant, alpha, S, Q, K, V, eps=1.0):
 def test_rhs_matches_paper_equations(variant, d, seed):
     heads = variant == "multihead"
     shape = (2, d, d) if heads else (d, d)
-    Q, K, V = _rand(shape, seed, 0.5), _rand(shape, seed + 10, 0.5), _rand(shape, seed + 20)
-    alpha, S = _rand((d,), seed + 30), _spd(d, seed + 40)
+    Q, K, V = randn(shape, seed, 0.5), randn(shape, seed + 10, 0.5), randn(shape, seed + 20)
+    alpha, S = randn((d,), seed + 30), _spd(d, seed + 40)
     got = gaussian.gaussian_rhs("softmax" if heads else variant, alpha, S, Q, K, V)
     want = paper_rhs(variant, alpha, S, Q, K, V)
     torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
@@ -57,8 +54,8 @@ def test_rhs_matches_paper_equations(variant, d, seed):
 
 def test_sinkhorn_mean_moves_alone():
     """Prop 4.15: d alpha/dt = V alpha / eps whatever Sigma."""
-    Q, K, V = _rand((2, 2), 1, 0.5), _rand((2, 2), 2, 0.5), _rand((2, 2), 3)
-    alpha = _rand((2,), 4)
+    Q, K, V = randn((2, 2), 1, 0.5), randn((2, 2), 2, 0.5), randn((2, 2), 3)
+    alpha = randn((2,), 4)
     for eps in (0.5, 2.0):
         da, _ = gaussian.gaussian_rhs("sinkhorn", alpha, _spd(2, 5), Q, K, V, eps=eps)
         torch.testing.assert_close(da, V @ alpha / eps, rtol=1e-9, atol=1e-12)
@@ -67,7 +64,7 @@ def test_sinkhorn_mean_moves_alone():
 # ---- the fast kernel sums against the exact ones and against attnzoo.functional ----------------
 @pytest.mark.parametrize("p,scale", [(1, 1.0), (2, 0.7), (3, 0.15)])
 def test_taylor_kernel_sums_match_exact(p, scale):
-    b, Y, W = _rand((50, p), 1, scale), _rand((60, p), 2), _rand((60, 3), 3).abs()
+    b, Y, W = randn((50, p), 1, scale), randn((60, p), 2), randn((60, 3), 3).abs()
     want = torch.exp(b @ Y.T) @ W                       # direct float64 sum
     for method in ("exact", "taylor"):
         S, shift = kernel_sums.exp_kernel_sums(b, Y, W, method=method, tol=1e-11)
@@ -76,8 +73,8 @@ def test_taylor_kernel_sums_match_exact(p, scale):
 
 @pytest.mark.parametrize("variant", ["softmax", "l2", "sinkhorn"])
 def test_kernel_sum_field_matches_functional(variant):
-    X = _rand((12, 2), 7, 0.7)
-    Q, K, V = _rand((2, 2), 8, 0.6), _rand((2, 2), 9, 0.6), _rand((2, 2), 10)
+    X = randn((12, 2), 7, 0.7)
+    Q, K, V = randn((2, 2), 8, 0.6), randn((2, 2), 9, 0.6), randn((2, 2), 10)
     fast = particles.KernelSumField(variant, Q, K, V, sinkhorn_tol=1e-12)(X)
     ref = self_velocity(variant, X, Q, K, V, n_iters=200)
     torch.testing.assert_close(fast, ref, rtol=1e-7, atol=1e-9)
@@ -88,7 +85,7 @@ def test_sinkhorn_closed_form_lemma_not_prop():
     """Regress discrete Sinkhorn's field on x: the linear part is Lemma 4.14's (B = A^T Sigma A)."""
     n = 4000
     L = torch.tensor([[1.0, 0.0], [0.6, 0.35]], dtype=DT) * 0.8
-    X = torch.tensor([0.3, -0.2], dtype=DT) + _rand((n, 2), 11) @ L.T
+    X = torch.tensor([0.3, -0.2], dtype=DT) + randn((n, 2), 11) @ L.T
     Q = torch.tensor([[0.8, 0.3], [-0.2, 0.5]], dtype=DT)
     K = torch.tensor([[0.4, -0.6], [0.7, 0.2]], dtype=DT)
     V = torch.tensor([[1.0, 0.3], [-0.2, 0.8]], dtype=DT)
@@ -113,7 +110,7 @@ def test_particles_follow_gaussian_ode(variant, a_scale, v_scale):
     Q, K = A.clone(), torch.eye(2, dtype=DT)                                  # K^T Q = A
     V = v_scale * torch.tensor([[1.0, 0.3], [-0.2, 0.8]], dtype=DT)
     L = torch.tensor([[1.0, 0.0], [0.6, 0.35]], dtype=DT) * 0.6
-    X0 = torch.tensor([0.1, -0.05], dtype=DT) + _rand((N_BIG, 2), 12) @ L.T
+    X0 = torch.tensor([0.1, -0.05], dtype=DT) + randn((N_BIG, 2), 12) @ L.T
     m0, S0 = particles.moments(X0)
     field = particles.KernelSumField(variant, Q, K, V, tol=1e-7)
     times, states = particles.rk4(field, X0, t_end=1.0, n_steps=2)
@@ -152,7 +149,7 @@ def test_softmax_d1_blowup_time(a, v, s0):
 def test_softmax_d1_particles_follow_blowup_curve():
     a, v, s0, n = 0.5, 1.0, 0.5, N_BIG
     t_star = 1 / (2 * v * a * s0)
-    X = _rand((n, 1), 13) * math.sqrt(s0)
+    X = randn((n, 1), 13) * math.sqrt(s0)
     s_emp0 = float(particles.moments(X)[1])
     field = particles.KernelSumField("softmax", torch.tensor([[a]], dtype=DT), torch.eye(1, dtype=DT),
                                      torch.tensor([[v]], dtype=DT), tol=1e-8)
@@ -213,9 +210,9 @@ def test_every_variant_moves_particles(variant):
     """One RK4 step of the functional field equals the RK4 formula applied by hand to self_velocity."""
     heads = variant == "multihead"
     shape = (2, 2, 3) if heads else (2, 3)
-    Q, K, V = _rand(shape, 1, 0.5), _rand(shape, 2, 0.5), _rand((2, 3, 3) if heads else (3, 3), 3, 0.5)
+    Q, K, V = randn(shape, 1, 0.5), randn(shape, 2, 0.5), randn((2, 3, 3) if heads else (3, 3), 3, 0.5)
     base = "softmax" if heads else variant
-    X = _rand((6, 3), 4)
+    X = randn((6, 3), 4)
     kw = {"n_iters": 20} if variant == "sinkhorn" else {}
     f = particles.make_field(base, Q, K, V, **kw)
     _, states = particles.rk4(f, X, t_end=0.1, n_steps=1)

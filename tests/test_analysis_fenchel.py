@@ -4,12 +4,9 @@ import pytest
 import torch
 
 from attnzoo.analysis import fenchel_dual as FD
+from tests.common import randn  # float64 N(0, 1) * scale from its own seed
 
 DT = torch.float64
-
-
-def _rand(shape, seed, scale=1.0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
 
 
 def gauss_hermite_templates(mu, n=24):
@@ -25,9 +22,9 @@ def gauss_hermite_templates(mu, n=24):
 @pytest.mark.parametrize("alpha,seed", [(0.3, 0), (1.0, 1), (4.0, 2)])
 def test_gaussian_case_closed_form(alpha, seed):
     """u = N(mu, I), evidence b = mu + z: lambda* = alpha/(alpha+1) (b - mu), h = mu/(1+alpha) + alpha b/(1+alpha)."""
-    mu = _rand((2,), seed, 0.5)
+    mu = randn((2,), seed, 0.5)
     t, logw = gauss_hermite_templates(mu)
-    z = _rand((1, 1, 3, 2), seed + 1, 0.7)
+    z = randn((1, 1, 3, 2), seed + 1, 0.7)
     k = t[None, None]
     lam, _, _ = FD.dual_lambdas(z, k, scale=1.0, alpha=alpha, log_u=logw.expand(1, 1, 3, -1))
     b = mu + z
@@ -38,7 +35,7 @@ def test_gaussian_case_closed_form(alpha, seed):
 
 
 def test_first_order_limit_alpha_to_zero():
-    q, k = _rand((1, 2, 4, 3), 3), _rand((1, 2, 6, 3), 4)
+    q, k = randn((1, 2, 4, 3), 3), randn((1, 2, 6, 3), 4)
     devs = [float(FD.relative_deviation(q, k, scale=0.5, alpha=a).max()) for a in (1.0, 0.1, 0.01, 0.001)]
     assert all(b < a for a, b in zip(devs, devs[1:]))
     assert devs[-1] < 0.01   # O(alpha): ||lambda* - alpha z|| / ||lambda*|| ~ alpha ||Cov_u(k)||
@@ -46,7 +43,7 @@ def test_first_order_limit_alpha_to_zero():
 
 @pytest.mark.parametrize("alpha,seed", [(0.05, 5), (0.2, 6), (0.5, 7)])
 def test_second_order_closer_than_first(alpha, seed):
-    q, k = _rand((1, 1, 8, 3), seed), _rand((1, 1, 10, 3), seed + 1)
+    q, k = randn((1, 1, 8, 3), seed), randn((1, 1, 10, 3), seed + 1)
     lam, lam1, lam2 = FD.dual_lambdas(q, k, scale=1.0, alpha=alpha)
     e1, e2 = (lam1 - lam).norm(dim=-1), (lam2 - lam).norm(dim=-1)
     assert bool((e2 < e1).all())
@@ -54,7 +51,7 @@ def test_second_order_closer_than_first(alpha, seed):
 
 def test_dual_optimality_and_model_hooks():
     """The gradient of (7), mu + z - lambda/alpha - E_p[t], vanishes at lambda*; hooks see every layer/head."""
-    q, k = _rand((2, 2, 5, 4), 8), _rand((2, 2, 7, 4), 9)
+    q, k = randn((2, 2, 5, 4), 8), randn((2, 2, 7, 4), 9)
     lam, _, _ = FD.dual_lambdas(q, k, scale=0.5, alpha=1.0)
     p = torch.softmax(lam @ k.transpose(-1, -2), -1)
     grad = k.mean(-2, keepdim=True) + 0.5 * q - lam - p @ k

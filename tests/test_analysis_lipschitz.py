@@ -4,12 +4,9 @@ import torch
 
 from attnzoo.analysis import lipschitz as L
 from attnzoo.analysis.fields import query_velocity
+from tests.common import randn  # float64 N(0, 1) * scale from its own seed
 
 DT = torch.float64
-
-
-def _rand(shape, seed, scale=1.0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
 
 
 def paper_jacobian(variant, x, X, Q, K, V):
@@ -27,16 +24,16 @@ def paper_jacobian(variant, x, X, Q, K, V):
 
 @pytest.mark.parametrize("shape,seed", [((4, 3), 0), ((6, 6), 1), ((2, 5), 2)])
 def test_power_iteration_is_spectral_norm(shape, seed):
-    M = _rand(shape, seed)
-    s, _ = L.jacobian_spectral_norm(lambda x: M @ x, _rand((shape[1],), seed + 1), n_iter=500, tol=1e-14)
+    M = randn(shape, seed)
+    s, _ = L.jacobian_spectral_norm(lambda x: M @ x, randn((shape[1],), seed + 1), n_iter=500, tol=1e-14)
     assert s == pytest.approx(float(torch.linalg.svdvals(M)[0]), rel=1e-8)
 
 
 @pytest.mark.parametrize("variant,seed", [("softmax", 0), ("l2", 1), ("sigmoid", 2), ("softmax", 3)])
 def test_query_jacobian_is_the_papers(variant, seed):
     d = 3
-    Q, K, V = _rand((2, d), seed, 0.7), _rand((2, d), seed + 1, 0.7), _rand((d, d), seed + 2)
-    x, X = _rand((d,), seed + 3), _rand((5, d), seed + 4)
+    Q, K, V = randn((2, d), seed, 0.7), randn((2, d), seed + 1, 0.7), randn((d, d), seed + 2)
+    x, X = randn((d,), seed + 3), randn((5, d), seed + 4)
     J = torch.autograd.functional.jacobian(
         lambda xq: query_velocity(variant, xq[None], X, Q, K, V, backend="reference")[0], x)
     torch.testing.assert_close(J, paper_jacobian(variant, x, X, Q, K, V), rtol=1e-9, atol=1e-12)
@@ -60,8 +57,8 @@ def _weights(kind, variant, d, seed):
         e[0, 0] = 1.0
         return 0.8 * e, 0.8 * e, torch.eye(d, dtype=DT)
     if variant == "multihead":
-        return _rand((2, 1, d), seed, 0.6), _rand((2, 1, d), seed + 1, 0.6), _rand((2, d, d), seed + 2, 0.5)
-    return _rand((2, d), seed, 0.6), _rand((2, d), seed + 1, 0.6), _rand((d, d), seed + 2)
+        return randn((2, 1, d), seed, 0.6), randn((2, 1, d), seed + 1, 0.6), randn((2, d, d), seed + 2, 0.5)
+    return randn((2, d), seed, 0.6), randn((2, d), seed + 1, 0.6), randn((d, d), seed + 2)
 
 
 @pytest.mark.parametrize("variant,kind,n,R", CASES)

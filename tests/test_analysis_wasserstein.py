@@ -6,12 +6,9 @@ import pytest
 import torch
 
 from attnzoo.analysis import wasserstein as W
+from tests.common import randn  # float64 N(0, 1) * scale from its own seed
 
 DT = torch.float64
-
-
-def _rand(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
 
 
 def brute_force_w(X, Y, p):
@@ -23,7 +20,7 @@ def brute_force_w(X, Y, p):
 
 @pytest.mark.parametrize("n,d,seed", [(5, 2, 0), (7, 3, 1), (20, 4, 2)])
 def test_cloud_with_itself_is_zero(n, d, seed):
-    X = _rand((n, d), seed)
+    X = randn((n, d), seed)
     for p, tol in ((1, 1e-12), (2, 1e-7)):   # W2 = sqrt(cost): rounding 1e-16 in the cost -> 1e-8
         assert W.wasserstein(X, X, p=p) == pytest.approx(0.0, abs=tol)
         assert W.wasserstein(X, X[torch.randperm(n)], p=p) == pytest.approx(0.0, abs=tol)
@@ -31,8 +28,8 @@ def test_cloud_with_itself_is_zero(n, d, seed):
 
 @pytest.mark.parametrize("n,m,d,seed", [(6, 6, 2, 0), (10, 7, 3, 1), (30, 45, 2, 2)])
 def test_shifted_cloud_is_the_shift(n, m, d, seed):
-    X = _rand((n, d), seed)
-    shift = _rand((d,), seed + 1) * 3
+    X = randn((n, d), seed)
+    shift = randn((d,), seed + 1) * 3
     for p in (1, 2):
         # translation: W_p(X, X + s) = |s| (equality: any plan moves mass by s on average; identity attains it)
         assert W.wasserstein(X, X + shift, p=p) == pytest.approx(float(shift.norm()), rel=1e-9)
@@ -40,18 +37,18 @@ def test_shifted_cloud_is_the_shift(n, m, d, seed):
 
 @pytest.mark.parametrize("n,seed", [(5, 0), (6, 1)])
 def test_exact_matches_brute_force(n, seed):
-    X, Y = _rand((n, 2), seed), _rand((n, 2), seed + 10)
+    X, Y = randn((n, 2), seed), randn((n, 2), seed + 10)
     for p in (1, 2):
         assert W.wasserstein(X, Y, p=p, method="exact") == pytest.approx(brute_force_w(X, Y, p), rel=1e-9)
 
 
 def test_different_sizes_one_point_and_entropic():
-    X = _rand((9, 3), 3)
-    y = _rand((1, 3), 4)
+    X = randn((9, 3), 3)
+    y = randn((1, 3), 4)
     # to a single point every plan is the product: W1 = mean distance, W2 = sqrt(mean squared distance)
     assert W.wasserstein(X, y, p=1) == pytest.approx(float((X - y).norm(dim=1).mean()), rel=1e-9)
     assert W.wasserstein(X, y, p=2) == pytest.approx(math.sqrt(float((X - y).pow(2).sum(1).mean())), rel=1e-9)
-    A, B = _rand((60, 2), 5), _rand((50, 2), 6) + 1.0
+    A, B = randn((60, 2), 5), randn((50, 2), 6) + 1.0
     exact = W.wasserstein(A, B, p=2, method="exact")
     ent = W.wasserstein(A, B, p=2, method="sinkhorn", reg=1e-3)
     assert exact <= ent * (1 + 1e-6) and ent < exact * 1.05
@@ -60,11 +57,11 @@ def test_different_sizes_one_point_and_entropic():
 @pytest.mark.parametrize("bad,match", [(dict(p=3), "p must"), (dict(method="x"), "method"), (dict(metric="x"), "metric")])
 def test_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
-        W.wasserstein(_rand((3, 2), 0), _rand((3, 2), 1), **bad)
+        W.wasserstein(randn((3, 2), 0), randn((3, 2), 1), **bad)
 
 
 def test_ratio_of_a_translation_map_is_one_and_drop_add_work():
-    X = _rand((12, 2), 7)
+    X = randn((12, 2), 7)
     F = lambda Z: 2.0 * Z + 1.0   # noqa: E731  W(F mu, F nu) = 2 W(mu, nu) exactly
     rows = W.ratio_study(F, [X], kinds=("noise", "drop", "add"), strengths=(0.1, 0.5))
     assert {r["kind"] for r in rows} == {"noise", "drop", "add"}
@@ -77,7 +74,7 @@ def test_thm29_bound_holds_for_gaussian_kernel_attention():
     """Paper 001 Thm 29 (l1 ground metric): empirical ratios of x -> softmax(-|x - y|^2) V y stay below."""
     V = torch.eye(2, dtype=DT) * 0.8 + 0.1
     F = W.gaussian_kernel_attention(V)
-    X = _rand((10, 2), 8)
+    X = randn((10, 2), 8)
     rows = W.ratio_study(F, [X], kinds=("noise", "drop", "add"), strengths=(0.05, 0.5), metric="cityblock")
     k_l = float(torch.linalg.matrix_norm(V, ord=1))
     for r in rows:

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import attnzoo
 from attnzoo import functional as AF
 from attnzoo.bench.flops import Shape, flops
+from tests.common import qkv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,8 +82,7 @@ COUNTED = [
 
 
 def _inputs(s: Shape):
-    return (torch.randn(s.batch, s.heads, s.seq_q, s.head_dim), torch.randn(s.batch, s.heads, s.nk, s.head_dim),
-            torch.randn(s.batch, s.heads, s.nk, s.dv))
+    return qkv(s.batch, s.heads, s.seq_q, s.nk, s.head_dim, s.dv)
 
 
 @pytest.mark.parametrize("variant,kwargs,shape", COUNTED, ids=[f"{c[0]}-{i}" for i, c in enumerate(COUNTED)])

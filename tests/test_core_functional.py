@@ -9,6 +9,7 @@ import torch
 
 import attnzoo.functional as AF
 from tests import formulas as R
+from tests.common import bool_mask, float_mask, padding_mask, qkv
 
 B, H, D, DV = 2, 2, 4, 3
 SHAPES = {"self": (5, 5), "cross_more_keys": (4, 7), "cross_fewer_keys": (6, 3)}
@@ -16,18 +17,12 @@ MASKS = ["none", "bool", "float", "padding", "causal"]
 
 
 def make_mask(kind, nq, nk, g):
-    if kind == "bool":
-        m = torch.rand(B, 1, nq, nk, generator=g) > 0.3
-        m[0, 0, 0, :] = False  # one fully masked row: must give zeros, not NaN
-        return m
+    if kind == "bool":  # one fully masked row: must give zeros, not NaN
+        return bool_mask((B, 1, nq, nk), 0.7, generator=g, empty_rows=[(0, 0, 0)])
     if kind == "float":
-        m = torch.randn(B, H, nq, nk, generator=g, dtype=torch.float64)
-        m[torch.rand(B, H, nq, nk, generator=g) > 0.7] = -math.inf
-        return m
+        return float_mask((B, H, nq, nk), 0.3, generator=g, dtype=torch.float64)
     if kind == "padding":
-        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-        m[1, ..., nk - 2:] = False
-        return m
+        return padding_mask([nk, nk - 2], nk)
     return None
 
 
@@ -91,9 +86,7 @@ VARIANTS = {
 def test_matches_formula(variant, shape, mask_kind, dtype):
     nq, nk = SHAPES[shape]
     g = torch.Generator().manual_seed(hash((variant, shape, mask_kind)) % 2**31)
-    q = torch.randn(B, H, nq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, H, nk, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, nk, DV, generator=g, dtype=torch.float64)
+    q, k, v = qkv(B, H, nq, nk, D, DV, dtype=torch.float64, generator=g)
     mask = make_mask(mask_kind, nq, nk, g)
     causal = mask_kind == "causal"
     call, ref = VARIANTS[variant]

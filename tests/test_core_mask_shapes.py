@@ -21,11 +21,12 @@ import attnzoo.functional as AF
 from attnzoo.ops import dispatch
 from attnzoo.ops import validate as V
 from tests import formulas as R
-from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU
+from tests.common import INTERPRET, KERNEL_DEVICE, ON_GPU, bool_mask, broadcast_shapes, float_mask, seeded
+from tests.common import qkv as random_qkv  # `qkv` names the leaves in _case
 
 B, H, NQ, NK, D, DV = 2, 2, 5, 7, 4, 3
 
-SHAPES = {"Nk": (NK,), "Nq1": (NQ, 1), "NqNk": (NQ, NK), "B11Nk": (B, 1, 1, NK), "BHNqNk": (B, H, NQ, NK)}
+SHAPES = {name.replace(",", ""): shape for name, shape in broadcast_shapes(B, H, NQ, NK).items()}  # Nq1, B11Nk, ...
 KINDS = ("bool", "float", "float_inf")  # bool; float without -inf; float with -inf entries
 # the Triton backends under the interpreter take ~0.3-1.5 s a case: the 1-D mask and the (Nq, 1) case
 # of the issue with both kinds of key removal (their own tests cover the 2-D and 4-D shapes)
@@ -33,8 +34,7 @@ TRITON_CASES = [("Nk", "bool"), ("Nq1", "bool"), ("Nq1", "float_inf")]
 
 
 def _keys(nk):
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(nk, generator=g, dtype=torch.float64)
+    return torch.randn(nk, generator=seeded(7), dtype=torch.float64)
 
 
 # name -> (functional, kwargs(dtype, device), formula(q, k, v, allow, add, user_allow, scale))
@@ -91,14 +91,14 @@ CASES = _cases()
 
 def make_mask(shape_name, kind, g):
     shape = SHAPES[shape_name]
-    keep = torch.rand(shape, generator=g) > 0.3
+    keep = bool_mask(shape, 0.7, generator=g)
     if shape_name == "Nq1":  # one row keeps every key, one keeps none
         keep[0], keep[1] = True, False
     elif shape_name == "Nk":
         keep[1], keep[2] = False, True
     if kind == "bool":
         return keep
-    m = torch.randn(shape, generator=g, dtype=torch.float64)
+    m = float_mask(shape, generator=g, dtype=torch.float64)
     return m.masked_fill(~keep, -math.inf) if kind == "float_inf" else m
 
 
@@ -111,10 +111,8 @@ def _run(variant, backend, q, k, v, mask, dtype, device):
 def _case(variant, shape, kind):
     """Inputs, mask, cotangent and the formula's output and q/k/v gradients (float64), shared by
     every backend of the case (the formulas, OT's loops especially, cost more than the backends)."""
-    g = torch.Generator().manual_seed(hash((variant, shape, kind)) % 2**31)
-    q = torch.randn(B, H, NQ, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, H, NK, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, NK, DV, generator=g, dtype=torch.float64)
+    g = seeded(hash((variant, shape, kind)) % 2**31)
+    q, k, v = random_qkv(B, H, NQ, NK, D, DV, dtype=torch.float64, generator=g)
     mask = make_mask(shape, kind, g)
     cot = torch.randn(B, H, NQ, DV, generator=g, dtype=torch.float64)
     fn_name, _, formula = VARIANTS[variant]
@@ -165,8 +163,7 @@ def test_key_broadcast_mask_counts_every_kept_key_blockwise(monkeypatch):
 # --- NaN: a ValueError in masks and biases, propagation in q / k / v ---------------------------------
 
 def _qkv(n=4, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(1, 2, n, D, generator=g).to(dtype) for _ in range(3)]
+    return [t.to(dtype) for t in random_qkv(1, 2, n, n, D, generator=seeded(1))]
 
 
 def _with(value, shape, index):
@@ -280,8 +277,8 @@ def test_no_batch_or_no_head_gives_an_empty_output(variant, backend, dims):
 def test_linear_large_finite_float_mask_does_not_overflow(feature_map, backend, mask_shape):
     """A float mask is a log-weight exp(m_ij): m = +100 overflows float32's exp (issue 12 saw NaN).
     Weights are taken relative to the row's largest m, which the normalisation cancels exactly."""
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for n, d in ((NQ, D), (NK, D), (NK, DV)))
+    g = seeded(2)
+    q, k, v = random_qkv(1, 2, NQ, NK, D, DV, dtype=torch.float64, generator=g)
     mask = 100.0 + torch.randn(mask_shape, generator=g, dtype=torch.float64)
     mask[..., 0] = -100.0
     leaves = [t.float().requires_grad_() for t in (q, k, v)]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnzoo.functional as AF
+from tests import common
 from tests import formulas as R
 
 GRAD_CASES = {
@@ -28,9 +29,8 @@ GRAD_CASES = {
 
 
 def qkv(nq=4, nk=4, d=3, dv=2, b=1, h=2, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, nq, d, generator=g, dtype=dtype), torch.randn(b, h, nk, d, generator=g, dtype=dtype),
-            torch.randn(b, h, nk, dv, generator=g, dtype=dtype))
+    """This file's small float64 default shapes for common.qkv, seeded per call."""
+    return common.qkv(b, h, nq, nk, d, dv, dtype=dtype, generator=common.seeded(seed))
 
 
 @pytest.mark.parametrize("causal", [False, True])

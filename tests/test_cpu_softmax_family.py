@@ -14,6 +14,7 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.kernels import blockwise
+from tests.common import bool_mask, float_mask, padding_mask, qkv
 from tests.memory_probe import LargestOutput
 
 # --- float64 ground truth, straight from the formulas ---------------------------------------------
@@ -95,29 +96,19 @@ ALIASES = [("torch", "sigmoid"), ("torch", "relu")]  # the blockwise path under 
 
 def _make_mask(case, g, dtype=torch.float64):
     nq, nk = case["nq"], case["nk"]
+    every = slice(None)
     if case["mask"] == "padding":  # (B, 1, 1, Nk) key padding
-        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-        m[0, :, :, -5:] = False
-        return m
+        return padding_mask([nk - 5, nk], nk)
     if case["mask"] == "bool":  # per batch, broadcast over heads, with rows that keep no key
-        m = torch.rand(B, 1, nq, nk, generator=g) > 0.4
-        m[0, :, 2] = False
-        m[1, :, -1] = False
-        return m
+        return bool_mask((B, 1, nq, nk), 0.6, generator=g, empty_rows=[(0, every, 2), (1, every, -1)])
     if case["mask"] == "float":  # per head, some -inf entries and a fully -inf row
-        m = torch.randn(1, H, nq, nk, generator=g, dtype=dtype)
-        m = m.masked_fill(torch.rand(1, H, nq, nk, generator=g) > 0.7, -math.inf)
-        m[0, 1, 3] = -math.inf
-        return m.requires_grad_()
+        return float_mask((1, H, nq, nk), 0.3, generator=g, dtype=dtype, empty_rows=[(0, 1, 3)]).requires_grad_()
     return None
 
 
 def _inputs(case, g, dtype=torch.float64):
-    nq, nk, d = case["nq"], case["nk"], case["d"]
-    q = torch.randn(B, H, nq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(B, H, nk, d, generator=g, dtype=torch.float64)
-    v = torch.randn(B, H, nk, d + 1, generator=g, dtype=torch.float64)
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    qkv64 = qkv(B, H, case["nq"], case["nk"], case["d"], case["d"] + 1, dtype=torch.float64, generator=g)
+    return [t.to(dtype).requires_grad_() for t in qkv64]
 
 
 def _variant_kwargs(variant, case, g, dtype=torch.float64):

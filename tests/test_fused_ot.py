@@ -32,11 +32,11 @@ from attnzoo.ops.ot import triton as ot_triton
 from attnzoo.ops.ot.factorised import ot_terms
 
 from . import formulas as FM
+from tests.common import (INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, broadcast_shapes, float_mask,
+                          needs_gpu, needs_kernels, needs_triton, padding_mask, qkv)
 from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
 
-from attnzoo.ops.triton_utils import HAVE_TRITON
-from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, needs_gpu, needs_kernels
 B, H, D, DV = 2, 2, 6, 3
 
 # (is_causal, nq, nk, n_templates, mask kind, log_u)
@@ -59,27 +59,28 @@ def test_triton_tiles_crossing_every_block_boundary():
 
 
 def _mask(kind, nq, nk, B=B, H=H):
+    # the bool kinds are drawn as rand > p (common.bool_mask draws rand < keep): the GPU runs of these
+    # cases in bf16 / fp16 were checked with exactly these masks
     if kind == "key_bool":
         m = torch.rand(B, 1, 1, nk) > 0.3
         m[..., 0] = True
         return m
     if kind == "key_float":
-        return (0.5 * torch.randn(nk, dtype=torch.float64)).masked_fill(torch.rand(nk) < 0.3, -math.inf)
+        return float_mask((nk,), 0.3, scale=0.5, dtype=torch.float64)
     if kind == "query_bool":
         return torch.rand(B, H, nq, nk) > 0.4
     if kind == "query_float":
-        return (0.5 * torch.randn(nq, nk, dtype=torch.float64)).masked_fill(torch.rand(nq, nk) < 0.3, -math.inf)
+        return float_mask((nq, nk), 0.3, scale=0.5, dtype=torch.float64)
     if kind == "padding":   # batch 1's last two keys are padding
-        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-        m[1, ..., -2:] = False
-        return m
+        return padding_mask([nk, nk - 2] + [nk] * (B - 2), nk)
     return None
 
 
 def _inputs(nq, nk, n_templates, with_log_u, dtype, mag=1.0, B=B, H=H, D=D, DV=DV):
     def t(*shape, mag=1.0):
         return (mag * torch.randn(*shape, dtype=dtype)).requires_grad_()
-    q, k, v = t(B, H, nq, D, mag=mag), t(B, H, nk, D, mag=mag), t(B, H, nk, DV)
+    q, k, v = qkv(B, H, nq, nk, D, DV, dtype=dtype)
+    q, k, v = (mag * q).requires_grad_(), (mag * k).requires_grad_(), v.requires_grad_()
     tk, tv = (t(B, H, n_templates, D, mag=mag), t(B, H, n_templates, DV)) if n_templates else (None, None)
     log_u = t(B, H, nk) if with_log_u else None
     return q, k, v, tk, tv, log_u
@@ -518,16 +519,16 @@ def test_otvit_needs_no_backend_override(one_thread, batch, embed_dim, num_heads
 
 # --- every broadcastable mask shape, with extra templates (issue 12: an (Nq, 1) mask used to raise) ----
 
-MASK_SHAPES = {"Nk": lambda nq, nk: (nk,), "Nq,1": lambda nq, nk: (nq, 1), "Nq,Nk": lambda nq, nk: (nq, nk),
-               "B,1,1,Nk": lambda nq, nk: (B, 1, 1, nk), "B,H,Nq,Nk": lambda nq, nk: (B, H, nq, nk)}
+MASK_SHAPES = list(broadcast_shapes(B, H, 1, 1))  # Nk, "Nq,1", ...: common.broadcast_shapes(B, H, nq, nk)[name]
 
 
 def _broadcast_mask(shape, kind, dtype):
+    # drawn as rand > p, like _mask's bool kinds: the GPU run checked these masks
     gen = torch.Generator().manual_seed(sum(shape))
     keep = torch.rand(shape, generator=gen) > 0.35
     if kind == "bool":
         return keep
-    return (0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)).masked_fill(~keep, -math.inf).to(dtype)
+    return float_mask(shape, scale=0.5, generator=gen, dtype=torch.float64).masked_fill(~keep, -math.inf).to(dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -540,7 +541,7 @@ def test_every_broadcastable_mask_shape_with_templates(backend, kind, shape):
     dtype, tol = (torch.float64, 1e-9) if backend == "cpu" else (torch.float32, 2e-5)
     torch.manual_seed(7)
     leaves = _inputs(nq, nk, n_templates, True, dtype)
-    mask = _broadcast_mask(MASK_SHAPES[shape](nq, nk), kind, dtype)
+    mask = _broadcast_mask(broadcast_shapes(B, H, nq, nk)[shape], kind, dtype)
     wide = [x.detach().double().requires_grad_() for x in leaves]
     want = AF.ot(*wide[:3], attn_mask=mask if kind == "bool" else mask.double(), scale=0.7, alpha=1.3,
                  log_u=wide[5], templates_k=wide[3], templates_v=wide[4], backend="reference")
@@ -638,7 +639,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@needs_triton
 def test_kernels_build_for_sm90_under_bf16_autocast():
     """The captured OT launches of an unmasked forward + backward under CPU bf16 autocast (what CUDA
     autocast hands the kernels) compile for sm_90 without a GPU: the kernels build their accumulators

@@ -14,6 +14,7 @@ from attnzoo.models import OTBlock, OTViT, ViT, build_model, count_parameters
 from attnzoo.train.config import load_config
 from attnzoo.train.datasets import dataset_info
 from attnzoo.train.loop import model_from_config
+from tests.common import needs_cuda
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -178,7 +179,7 @@ def test_otvit_compiles_fullgraph_with_partner_templates(masked, template_grad):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("compile_model", [False, True])
 def test_otvit_trains_under_bf16_autocast_on_gpu(compile_model):
     """An OT-ViT training step on CUDA (the OT layer on auto = triton) under bf16 autocast, eager and

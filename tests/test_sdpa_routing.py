@@ -17,12 +17,12 @@ from attnzoo.ops.fenchel.kernels import fenchel_torch
 from attnzoo.ops.kernels.sdpa import split_coordinate
 from attnzoo.ops.l2.kernels import l2_torch
 from tests import formulas as Fm
+from tests.common import qkv, seeded
 
 
 def _inputs(B, H, nq, nk, D, dtype, seed=0, spread=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (spread * torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (nq, nk, nk))
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    qkv64 = qkv(B, H, nq, nk, D, dtype=torch.float64, generator=seeded(seed))
+    return [(spread * t).to(dtype).requires_grad_() for t in qkv64]
 
 
 def _grads(out, inputs, seed=1):

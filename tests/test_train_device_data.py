@@ -14,6 +14,7 @@ from attnzoo.train.data import augmentation, build_loaders, load_splits, normali
 from attnzoo.train.datasets import dataset_info
 from attnzoo.train.device_data import DeviceTrainData
 from attnzoo.train.samplers import SameClassPartnerSampler, shard_order
+from tests.common import needs_cuda
 
 from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
@@ -200,7 +201,7 @@ def test_device_partners_equal_the_scalar_sampler_and_share_the_class():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("model,dataset,data,world", PIPELINE_CASES[1:3])
 def test_cuda_pipeline_gives_the_cpu_batches(tmp_path, model, dataset, data, world):
     cfg = tiny_config(tmp_path, model=model, dataset=dataset, data={"synthetic_train_size": 300, **data},

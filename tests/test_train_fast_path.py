@@ -14,10 +14,11 @@ from attnzoo.train import loop, train
 from attnzoo.train.data import load_splits
 from attnzoo.train.throughput import images_per_second
 
+from tests.common import needs_cuda
+
 from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 QUIET = dict(log=lambda *a, **k: None)
 
 

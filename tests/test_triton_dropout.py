@@ -22,14 +22,10 @@ import attnzoo.functional as AF
 from attnzoo.ops.fenchel.t5 import t5_bias_attention
 from attnzoo.ops.kernels.flash_softmax import triton as fused
 from attnzoo.ops.triton_dropout import draw_seed, dropout_keep_mask
-from attnzoo.ops.triton_utils import INTERPRETED
+from tests.common import INTERPRET, bool_mask, leaves, needs_gpu, needs_interpreter, needs_kernels, padding_mask, qkv
 from tests.flash_rule import assert_flash_rule, max_error
-from tests.kernel_devices import leaves
-from tests.test_triton_softmax_family import t5_bucket
+from tests.formulas import t5_bucket
 
-NEEDS_KERNELS = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 set before import")
-NEEDS_CUDA = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(),
-                                reason="needs a CUDA device and TRITON_INTERPRET unset")
 NUM_BUCKETS, MAX_DISTANCE = 8, 20
 SEED = 1234
 
@@ -76,17 +72,12 @@ CASES = [
 
 def make_inputs(case: Case, device, dtype):
     B, H, nq, nk = case.b, case.h, case.nq, case.nk
-    t = {"q": torch.randn(B, H, nq, case.d), "k": torch.randn(B, H, nk, case.d),
-         "v": torch.randn(B, H, nk, case.d), "mask": None}
-    if case.mask == "padding":
-        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-        m[0, ..., nk - 4:] = False
-        m[-1, ..., nk // 2:] = False
-        t["mask"] = m
-    elif case.mask == "bool":
-        m = torch.rand(B, 1, nq, nk) < 0.7
-        m[:, :, 3] = False  # row 3 has no key left: zeros, not NaN
-        t["mask"] = m
+    q, k, v = qkv(B, H, nq, nk, case.d)
+    t = {"q": q, "k": k, "v": v, "mask": None}
+    if case.mask == "padding":  # two batch elements (the padding cases have b=2)
+        t["mask"] = padding_mask([nk - 4, nk // 2], nk)
+    elif case.mask == "bool":  # row 3 has no key left: zeros, not NaN
+        t["mask"] = bool_mask((B, 1, nq, nk), 0.7, empty_rows=[(slice(None), slice(None), 3)])
     if case.kind == "fenchel":
         pref = torch.randn(1, H, 1, nk)
         pref[..., 5] = -math.inf  # a key removed by its preference
@@ -201,13 +192,13 @@ def check_case(case: Case, device, dtype):
     assert max_error(out, undropped) > 10 * max_error(out, ref)
 
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_forward_and_gradients_match_formula(case):
     check_case(case, "cpu", torch.float32)
 
 
-@NEEDS_CUDA
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_forward_and_gradients_match_formula_cuda(case, dtype):
@@ -216,7 +207,7 @@ def test_forward_and_gradients_match_formula_cuda(case, dtype):
 
 # --- the mask itself -------------------------------------------------------------------------------
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_dropped_fraction_is_binomial(p):
     shape = (2, 3, 37, 53)  # 11766 draws, tiles cut by both lengths
@@ -230,7 +221,7 @@ def test_dropped_fraction_is_binomial(p):
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
 
 
-@NEEDS_KERNELS
+@needs_interpreter
 def test_mask_helper_takes_int_or_tensor_seed():
     a = dropout_keep_mask(42, 0.3, (1, 2, 5, 7), device="cpu")
     b = dropout_keep_mask(torch.tensor([42]), 0.3, (1, 2, 5, 7))
@@ -240,7 +231,7 @@ def test_mask_helper_takes_int_or_tensor_seed():
 
 # --- seeds, p = 0, dispatch -------------------------------------------------------------------------
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("kind", ["softmax", "relu"])
 def test_same_seed_same_output_other_seed_other_output(kind):
     case = Case(kind, kind, nq=9, nk=11)
@@ -252,7 +243,7 @@ def test_same_seed_same_output_other_seed_other_output(kind):
     assert max_error(a, c) > 1e-3
 
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
 def test_dropout_p_zero_is_the_plain_path(kind):
     """dropout_p=0 draws no random number and launches exactly the op without dropout arguments."""
@@ -269,7 +260,7 @@ def test_dropout_p_zero_is_the_plain_path(kind):
     assert torch.equal(out, plain)
 
 
-@NEEDS_KERNELS
+@needs_interpreter
 def test_explain_and_named_backend_run_the_kernel_with_dropout():
     q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
     for variant in ("softmax", "l2", "fenchel", "sigmoid", "relu"):
@@ -294,7 +285,7 @@ def test_bad_dropout_p_is_named(call, exc):
 
 # --- layers and torch.compile -----------------------------------------------------------------------
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("name,kw", [("softmax", {}), ("sigmoid", {"learnable_bias": True}),
                                      ("fenchel", {"preference": "t5", "num_buckets": 8, "max_distance": 16})])
 def test_layer_drops_in_training_only(name, kw):
@@ -318,13 +309,13 @@ def test_layer_drops_in_training_only(name, kw):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.skipif(not (INTERPRETED or torch.cuda.is_available()), reason="needs the kernels")
+@needs_kernels
 def test_compile_traces_dropout_without_graph_break():
     """The seed is a tensor drawn inside the graph (no .item()), so dynamo traces the whole call.
     On CUDA, aot_eager runs the graph's randint on the default generator: the compiled call draws the
     same seed as eager and must give the same output and gradients. (Under the interpreter the ops
     skip the launch on fake tensors, so a compiled graph cannot run there: only tracing is checked.)"""
-    device = "cpu" if INTERPRETED else "cuda"
+    device = "cpu" if INTERPRET else "cuda"
     q, k, v = (torch.randn(1, 2, 9, 16, device=device, requires_grad=True) for _ in range(3))
 
     def f(q, k, v):
@@ -334,7 +325,7 @@ def test_compile_traces_dropout_without_graph_break():
     torch._dynamo.reset()
     report = torch._dynamo.explain(f)(q, k, v)
     assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
-    if INTERPRETED:
+    if INTERPRET:
         return
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     torch.manual_seed(5)
@@ -347,7 +338,7 @@ def test_compile_traces_dropout_without_graph_break():
     assert all(max_error(a, b) < 1e-5 for a, b in zip(g_got, g_want))
 
 
-@NEEDS_KERNELS
+@needs_interpreter
 @pytest.mark.parametrize("op", ["softmax_family_fwd", "pointwise_fwd"])
 def test_ops_with_dropout_pass_opcheck(op):
     q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (3, 5, 5))

@@ -18,17 +18,12 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops import triton_tuning as tuning
-from attnzoo.ops.triton_utils import HAVE_TRITON, INTERPRETED
+from tests.common import needs_gpu, qkv
 from tests.flash_rule import assert_flash_rule, max_error
 
-from . import test_triton_pointwise as pointwise_tests
-from . import test_triton_softmax_family as softmax_tests
+from tests import pointwise_cases, softmax_family_cases
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available() and not INTERPRETED),
-                       reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels"),
-]
+pytestmark = [pytest.mark.gpu, needs_gpu]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -39,9 +34,10 @@ def default_tiles(monkeypatch):
 
 
 def _leaves(shape_q, shape_kv, dtype, seed=0):
+    """q of shape_q, k and v of shape_kv (the same batch, heads and head dim), drawn in fp32 on the GPU."""
+    (b, h, nq, d), nk = shape_q, shape_kv[2]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda shape: torch.randn(*shape, device="cuda", generator=gen).to(dtype).requires_grad_(True)
-    return make(shape_q), make(shape_kv), make(shape_kv)
+    return tuple(t.to(dtype).requires_grad_(True) for t in qkv(b, h, nq, nk, d, generator=gen, device="cuda"))
 
 
 def _check_against_float64(label, fn, q, k, v, **kw):
@@ -61,15 +57,15 @@ def _check_against_float64(label, fn, q, k, v, **kw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", softmax_tests.CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", softmax_family_cases.CASES, ids=lambda c: c.name)
 def test_softmax_family_on_gpu(case, dtype):
-    softmax_tests.check_case(case, device="cuda", dtype=dtype)
+    softmax_family_cases.check_case(case, device="cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", pointwise_tests.CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", pointwise_cases.CASES, ids=lambda c: c.name)
 def test_pointwise_on_gpu(case, dtype):
-    pointwise_tests.check_case(case, device="cuda", dtype=dtype)
+    pointwise_cases.check_case(case, device="cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -180,12 +176,12 @@ def test_sigmoid_evaluations_on_the_device():
     """exp2 + Newton: relative error < 3e-5 everywhere (as under the interpreter). Hardware tanh:
     0.5 tanh(x/2) + 0.5 with tanh's max relative error 2^-10.987 (PTX ISA) gives an absolute error
     below 2.5e-4; its relative error for small sigmoid values is reported, not bounded."""
-    x = pointwise_tests.SIGMOID_POINTS.float().cuda()
+    x = pointwise_cases.SIGMOID_POINTS.float().cuda()
     want = torch.sigmoid(x.double())
-    exp2 = pointwise_tests.run_sigmoid(x, 2).double()
+    exp2 = pointwise_cases.run_sigmoid(x, 2).double()
     rel = ((exp2 - want).abs() / want.clamp_min(1e-300))[want > 1e-37]
     assert exp2[0] == 0 and float(rel.max()) <= 3e-5, float(rel.max())
-    tanh = pointwise_tests.run_sigmoid(x, 1).double()
+    tanh = pointwise_cases.run_sigmoid(x, 1).double()
     assert tanh[0] == 0 and float((tanh - want).abs().max()) <= 2.5e-4, float((tanh - want).abs().max())
     small = want < 1e-2
     print(f"hardware-tanh sigmoid: max abs error {float((tanh - want).abs().max()):.3g}, max relative error "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from attnzoo.ops.triton_utils import HAVE_TRITON
+from tests.common import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 S, P, SK = "attnzoo.ops.kernels.flash_softmax.triton_kernels", "attnzoo.ops.kernels.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
@@ -63,14 +63,14 @@ def inductor_writes():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@needs_triton
 def test_probe_launches_exactly_the_listed_kernels(inductor_writes):
     unlisted = sorted(set(inductor_writes) - set(OUTPUTS))
     missing = sorted(set(OUTPUTS) - set(inductor_writes))
     assert not unlisted and not missing, f"kernels launched but not listed: {unlisted}; listed, not launched: {missing}"
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("kernel", sorted(OUTPUTS), ids=lambda k: k.replace("attnzoo.ops.", ""))
 def test_kernel_is_seen_writing_only_its_outputs(inductor_writes, kernel):
     """Autotuned kernels included: the analysis reads the IR of their first configuration."""

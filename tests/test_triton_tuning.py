@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from attnzoo.ops import triton_tuning as tuning
-from attnzoo.ops.triton_utils import HAVE_TRITON
+from tests.common import needs_triton
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+pytestmark = needs_triton
 TABLES = {
     "forward": (tuning.FORWARD, tuning.FORWARD_DROPOUT),
     "keys_backward": (tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT),
