@@ -53,13 +53,13 @@ def _run(model, x):
     return out, grads
 
 
-def _compiled_matches_eager(layers, backend):
+def _compiled_matches_eager(layers, backend, fullgraph=False):
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = Zoo(layers)
     x = torch.randn(2, 7, DIM)
     want, want_grads = _run(model, x)
-    got, got_grads = _run(torch.compile(model, backend=backend, dynamic=False), x)
+    got, got_grads = _run(torch.compile(model, backend=backend, dynamic=False, fullgraph=fullgraph), x)
     for i, name in enumerate(model.names):
         torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     for (pname, _), a, b in zip(model.named_parameters(), got_grads, want_grads):
@@ -111,9 +111,10 @@ def test_autocast_bf16_no_nan(name, kw):
         assert torch.isfinite(g).all()
 
 
-# The Triton backends under the interpreter: an interpreted launch cannot be traced, so these ops are
-# opaque there (ops/triton_utils.kernel_op, eager_under_interpreter). Before that, a compiled graph
-# silently returned uninitialised memory. On a GPU, tests/test_triton_gpu.py compiles them for real.
+# The Triton backends under the interpreter: an interpreted launch cannot be traced, so their ops are
+# opaque there (ops/triton_utils.kernel_op; a traced launch-free op would return uninitialised memory),
+# and every layer still traces as one graph (fullgraph=True). On a GPU, tests/test_triton_gpu.py
+# compiles them for real.
 TRITON_LAYERS = [("softmax", {"backend": "triton"}), ("l2", {"backend": "triton"}),
                  ("fenchel", {"backend": "triton", "preference": "t5", "num_buckets": 8, "max_distance": 16}),
                  ("sigmoid", {"backend": "triton", "learnable_bias": True}), ("relu", {"backend": "triton"}),
@@ -125,4 +126,4 @@ TRITON_LAYERS = [("softmax", {"backend": "triton"}), ("l2", {"backend": "triton"
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (make test sets it)")
 def test_triton_backends_compile_and_match_eager_under_the_interpreter():
-    _compiled_matches_eager(TRITON_LAYERS, "aot_eager")
+    _compiled_matches_eager(TRITON_LAYERS, "aot_eager", fullgraph=True)

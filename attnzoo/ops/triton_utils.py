@@ -77,7 +77,10 @@ def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
 
 
 def kernel_op(name: str, *, mutates_args=()):
-    """Register a function that launches Triton kernels as a torch custom op.
+    """Register a function that launches Triton kernels as a torch custom op: the one way a kernel
+    becomes an op torch.compile can hold (every family's forward and backward; the autograd link is
+    the op's ``register_autograd``), so every layer traces as one graph on a GPU and under the
+    interpreter alike.
 
     On a GPU it is a ``torch.library.triton_op``: torch.compile traces through it and records each
     ``wrap_triton`` launch in the graph. Under the interpreter the launches are plain Python that a
@@ -112,14 +115,6 @@ def launcher(kernel):
         return kernel
     from torch.library import wrap_triton
     return wrap_triton(kernel)
-
-
-def eager_under_interpreter(fn):
-    """For entry points that launch Triton kernels from a torch.autograd.Function (Sinkhorn, linear,
-    OT): under the interpreter dynamo cannot trace an interpreted launch, so torch.compile runs the
-    function eagerly (a graph break; an error under fullgraph=True) instead of failing inside dynamo.
-    On a GPU it is returned unchanged and dynamo traces the launches."""
-    return torch.compiler.disable(fn, recursive=True) if INTERPRETED else fn
 
 
 def tracing_only(t: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ chunk_kernels.py), priority 20, auto on CUDA only.
 from __future__ import annotations
 
 from ..dispatch import all_of, register_backend
-from ..triton_utils import eager_under_interpreter, register_triton
+from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused
@@ -25,7 +25,7 @@ def _triton_device(q, k, v, **kw):
 
 register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear_fused, priority=10,
                  description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
-register_triton("linear", eager_under_interpreter(linear_attention_triton),
+register_triton("linear", linear_attention_triton,
                 all_of(_triton_device, supports_linear_fused, dtype_reason),
                 description="Triton causal linear attention, chunked parallel form (tensor-core chunks, fp32 "
                             "state scan), forward and backward")

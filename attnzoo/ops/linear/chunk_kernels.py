@@ -25,17 +25,15 @@ never from a pointer's element type (bf16 pointers under autocast must not make 
 """
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    HAVE_TRITON = False
+from ..triton_utils import HAVE_TRITON
 
 FEATURE_NONE, FEATURE_ELU, FEATURE_RELU = 0, 1, 2
 MODE_PLAIN, MODE_COUNT, MODE_NORMALISED = 0, 1, 2
 
 if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
     from ..triton_utils import mm
 
     @triton.jit

@@ -9,6 +9,10 @@ sums) and the identity map's 1/n_i are fused into the kernels, so the unmasked s
 reads q, k, v once and writes out: no fp32 copies of the inputs, no (N, D, Dv) prefix sums.
 The backward recomputes the states (memory: one (N/C, D, Dv) state buffer, never two at a time in
 the forward) and runs a reverse scan for the state gradients, then parallel dv and dq/dk kernels.
+Forward and backward are the torch custom ops ``attnzoo::linear_causal_fwd`` / ``_bwd``
+(triton_utils.kernel_op, tied by register_autograd, like the softmax family): on a GPU torch.compile
+records their launches in its graph, under the interpreter they are opaque ops; either way a layer
+traces as one graph.
 
 Host-side (plain autograd, O(N D) work) are the rarer forms of ``reference.py``:
 - a key mask: phi(scale q) and exp(mask_j) keep_j phi(k_j) are computed here and handed to the kernels
@@ -20,13 +24,16 @@ Non-causal calls are two matmuls (factorised.py): there is nothing a kernel woul
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from . import chunk_kernels as ck
 from .factorised import _causal_count, _key_weights, linear_attention_factorised
 from .reference import EPS, feature_map_fn
-from ..triton_utils import HAVE_TRITON, INTERPRETED, device_reason, dot_precision
+from ..triton_utils import (HAVE_TRITON, INTERPRETED, device_reason, dot_precision, kernel_op, launcher,
+                            tracing_only)
 
 if HAVE_TRITON:
     import triton
@@ -124,20 +131,27 @@ def _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags):
     zs = torch.empty(B * H, n_chunks, D if normalised else 0, dtype=acc, device=k.device)
     dummy = k.new_empty(0, dtype=acc)
     grid = (B * H * triton.cdiv(D, c["BK"]) * triton.cdiv(DV, c["BV"]),)
-    ck._states_kernel[grid](k, v, dummy if s0 is None else s0, dummy if z0 is None else z0, hs, zs,
-                            N, D, DV, H, scale, prefix_rows, *_bhn(k), *_bhn(v), FEATURE=feature, NORMALISED=normalised,
-                            HAS_S0=s0 is not None, MEAN_STATE=k.dtype in MEAN_STATE_DTYPES, **flags, **c)
+    launcher(ck._states_kernel)[grid](k, v, dummy if s0 is None else s0, dummy if z0 is None else z0, hs, zs,
+                                      N, D, DV, H, scale, prefix_rows, *_bhn(k), *_bhn(v), FEATURE=feature,
+                                      NORMALISED=normalised, HAS_S0=s0 is not None,
+                                      MEAN_STATE=k.dtype in MEAN_STATE_DTYPES, **flags, **c)
     return hs, zs
 
 
-class _ChunkedCausalLinear(torch.autograd.Function):
-    """out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels) for q, k, v of
-    shape (B, H, N, .) with unit column stride; s0 (B, H, D, Dv) and z0 (B, H, D) in the accumulator
-    dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6; prefix_rows the
-    keys summed in s0."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, s0, z0, eps_bh, prefix_rows, scale, feature, mode, count_offset):
+# The chunked form as two torch custom ops (triton_utils.kernel_op: ``triton_op``s whose launches
+# torch.compile records on a GPU, opaque ops under the interpreter) tied by register_autograd. Both
+# take q, k, v of shape (B, H, N, .) with unit column stride; s0 (B, H, D, Dv) and z0 (B, H, D) in the
+# accumulator dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6;
+# prefix_rows the keys summed in s0. ``scale`` reaches the kernels as a Python float, which inductor
+# types fp64: the kernels cast it to their accumulator dtype (chunk_kernels._scalar).
+if HAVE_TRITON:
+    @kernel_op("attnzoo::linear_causal_fwd", mutates_args=())
+    def linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor], z0: Optional[Tensor],
+                          eps_bh: Optional[Tensor], prefix_rows: int, scale: float, feature: int, mode: int,
+                          count_offset: int) -> tuple[Tensor, Tensor]:
+        """(out (B, H, N, Dv) in q's dtype, rden (B * H, N) accumulator dtype: the normaliser's r_i,
+        kept for the backward; (B * H, 0) unless mode is MODE_NORMALISED), with
+        out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels)."""
         B, H, N, D = q.shape
         DV = v.shape[-1]
         cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
@@ -145,58 +159,76 @@ class _ChunkedCausalLinear(torch.autograd.Function):
         acc = torch.float64 if flags["FP64"] else torch.float32
         out = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
         rden = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
+        if tracing_only(q):
+            return out, rden
         with torch.cuda.device(_device_index(q)):   # launch on q's GPU, not the current one
             hs, zs = _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags)
             c = cfg["output"]
             grid = (B * H * triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]))
-            ck._output_kernel[grid](q, k, v, hs, zs, out, rden, rden if eps_bh is None else eps_bh, N, D, DV, H,
-                                    scale, count_offset, prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature,
-                                    MODE=mode, EPS_PER_HEAD=eps_bh is not None, MEAN_STATE=q.dtype in MEAN_STATE_DTYPES,
-                                    **flags, **c)
-        ctx.save_for_backward(q, k, v, out, rden, s0, z0)
-        ctx.args = (prefix_rows, scale, feature, mode, count_offset)
-        return out
+            launcher(ck._output_kernel)[grid](q, k, v, hs, zs, out, rden, rden if eps_bh is None else eps_bh, N, D,
+                                              DV, H, scale, count_offset, prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v),
+                                              FEATURE=feature, MODE=mode, EPS_PER_HEAD=eps_bh is not None,
+                                              MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, **flags, **c)
+        return out, rden
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, rden, s0, z0 = ctx.saved_tensors
-        prefix_rows, scale, feature, mode, count_offset = ctx.args
+    @kernel_op("attnzoo::linear_causal_bwd", mutates_args=())
+    def linear_causal_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, rden: Tensor,
+                          s0: Optional[Tensor], z0: Optional[Tensor], prefix_rows: int, scale: float, feature: int,
+                          mode: int, count_offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, ds0, dz0) for ``do`` in q's dtype with unit column stride; ds0 / dz0 are empty
+        when s0 / z0 are None. The states are recomputed, not saved by the forward."""
         B, H, N, D = q.shape
         DV = v.shape[-1]
         cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
         normalised = mode == ck.MODE_NORMALISED
         acc = torch.float64 if flags["FP64"] else torch.float32
-        do = dout.to(q.dtype).contiguous()
         dummy = q.new_empty(0, dtype=acc)
         dq = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
         dk = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
         dv = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
-        ds0 = None if s0 is None else torch.empty(B, H, D, DV, dtype=acc, device=q.device)
-        dz0 = None if z0 is None else torch.empty(B, H, D, dtype=acc, device=q.device)
+        ds0 = torch.empty((B, H, D, DV) if s0 is not None else (0,), dtype=acc, device=q.device)
+        dz0 = torch.empty((B, H, D) if z0 is not None else (0,), dtype=acc, device=q.device)
+        if tracing_only(q):
+            return dq, dk, dv, ds0, dz0
         with torch.cuda.device(_device_index(q)):
             hs, zs = _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags)
             cg = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
             if normalised:
                 c = cfg["grad"]
-                ck._normaliser_grad_kernel[(B * H, triton.cdiv(N, c["CHUNK"]))](do, out, rden, cg, N, DV,
-                                                                                FP64=flags["FP64"], **c)
+                launcher(ck._normaliser_grad_kernel)[(B * H, triton.cdiv(N, c["CHUNK"]))](
+                    do, out, rden, cg, N, DV, FP64=flags["FP64"], **c)
             dhs, dzs = torch.empty_like(hs), torch.empty_like(zs)
             c = cfg["reverse"]
             grid = (B * H * triton.cdiv(D, c["BK"]) * triton.cdiv(DV, c["BV"]),)
-            ck._reverse_states_kernel[grid](q, do, rden, cg, dhs, dzs, dummy if ds0 is None else ds0,
-                                            dummy if dz0 is None else dz0, N, D, DV, H, scale, count_offset,
-                                            *_bhn(q), FEATURE=feature, MODE=mode, HAS_S0=s0 is not None,
-                                            **flags, **c)
+            launcher(ck._reverse_states_kernel)[grid](q, do, rden, cg, dhs, dzs, ds0 if s0 is not None else dummy,
+                                                      dz0 if z0 is not None else dummy, N, D, DV, H, scale,
+                                                      count_offset, *_bhn(q), FEATURE=feature, MODE=mode,
+                                                      HAS_S0=s0 is not None, **flags, **c)
             c = cfg["dv"]
             grid = (B * H * triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]))
-            ck._dv_kernel[grid](q, k, do, dhs, rden, dv, N, D, DV, H, scale, count_offset, *_bhn(q), *_bhn(k),
-                                FEATURE=feature, MODE=mode, **flags, **c)
+            launcher(ck._dv_kernel)[grid](q, k, do, dhs, rden, dv, N, D, DV, H, scale, count_offset, *_bhn(q),
+                                          *_bhn(k), FEATURE=feature, MODE=mode, **flags, **c)
             c = cfg["dqk"]
             grid = (B * H * triton.cdiv(D, c["BK"]), triton.cdiv(N, c["CHUNK"]))
-            ck._dqk_kernel[grid](q, k, v, do, hs, zs, dhs, dzs, rden, cg, dq, dk, N, D, DV, H, scale, count_offset,
-                                 prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature, MODE=mode,
-                                 MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, **flags, **c)
-        return dq, dk, dv, ds0, dz0, None, None, None, None, None, None
+            launcher(ck._dqk_kernel)[grid](q, k, v, do, hs, zs, dhs, dzs, rden, cg, dq, dk, N, D, DV, H, scale,
+                                           count_offset, prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v), FEATURE=feature,
+                                           MODE=mode, MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, **flags, **c)
+        return dq, dk, dv, ds0, dz0
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, s0, z0, eps_bh, prefix_rows, scale, feature, mode, count_offset = inputs
+        out, rden = output
+        ctx.save_for_backward(q, k, v, out, rden, s0, z0)
+        ctx.args = (prefix_rows, scale, feature, mode, count_offset)
+
+    def _backward(ctx, dout, _drden):
+        q, k, v, out, rden, s0, z0 = ctx.saved_tensors
+        dq, dk, dv, ds0, dz0 = linear_causal_bwd(dout.to(q.dtype).contiguous(), q, k, v, out, rden, s0, z0,
+                                                 *ctx.args)
+        return (dq, dk, dv, ds0 if s0 is not None else None, dz0 if z0 is not None else None,
+                None, None, None, None, None, None)
+
+    linear_causal_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _causal(q, k, v, attn_mask, scale, feature_map):
@@ -237,8 +269,8 @@ def _causal(q, k, v, attn_mask, scale, feature_map):
     elif off < 0:                          # queries that see no key
         q_in = q_in[..., -off:, :]
     q_in, k_in, v = (_unit_columns(t) for t in (q_in, k_in, v))
-    out = _ChunkedCausalLinear.apply(q_in, k_in, v, s0, z0, eps_bh, max(off, 0), float(kscale), feature, mode,
-                                     1 + max(off, 0))
+    out, _ = linear_causal_fwd(q_in, k_in, v, s0, z0, eps_bh, max(off, 0), float(kscale), feature, mode,
+                               1 + max(off, 0))
     if shift is not None and not normalised:
         out = (out.to(acc) * torch.exp(shift)).to(q.dtype)
     if off < 0:

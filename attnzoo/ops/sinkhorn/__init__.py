@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 from ..dispatch import register_backend
-from ..triton_utils import HAVE_TRITON, eager_under_interpreter
+from ..triton_utils import HAVE_TRITON
 from ..variant import Variant, declare
 from . import cpu
 from .cost import FORMULA, sinkhorn_flops, sinkhorn_reference_bytes
@@ -70,12 +70,12 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
                  priority=1, auto_devices=(),
                  description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
 if HAVE_TRITON:
-    register_backend("sinkhorn", "triton", eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "unrolled")),
+    register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
                      _triton_supports, priority=20, auto_devices=("cuda",),
                      description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
-                     eager_under_interpreter(_backend(sinkhorn_triton.sinkhorn_attention, "implicit")),
+                     _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
                      _triton_supports, priority=2, auto_devices=(),
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
 

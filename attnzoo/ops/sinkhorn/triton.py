@@ -344,6 +344,10 @@ def sinkhorn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[T
     return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled")
 
 
+# Not a kernel_op: the implicit adjoint sums its Neumann series until the term's norm falls below a
+# tolerance (streaming._adjoint_implicit), a branch on tensor values. A triton_op is traced with fake
+# tensors on a GPU, which cannot decide that branch, so this stays an opaque custom op on every device:
+# torch.compile calls it as one node (no graph break) and it launches its kernels eagerly.
 @torch.library.custom_op("attnzoo::sinkhorn_bwd_implicit", mutates_args=())
 def sinkhorn_bwd_implicit(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                           lse: Tensor, F: Tensor, G: Tensor, scale: float, eps: float,
