@@ -10,8 +10,6 @@ fp16 (FlashAttention's tolerance rule, tests/flash_rule.py), plus larger shapes 
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -19,10 +17,10 @@ import attnzoo.functional as AF
 from attnzoo.ops.linear import cpu as lin_cpu
 
 from . import formulas as FM
+from tests.common import (INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, float_mask, needs_gpu, needs_kernels,
+                          qkv)
 from tests.flash_rule import assert_flash_rule
 from tests.memory_probe import LargestOutput
-
-from tests.kernel_devices import INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, needs_gpu, needs_kernels
 
 # (feature_map, is_causal, nq, nk, mask kind): odd lengths that do not fill the last chunk,
 # self and cross attention with Nq < Nk and Nq > Nk (bottom-right causal), key masks.
@@ -41,20 +39,19 @@ TRITON_CASES = [
 
 
 def _mask(kind, B, nk):
+    # its own draw (rand > 0.3, key 0 always kept), not common.bool_mask's (rand < keep): the seeded cases
+    # keep the masks their tolerances are checked on
     if kind == "bool":
         m = torch.rand(B, 1, 1, nk) > 0.3
         m[..., 0] = True
         return m
     if kind == "float":
-        return (0.5 * torch.randn(nk, dtype=torch.float64)).masked_fill(torch.rand(nk) < 0.3, -math.inf)
+        return float_mask((nk,), 0.3, scale=0.5, dtype=torch.float64)
     return None
 
 
 def _inputs(nq, nk, dtype, B=2, H=2, D=5, Dv=3):
-    q = torch.randn(B, H, nq, D, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, H, nk, D, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, H, nk, Dv, dtype=dtype, requires_grad=True)
-    return q, k, v
+    return tuple(t.requires_grad_() for t in qkv(B, H, nq, nk, D, Dv, dtype=dtype))
 
 
 def _expected(q, k, v, mask, causal, fm, scale):
@@ -157,10 +154,7 @@ FP64_CASES = [
 
 def _fp64_mask(kind, B, nk):
     if kind == "large":   # key 0 masked in batch 0: its first query sees no key
-        m = 300.0 + 2.0 * torch.randn(B, 1, 1, nk, dtype=torch.float64)
-        m = m.masked_fill(torch.rand(B, 1, 1, nk) < 0.3, -math.inf)
-        m[0, ..., 0] = -math.inf
-        return m
+        return 300.0 + float_mask((B, 1, 1, nk), 0.3, scale=2.0, dtype=torch.float64, empty_rows=[(0, ..., 0)])
     return _mask(kind, B, nk)
 
 
@@ -196,9 +190,8 @@ def test_triton_mean_states_match_formula_to_rounding(monkeypatch, fm, nq, nk):
 def test_triton_fp16_states_do_not_overflow_on_gpu():
     # v with a mean of 20 over 4096 keys: the summed state reaches ~1e5 > fp16's 65504; stored as means
     # (MEAN_STATE_DTYPES) it stays finite and the output matches the float64 formula
-    q, k = (torch.randn(1, 2, 4096, 64, device="cuda") for _ in range(2))
-    v = 20.0 + torch.randn(1, 2, 4096, 64, device="cuda")
-    q, k, v = (t.half().requires_grad_() for t in (q, k, v))
+    q, k, v = qkv(1, 2, 4096, 4096, 64, device="cuda")
+    q, k, v = (t.half().requires_grad_() for t in (q, k, v + 20.0))
     out = AF.linear(q, k, v, is_causal=True, scale=0.125, backend="triton")
     ref = _expected(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), None, True, "elu", 0.125)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-2, atol=1e-2)
@@ -278,8 +271,7 @@ def test_triton_under_autocast_on_gpu():
 @pytest.mark.parametrize("fm", ["elu", "identity"])
 def test_triton_compiles_fullgraph_on_gpu(fm):
     from attnzoo.ops.linear.triton import linear_attention_triton
-    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 300, 300, 64, dtype=torch.bfloat16, device="cuda"))
 
     def run(a, b, c):
         return linear_attention_triton(a, b, c, is_causal=True, feature_map=fm)
@@ -343,7 +335,7 @@ def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
 
 def test_cpu_causal_never_builds_prefix_sums_or_n_by_n():
     n, d = 512, 16
-    q, k, v = (torch.randn(1, 1, n, d, requires_grad=True) for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, n, n, d))
     with LargestOutput() as mode:
         out = AF.linear(q, k, v, is_causal=True, backend="cpu")
         out.sum().backward()
@@ -390,7 +382,7 @@ def test_triton_causal_never_builds_prefix_sums_or_n_by_n():
     # 8 chunks of 16 rows under the interpreter (2 of 64 on a GPU): the largest tensors are q-sized or
     # the (N / chunk, D, Dv) states, never (N, N) weights or (N, D, Dv) prefix sums
     n, d = 128, 16
-    q, k, v = (torch.randn(1, 1, n, d, device=KERNEL_DEVICE, requires_grad=True) for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, n, n, d, device=KERNEL_DEVICE))
     with _LargestFloatOutput() as mode:
         out = AF.linear(q, k, v, is_causal=True, backend="triton")
         out.sum().backward()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 
 import pytest
 import torch
@@ -17,12 +16,13 @@ import torch
 import attnzoo.functional as AF
 from attnzoo.ops import dispatch
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
+from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
+                          needs_kernels, needs_triton, padding_mask, qkv, seeded)
 from tests.memory_probe import LargestAllocation
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-try:
+if HAVE_TRITON:
     from attnzoo.ops.sinkhorn import triton as sk_triton
-except ImportError:  # pragma: no cover
+else:  # pragma: no cover
     sk_triton = None
 
 
@@ -74,6 +74,8 @@ def make_mask(kind, B, nq, nk, gen):
     """(attn_mask for the kernel, keep, bias) for the math above."""
     if kind is None:
         return None, None, None
+    # "bool" and "query" draw rand > 0.3, not common.bool_mask's rand < keep: the seeded cases keep the
+    # masks their tolerances are checked on
     if kind == "bool":  # random, with query 0 seeing no key (zero row) and key 1 seen by nobody
         keep = torch.rand(B, 1, nq, nk, generator=gen) > 0.3
         keep[:, :, 0, :] = False
@@ -83,14 +85,13 @@ def make_mask(kind, B, nq, nk, gen):
         keep = torch.rand(B, 1, nq, 1, generator=gen) > 0.3
         keep[:, :, 0] = False
         return keep, keep, None
-    if kind == "pad":  # key padding: the last 3 keys of batch 1 are padding
-        keep = torch.ones(B, 1, 1, nk, dtype=torch.bool)
-        keep[-1, ..., -3:] = False
+    if kind == "pad":  # key padding: the last 3 keys of the last batch element are padding
+        keep = padding_mask([nk] * (B - 1) + [nk - 3], nk)
         return keep, keep, None
     if kind == "float":  # finite biases plus -inf entries
-        bias = torch.randn(nq, nk, generator=gen)
-        keep = torch.rand(nq, nk, generator=gen) > 0.2
-        return bias.masked_fill(~keep, -math.inf), keep, torch.where(keep, bias, torch.zeros_like(bias))
+        mask = float_mask((nq, nk), 0.2, generator=gen)
+        keep = torch.isfinite(mask)
+        return mask, keep, torch.where(keep, mask, torch.zeros_like(mask))
     raise ValueError(kind)
 
 
@@ -135,11 +136,10 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfl
 
 
 def make_inputs(c, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     B, H = c["B"], c["H"]
-    q = torch.randn(B, H, c["nq"], c["D"], generator=gen) * c["big"]
-    k = torch.randn(B, H, c["nk"], c["D"], generator=gen) * c["big"]
-    v = torch.randn(B, H, c["nk"], c["DV"], generator=gen)
+    q, k, v = qkv(B, H, c["nq"], c["nk"], c["D"], c["DV"], generator=gen)
+    q, k = q * c["big"], k * c["big"]
     w = torch.randn(B, H, c["nq"], c["DV"], generator=gen, dtype=torch.float64)  # loss weights
     attn_mask, keep, bias = make_mask(c["mask"], B, c["nq"], c["nk"], gen)
     q, k, v = (t.to(c["dtype"]).requires_grad_() for t in (q, k, v))
@@ -196,14 +196,10 @@ def test_auto_on_cpu(nq, nk, causal, want):
     assert choice.backend.name == want, str(choice)
 
 
-needs_interpreter = pytest.mark.skipif(sk_triton is None or not (INTERPRET or torch.cuda.is_available()),
-                                       reason="Triton kernels need TRITON_INTERPRET=1 or a GPU")
-
-
-@needs_interpreter
+@needs_kernels
 @pytest.mark.parametrize("c", TRITON_CASES)
 def test_triton_matches_math(c):
-    device = "cpu" if INTERPRET else "cuda"
+    device = KERNEL_DEVICE
 
     def run(q, k, v, attn_mask=None, **kw):  # .to() is differentiable: the gradients reach the CPU leaves
         out = AF.sinkhorn(q.to(device), k.to(device), v.to(device),
@@ -216,14 +212,13 @@ def test_triton_matches_math(c):
 # ---------------------------------------------------------------- properties
 def _plan_via_identity_values(run, nq, nk, n_iters, eps):
     """With v = I (one value per key) the output rows are the plan P itself."""
-    gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 1, nq, 4, generator=gen), torch.randn(1, 1, nk, 4, generator=gen)
+    q, k, _ = qkv(1, 1, nq, nk, 4, generator=seeded(1))
     v = torch.eye(nk)[None, None]
     return run(q, k, v, scale=0.5, n_iters=n_iters, eps=eps).double()
 
 
 MARGINAL_RUNS = [pytest.param(lambda *a, **kw: sk_cpu.sinkhorn_attention(*a, block_q=4, block_k=4, **kw), id="cpu")]
-if sk_triton is not None and INTERPRET:
+if INTERPRET:
     MARGINAL_RUNS.append(pytest.param(lambda *a, **kw: sk_triton.sinkhorn_attention(*a, **kw), id="triton"))
 
 
@@ -240,7 +235,7 @@ def test_rows_sum_to_one_columns_approach_nq_over_nk(run):
 
 
 IMPLICIT_RUNS = [pytest.param("cpu", (1, 30), 1.0, id="cpu")]
-if sk_triton is not None and INTERPRET:  # the interpreter is slow: converged case only (eps=2 converges fast)
+if INTERPRET:  # the interpreter is slow: converged case only (eps=2 converges fast)
     IMPLICIT_RUNS.append(pytest.param("triton", (8,), 2.0, id="triton"))
 
 
@@ -248,10 +243,10 @@ if sk_triton is not None and INTERPRET:  # the interpreter is slow: converged ca
 def test_implicit_gradient_approaches_unrolled_as_iterations_grow(engine, iters, eps):
     """grad_mode="implicit" differentiates the fixed point: it differs from the n_iters-unrolled
     gradient for few iterations and agrees with it once the forward has converged."""
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     dtype = torch.float64 if engine == "cpu" else torch.float32
     H = 2 if engine == "cpu" else 1
-    q, k, v = (torch.randn(1, H, n, 4, generator=gen, dtype=dtype) for n in (6, 8, 8))
+    q, k, v = qkv(1, H, 6, 8, 4, dtype=dtype, generator=gen)
     w = torch.randn(1, H, 6, 4, generator=gen, dtype=torch.float64)
     fn = sk_cpu.sinkhorn_attention if engine == "cpu" else sk_triton.sinkhorn_attention
     errs = []
@@ -268,16 +263,15 @@ def test_implicit_gradient_approaches_unrolled_as_iterations_grow(engine, iters,
     assert errs[-1] < (1e-8 if dtype == torch.float64 else 1e-4)
 
 
-@needs_interpreter
+@needs_kernels
 def test_triton_implicit_gradient_matches_the_float64_implicit_gradient():
     """grad_mode="implicit" away from the fixed point (n_iters = 3), several tiles, key padding: the
     Triton kernels (fp32) against the same implicit-function adjoint in float64 (CPU engine, whose
     implicit path test_implicit_gradient_approaches_unrolled checks against the formulas)."""
-    device = "cpu" if INTERPRET else "cuda"
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 1, n, 6, generator=gen, dtype=torch.float64) for n in (19, 23, 23))
-    keep = torch.ones(2, 1, 1, 23, dtype=torch.bool)
-    keep[-1, ..., -3:] = False
+    device = KERNEL_DEVICE
+    gen = seeded(3)
+    q, k, v = qkv(2, 1, 19, 23, 6, dtype=torch.float64, generator=gen)
+    keep = padding_mask([23, 20], 23)
     w = torch.randn(2, 1, 19, 6, generator=gen, dtype=torch.float64)
     grads = []
     runs = ((sk_cpu.sinkhorn_attention, torch.float64, "cpu"), (sk_triton.sinkhorn_attention, torch.float32, device))
@@ -292,10 +286,8 @@ def test_triton_implicit_gradient_matches_the_float64_implicit_gradient():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cpu_path_never_allocates_n_by_n(causal):
     B, H, N, D, block = (1, 2, 12, 4, 4) if causal else (1, 2, 48, 16, 16)
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(B, H, N, D, generator=gen).requires_grad_() for _ in range(3))
-    pad = torch.ones(B, 1, 1, N, dtype=torch.bool)
-    pad[..., -5:] = False
+    q, k, v = (t.requires_grad_() for t in qkv(B, H, N, N, D, generator=seeded(3)))
+    pad = padding_mask([N - 5] * B, N)
     inputs = B * H * N * D * 4
     with LargestAllocation() as probe:
         out = sk_cpu.sinkhorn_attention(q, k, v, attn_mask=None if causal else pad, is_causal=causal, scale=0.3,
@@ -316,7 +308,7 @@ def test_cpu_path_saves_o_n_for_backward(causal):
     B, H, D, n_iters = 1, 2, 4, 3
     sizes = {}
     for N in (12, 24):
-        q, k, v = (torch.randn(B, H, N, D).requires_grad_() for _ in range(3))
+        q, k, v = (t.requires_grad_() for t in qkv(B, H, N, N, D))
         storages = {}
 
         def pack(t):
@@ -334,7 +326,7 @@ def test_cpu_path_saves_o_n_for_backward(causal):
 
 EXTREME_RUNS = [pytest.param(sk_cpu.sinkhorn_attention, torch.float32, id="cpu-f32"),
                 pytest.param(sk_cpu.sinkhorn_attention, torch.bfloat16, id="cpu-bf16")]
-if sk_triton is not None and INTERPRET:
+if INTERPRET:
     EXTREME_RUNS += [pytest.param(sk_triton.sinkhorn_attention, torch.bfloat16, id="triton-bf16")]
 
 
@@ -343,8 +335,8 @@ if sk_triton is not None and INTERPRET:
 def test_eps_0_05_with_large_logits_stays_finite(fn, dtype, cost):
     """|L| in the thousands (exp would overflow outside the log domain), a fully masked row and a
     fully masked key: finite output and gradients, zero row where no key takes part, rows sum to 1."""
-    gen = torch.Generator().manual_seed(4)
-    q, k = (torch.randn(1, 2, n, 8, generator=gen).mul(6).to(dtype).requires_grad_() for n in (5, 7))
+    q, k, _ = qkv(1, 2, 5, 7, 8, generator=seeded(4))
+    q, k = (t.mul(6).to(dtype).requires_grad_() for t in (q, k))
     keep = torch.ones(1, 1, 5, 7, dtype=torch.bool)
     keep[..., 2, :] = False
     keep[..., :, 4] = False
@@ -358,14 +350,13 @@ def test_eps_0_05_with_large_logits_stays_finite(fn, dtype, cost):
     assert torch.allclose(rows, torch.ones_like(rows), atol=2e-2)
 
 
+@needs_triton
 def test_folded_adjoint_terms_equal_the_two_exponentials():
     """The dq/dk kernel forms C_ij dg_j + R_ij df_i (C = exp(L + f_i + GC_j), R = exp(L + f_i + GR_j))
     with one exponential, exp(L + f_i + max(GC, GR)_j) (U_j + RHO_j df_i): exact, and finite in
     float32 where one of C and R is astronomically small and the other's factor exp(GC - GR) would
     overflow (potentials hundreds apart, as after one iteration at eps = 0.05)."""
-    if sk_triton is None:
-        pytest.skip("triton is not installed")
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded(5)
     T, nq, nk = 2, 5, 7
     L = torch.randn(nq, nk, generator=gen, dtype=torch.float64) * 50
     GC, GR = (torch.randn(T, 1, nk, generator=gen, dtype=torch.float64) * 300 for _ in range(2))
@@ -385,8 +376,6 @@ def test_folded_adjoint_terms_equal_the_two_exponentials():
 # ---------------------------------------------------------------- compiled kernels on a GPU
 # FlashAttention's rule: error vs float64 <= 2x the eager reference's own error in the same dtype
 # (the reference computes half inputs in float32) plus a floor (tests/flash_rule.py).
-ON_GPU = sk_triton is not None and torch.cuda.is_available() and not INTERPRET
-needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels")
 GPU_SHAPES = {  # (B, H, Nq, Nk, D, Dv, cost, mask)
     "d64-odd": (2, 3, 333, 517, 64, 64, "l2", None),
     "d128-pad-dot": (1, 2, 300, 300, 128, 128, "dot", "pad"),
@@ -399,9 +388,8 @@ def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="c
     from attnzoo.ops.sinkhorn import reference
     from tests.flash_rule import assert_flash_rule
     B, H, nq, nk, D, DV, cost, mask_kind = shape
-    gen = torch.Generator().manual_seed(7)
-    q, k = (torch.randn(B, H, n, D, generator=gen) for n in (nq, nk))
-    v = torch.randn(B, H, nk, DV, generator=gen)
+    gen = seeded(7)
+    q, k, v = qkv(B, H, nq, nk, D, DV, generator=gen)
     mask, _, _ = make_mask(mask_kind, B, nq, nk, gen)
     mask = None if mask is None else mask.to(device)
     w = torch.randn(B, H, nq, DV, generator=gen).to(device)
@@ -422,8 +410,6 @@ def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="c
 @needs_interpreter
 def test_gpu_check_itself_runs_under_the_interpreter():
     """The GPU tests' comparison, on CPU tensors and a tiny shape (fp32: the interpreter computes in fp32)."""
-    if not INTERPRET:
-        pytest.skip("the GPU tests run this on the GPU")
     _gpu_check((1, 2, 19, 21, 20, 12, "l2", "query"), torch.float32, device="cpu")
 
 
@@ -448,8 +434,7 @@ def test_gpu_every_tile_candidate(shape, index):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_implicit_gradient_matches_unrolled_near_the_fixed_point():
-    gen = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(1, 2, 300, 64, generator=gen).cuda() for _ in range(3))
+    q, k, v = (t.cuda() for t in qkv(1, 2, 300, 300, 64, generator=seeded(8)))
     grads = []
     for mode in ("unrolled", "implicit"):
         leaves = [t.clone().requires_grad_() for t in (q, k)]
@@ -503,7 +488,7 @@ def test_named_backends_explain_what_they_cannot_do():
     with pytest.raises(ValueError, match="dropout"):
         AF.sinkhorn(q, q, q, dropout_p=0.5, backend="cpu")
     assert AF.sinkhorn(q, q, q, dropout_p=0.5).shape == (1, 1, 3, 4)  # auto falls back to the reference
-    if sk_triton is not None:
+    if HAVE_TRITON:
         with pytest.raises(ValueError, match="float64"):
             AF.sinkhorn(q.double(), q.double(), q.double(), backend="triton")
         wide_v = torch.randn(1, 1, 3, 320)  # past MAX_HEAD_DIM: would not fit sm_90's shared memory
