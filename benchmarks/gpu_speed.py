@@ -69,7 +69,7 @@ def parse(argv=None):
     p.add_argument("--correctness-dtypes", nargs="+", choices=("bfloat16", "float16", "float32"),
                    default=["bfloat16", "float16", "float32"])
     p.add_argument("--train-layers", nargs="*", default=None, help="layer specs for the train phase (default: all)")
-    p.add_argument("--paper-runs", nargs="*", default=None, help="run labels for the paper phase (default: all)")
+    p.add_argument("--paper-runs", nargs="*", default=None, help="run labels for the paper phase, '_' for ' ' (default: all)")
     p.add_argument("--from-results", nargs="+", type=Path, default=None, metavar="SPEED_JSON",
                    help="measure nothing: write the report, plot and ranking table of earlier runs' speed.json files "
                         "(their rows together; each row's ratios use the SDPA row of its own run and shape)")
@@ -161,6 +161,14 @@ class Run:
         return warm.warm(jobs, self.args.workers, self.deadline("warm"), self.log)
 
     def phase_speed(self):
+        from attnzoo.ops.kernels.pointwise import triton as pointwise
+        default_sigmoid = pointwise.FAST_SIGMOID  # a sigmoid case selects its evaluation; later phases get the default
+        try:
+            return self._speed_rows()
+        finally:
+            pointwise.FAST_SIGMOID = default_sigmoid
+
+    def _speed_rows(self):
         deadline = self.deadline("speed")
         measured = {}
         for case, shape in self.plan():
@@ -212,7 +220,15 @@ class Run:
 
     @property
     def paper_runs(self):
-        return self.args.paper_runs if self.args.paper_runs is not None else [r[0] for r in paper_speed.RUNS]
+        if self.args.paper_runs is None:
+            return [r[0] for r in paper_speed.RUNS]
+        # "otvit_compiled" names the run "otvit compiled" (labels survive a shell's word splitting)
+        runs = [label.replace("_", " ") for label in self.args.paper_runs]
+        known = [r[0] for r in paper_speed.RUNS]
+        unknown = [r for r in runs if r not in known]
+        if unknown:
+            raise SystemExit(f"--paper-runs: unknown runs {unknown}; known: {known}")
+        return runs
 
     def phase_correctness(self):
         return correctness.run(self.device, self.dtypes, self.deadline("correctness"), self.log)

@@ -144,6 +144,16 @@ def _key_bias_mask(shape, device, grad):
     return {"attn_mask": torch.randn(shape.batch, 1, 1, shape.n, generator=g).to(device, shape.dtype)}, []
 
 
+def _sigmoid_evaluation(name: str) -> Callable:
+    """Select how the pointwise kernels evaluate a half-precision sigmoid (FAST_SIGMOID, read at each
+    forward and backward launch) for the case built next; no extra arguments."""
+    def extra(shape, device, grad):
+        from attnzoo.ops.kernels.pointwise import triton as pointwise
+        pointwise.FAST_SIGMOID = name
+        return {}, []
+    return extra
+
+
 def _templates(shape, device, grad):
     g = torch.Generator(device="cpu").manual_seed(9)
     dims = (shape.batch, shape.heads, shape.n, shape.head_dim)
@@ -176,7 +186,9 @@ VARIANT_FLAVOURS = [
     ("softmax", "mask", "softmax", _key_bias_mask, 2, lambda s: s.n == 4096),
     ("l2", "plain", "l2", _none, 2, lambda s: True),
     ("fenchel", "log_u", "fenchel", _key_log_u, 2, lambda s: True),
-    ("sigmoid", "plain", "sigmoid", _none, 2, lambda s: True),
+    ("sigmoid", "plain", "sigmoid", _sigmoid_evaluation("exp2"), 2, lambda s: True),
+    # the hardware-tanh evaluation (FlashSigmoid's), opt-in: timed beside exp2 to decide the default
+    ("sigmoid", "tanh", "sigmoid", _sigmoid_evaluation("tanh"), 2, lambda s: s.n == 4096),
     ("relu", "plain", "relu", _none, 2, lambda s: True),
     # causal Sinkhorn is the prefix Sinkhorn: one solve per query prefix, O(N^3), not a kernel speed question
     ("sinkhorn", "plain", "sinkhorn", _none, 2, lambda s: not s.causal),
