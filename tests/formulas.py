@@ -1,4 +1,4 @@
-"""Float64 attention written straight from the formulas in issue 2 / the papers, deliberately
+"""Float64 attention written straight from the papers' formulas, deliberately
 without attnzoo's helpers (no log-domain tricks, explicit masks, loops where they are clearer),
 so the library is checked against something it did not compute itself."""
 from __future__ import annotations

@@ -4,8 +4,8 @@ Under torch.compile every Triton launch becomes a functional graph node, and ind
 of its tensor arguments the kernel mutates by reading the kernel's Triton IR
 (``torch._higher_order_ops.triton_kernel_wrap.identify_accessed_tensors``). When that analysis cannot
 follow a store or atomic address it marks inputs as written too: harmless for a scratch tensor,
-wrong-footing for a saved input of a backward or a parameter (the T5 table's atomics did exactly
-that before their addresses were made to come straight from loads).
+wrong-footing for a saved input of a backward or a parameter (so the T5 table's atomics take their
+addresses straight from loads).
 
 Run as ``python -m tests.mutation_probe`` with TRITON_INTERPRET unset (the analysis needs real
 ``JITFunction``s). No GPU is needed: Triton's IR is generated for an sm_90 target, launches are

@@ -1,4 +1,4 @@
-"""Issue 2's table: every variant x {self, cross} x {no mask, bool, float, padding, causal} x
+"""Every variant x {self, cross} x {no mask, bool, float, padding, causal} x
 {float32, float64}, against the float64 formulas in tests/formulas.py."""
 from __future__ import annotations
 

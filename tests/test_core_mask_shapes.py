@@ -28,8 +28,8 @@ B, H, NQ, NK, D, DV = 2, 2, 5, 7, 4, 3
 
 SHAPES = {name.replace(",", ""): shape for name, shape in broadcast_shapes(B, H, NQ, NK).items()}  # Nq1, B11Nk, ...
 KINDS = ("bool", "float", "float_inf")  # bool; float without -inf; float with -inf entries
-# the Triton backends under the interpreter take ~0.3-1.5 s a case: the 1-D mask and the (Nq, 1) case
-# of the issue with both kinds of key removal (their own tests cover the 2-D and 4-D shapes)
+# the Triton backends under the interpreter take ~0.3-1.5 s a case: the 1-D mask and the (Nq, 1) mask
+# (a whole row kept or not) with both kinds of key removal (their own tests cover the 2-D and 4-D shapes)
 TRITON_CASES = [("Nk", "bool"), ("Nq1", "bool"), ("Nq1", "float_inf")]
 
 
@@ -149,7 +149,7 @@ def test_mask_shapes_match_the_formula(variant, backend, shape, kind):
 
 def test_key_broadcast_mask_counts_every_kept_key_blockwise(monkeypatch):
     """The blockwise ('cpu') path counts n_i block by block: a float (Nq, 1) mask without -inf keeps
-    all Nk keys of every row, not one per key block (issue 12: relu off by 149 at N = 2048)."""
+    all Nk keys of every row, not one per key block."""
     from attnzoo.ops.kernels import blockwise
     monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_K", 4)  # 7 keys: blocks of 4 and 3
     g = torch.Generator().manual_seed(0)
@@ -275,7 +275,7 @@ def test_no_batch_or_no_head_gives_an_empty_output(variant, backend, dims):
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 @pytest.mark.parametrize("backend,mask_shape", [("reference", (NQ, NK)), ("reference", (NK,)), ("cpu", (NK,))])
 def test_linear_large_finite_float_mask_does_not_overflow(feature_map, backend, mask_shape):
-    """A float mask is a log-weight exp(m_ij): m = +100 overflows float32's exp (issue 12 saw NaN).
+    """A float mask is a log-weight exp(m_ij): m = +100 overflows float32's exp (inf / inf = NaN).
     Weights are taken relative to the row's largest m, which the normalisation cancels exactly."""
     g = seeded(2)
     q, k, v = random_qkv(1, 2, NQ, NK, D, DV, dtype=torch.float64, generator=g)

@@ -1,4 +1,4 @@
-"""Properties from issue 2 that hold whatever the implementation: gradients, equivariance, causal
+"""Properties of the papers' formulas that hold whatever the implementation: gradients, equivariance, causal
 prefixes, masking = removal, Sinkhorn marginals, and the Fenchel-dual special cases."""
 from __future__ import annotations
 

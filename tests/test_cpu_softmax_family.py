@@ -91,7 +91,7 @@ _BY_ID = {c["id"]: c for c in CASES}
 B, H = 2, 3
 BACKENDS = [("cpu", v) for v in ("softmax", "l2", "fenchel", "sigmoid", "relu")] + \
            [("torch", v) for v in ("softmax", "l2", "fenchel")]
-ALIASES = [("torch", "sigmoid"), ("torch", "relu")]  # the blockwise path under the name
+ALIASES = [("torch", "sigmoid"), ("torch", "relu")]  # the blockwise path, also registered as "torch"
 
 
 def _make_mask(case, g, dtype=torch.float64):

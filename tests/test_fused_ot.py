@@ -60,7 +60,7 @@ def test_triton_tiles_crossing_every_block_boundary():
 
 def _mask(kind, nq, nk, B=B, H=H):
     # the bool kinds are drawn as rand > p (common.bool_mask draws rand < keep): the GPU runs of these
-    # cases in bf16 / fp16 were checked with exactly these masks
+    # cases in bf16 / fp16 are checked on exactly these masks
     if kind == "key_bool":
         m = torch.rand(B, 1, 1, nk) > 0.3
         m[..., 0] = True
@@ -501,9 +501,9 @@ def _otvit_logits_and_grads(ot_backend, batch, embed_dim, num_heads):
     (64, 64, 4, "cpu"),          # the recorded CPU run's shapes (docs/results/fashion_mnist): auto picks cpu
 ])
 def test_otvit_needs_no_backend_override(one_thread, batch, embed_dim, num_heads, auto):
-    """The recorded OT-ViT runs passed ``--set model.ot_backend=reference`` because auto used to take the
-    fused path for the class-token layer whatever its size; auto now follows the measured crossover,
-    so the default (ot_backend=None) gives the override's outputs and gradients."""
+    """OT-ViT needs no ``--set model.ot_backend=reference``: auto follows the measured crossover for the
+    class-token layer (the reference for a tiny model, the fused path at the recorded CPU run's size), so
+    the default (ot_backend=None) gives the override's outputs and gradients."""
     tokens, hd = (28 // 4) ** 2 + 1, embed_dim // num_heads
     q, k = torch.zeros(batch, num_heads, 1, hd), torch.zeros(batch, num_heads, tokens, hd)
     assert AF.explain("ot", q, k, k, templates_k=k, templates_v=k).backend.name == auto
@@ -517,7 +517,7 @@ def test_otvit_needs_no_backend_override(one_thread, batch, embed_dim, num_heads
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-# --- every broadcastable mask shape, with extra templates (issue 12: an (Nq, 1) mask used to raise) ----
+# --- every broadcastable mask shape, with extra templates (an (Nq, 1) mask included) ----------------
 
 MASK_SHAPES = list(broadcast_shapes(B, H, 1, 1))  # Nk, "Nq,1", ...: common.broadcast_shapes(B, H, nq, nk)[name]
 

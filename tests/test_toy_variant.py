@@ -1,4 +1,4 @@
-"""A variant declared from outside the package works everywhere a built-in one does (issue 13).
+"""A variant declared from outside the package works everywhere a built-in one does.
 
 Cosine-similarity attention, out_i = sum_j softmax_j(tau cos(q_i, k_j) + mask_ij) v_j, is declared in
 this file only: a reference function, an argument check and a FLOP formula in one ``attnzoo.Variant``
