@@ -13,6 +13,7 @@ from .adapters import plan_swap, register_hf_attention, swap, unswap
 __version__ = "0.1.0"
 
 __all__ = ["functional", "explain", "use_backend", "available", "create", "describe", "layer", "parse_spec",
-           "register", "register_variant", "unregister", "Variant", "LayerHook", "AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention",
-           "SigmoidAttention", "ReLUAttention", "LinearAttention", "MaskedAttention", "MultiheadAttention",
-           "FenchelAttention", "OTAttention", "swap", "unswap", "plan_swap", "register_hf_attention"]
+           "register", "register_variant", "unregister", "Variant", "LayerHook", "AttentionLayer",
+           "SoftmaxAttention", "L2Attention", "SinkhornAttention", "SigmoidAttention", "ReLUAttention",
+           "LinearAttention", "MaskedAttention", "MultiheadAttention", "FenchelAttention", "OTAttention",
+           "swap", "unswap", "plan_swap", "register_hf_attention"]
