@@ -281,12 +281,22 @@ def wrappers() -> dict[str, Wrapper]:
     return dict(_WRAPPERS)
 
 
+# the zoo's order in ``available()``: paper 002's attention in its section order (masked: sec 2.6,
+# multihead: eq 2.7), then paper 004's; names registered later follow
+BUILTIN_ORDER = ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "masked", "multihead", "fenchel", "ot")
+
+
 def _register_builtins() -> None:
-    """The declared variants in declaration order, then the wrappers."""
-    for record in catalog.records():
-        register(record.name, **record.describe())(variants.variant_class(record))
-    for wrapper in (MASKED, MULTIHEAD):
-        _register_wrapper(wrapper)
+    """The declared variants and the wrappers, in BUILTIN_ORDER (then any other declared variant)."""
+    wrappers = {w.name: w for w in (MASKED, MULTIHEAD)}
+    names = [n for n in BUILTIN_ORDER if n in wrappers or catalog.is_declared(n)]
+    names += [n for n in catalog.names() if n not in names]
+    for name in names:
+        if name in wrappers:
+            _register_wrapper(wrappers[name])
+        else:
+            record = catalog.get(name)
+            register(name, **record.describe())(variants.variant_class(record))
 
 
 _register_builtins()

@@ -2,9 +2,12 @@
 section that is exactly what benchmarks/render_readme.py makes from the committed result files."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
+
+import attnzoo
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -51,3 +54,10 @@ def test_benchmark_section_is_generated_from_committed_results():
     assert section == front_page(cpu, gpu, README, ROOT / "docs" / "benchmarks.md"), \
         "README's benchmark section is stale: run benchmarks/render_readme.py"
     assert "docs/benchmarks.md" in section
+
+
+def test_available_matches_the_front_page():
+    # the quick-start's comment shows the registry's names in their order
+    line = next(ln for ln in README.read_text().splitlines() if ln.startswith("attnzoo.available()"))
+    shown = ast.literal_eval(line.split("#", 1)[1].strip())
+    assert attnzoo.available() == shown
