@@ -36,7 +36,9 @@ class MultiheadAttention(nn.Module):
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         self.kind = V.check_choice("kind", kind, catalog.names())
-        self.kind_kwargs = dict(kind_kwargs)
+        if isinstance(dropout, (bool, str)) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        self.kind_kwargs = _check_kind_kwargs(self.kind, kind_kwargs, embed_dim // num_heads)
         self.backend = backend
         dd = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -153,6 +155,21 @@ class MultiheadAttention(nn.Module):
         return out, weights
 
 
+def _check_kind_kwargs(kind: str, kind_kwargs: dict, head_dim: int) -> dict:
+    """The kind's own options, checked when the module is built (a typo or a bad value fails here, not
+    at the first forward inside a host model): names against the kind's functional, values with its
+    ``check`` on stand-in q, k, v of the head dim."""
+    record = catalog.get(kind)
+    unknown = sorted(set(kind_kwargs) - set(record.options))
+    if unknown:
+        raise TypeError(f"kind={kind!r} does not take {unknown}; its options are {sorted(record.options)}")
+    if record.check is not None:
+        stand_in = torch.zeros(1, 1, 1, head_dim)
+        scale = record.default_scale if record.default_scale is not None else head_dim ** -0.5
+        record.check(stand_in, stand_in, stand_in, scale=scale, **{**record.options, **kind_kwargs})
+    return dict(kind_kwargs)
+
+
 def is_causal_mask(attn_mask: torch.Tensor, L: int, S: int) -> bool:
     """Is a torch-MHA mask ((L, S) or (B*H, L, S); bool True = masked, or float with -inf) exactly the
     causal mask that ``is_causal=True`` applies (key j hidden from query i when j > i + S - L; for
@@ -170,6 +187,10 @@ def _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
     """torch-MHA masks (True = masked out; float added) -> one SDPA-style mask (B, H|1, L, S) or None."""
     def to_sdpa(m):
         return ~m if m.dtype == torch.bool else m.to(dtype)
+
+    for name, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if m is not None and not (m.dtype == torch.bool or m.is_floating_point()):
+            raise TypeError(f"{name} must be bool (True = masked out) or float (added to the logits), got {m.dtype}")
 
     mask = None
     if attn_mask is not None:

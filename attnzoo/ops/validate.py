@@ -62,8 +62,8 @@ def check_broadcast(name: str, t, target, like: torch.Tensor, allow_bool: bool =
         return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.dtype == torch.bool and not allow_bool:
-        raise TypeError(f"{name} must be a float tensor, got bool")
+    if not allow_bool and not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
     if t.dtype != torch.bool and not t.is_floating_point():
         raise TypeError(f"{name} must be bool (True = take part) or float (added to logits), got {t.dtype}")
     if t.device != like.device:

@@ -17,6 +17,7 @@ from .. import validate as V
 from ..variant import LayerHook
 from .reference import SOLVES
 from .t5 import T5Bias
+from .t5_buckets import check_bucketing
 
 PREFERENCES = ("uniform", "t5", "context")
 
@@ -28,15 +29,21 @@ class FenchelHook(LayerHook):
         layer.preference = V.check_choice("preference", preference, PREFERENCES)
         layer.alpha = V.check_positive("alpha", alpha)
         layer.solve = V.check_choice("solve", solve, SOLVES)
+        if preference == "t5":
+            check_bucketing(num_buckets, max_distance, bidirectional)
+        if isinstance(context_hidden, bool) or not isinstance(context_hidden, int) or context_hidden < 1:
+            raise ValueError(f"context_hidden must be an int >= 1, got {context_hidden!r}")
         layer.num_buckets, layer.max_distance, layer.bidirectional = num_buckets, max_distance, bidirectional
         layer.relative_bias = None
         layer.context_net = None
+        # the layer's device and dtype (its constructor's device=/dtype=), like its projections
+        dd = {"device": layer.qkv.weight.device, "dtype": layer.qkv.weight.dtype}
         if preference == "t5":
-            layer.relative_bias = nn.Embedding(num_buckets, layer.num_heads)
+            layer.relative_bias = nn.Embedding(num_buckets, layer.num_heads, **dd)
             nn.init.zeros_(layer.relative_bias.weight)
         elif preference == "context":
-            layer.context_net = nn.Sequential(nn.Linear(layer.qkv.in_features, context_hidden), nn.GELU(),
-                                              nn.Linear(context_hidden, layer.num_heads))
+            layer.context_net = nn.Sequential(nn.Linear(layer.qkv.in_features, context_hidden, **dd), nn.GELU(),
+                                              nn.Linear(context_hidden, layer.num_heads, **dd))
             nn.init.zeros_(layer.context_net[-1].weight)
             nn.init.zeros_(layer.context_net[-1].bias)
 

@@ -21,7 +21,7 @@ from ..kernels.flash_softmax.triton import bucket_bias_attention
 from ..kernels.flex import flex_reason
 from ..triton_utils import common_reason
 from .kernels import t5_flex
-from .t5_buckets import t5_offset_lut
+from .t5_buckets import check_bucketing, t5_offset_lut
 from .t5_reference import t5_log_preference
 
 FUSED = ("triton", "flex")
@@ -41,14 +41,12 @@ def dense_log_u(bias: T5Bias, nq: int, nk: int) -> Tensor:
     return t5_log_preference(bias.table, bias.num_buckets, bias.max_distance, bias.bidirectional, nq, nk)
 
 
-def check_t5_args(table, num_buckets, max_distance, q) -> None:
+def check_t5_args(table, num_buckets, max_distance, q, bidirectional=True) -> None:
     H = q.shape[1]
     if not isinstance(table, Tensor) or not table.is_floating_point():
         raise TypeError(f"table must be a float tensor of shape (num_buckets, H), got {type(table).__name__}"
                         + (f" {table.dtype}" if isinstance(table, Tensor) else ""))
-    for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 2:
-            raise ValueError(f"{name} must be an int >= 2, got {val!r}")
+    check_bucketing(num_buckets, max_distance, bidirectional)
     if tuple(table.shape) != (num_buckets, H):
         raise ValueError(f"table must have shape (num_buckets={num_buckets}, H={H}), got {tuple(table.shape)}")
     if table.device != q.device:
@@ -59,7 +57,7 @@ def check_bias(bias, q) -> None:
     if not isinstance(bias, T5Bias):
         raise TypeError(f"relative_bias must be a T5Bias(table, num_buckets, max_distance, bidirectional), "
                         f"got {type(bias).__name__}")
-    check_t5_args(bias.table, bias.num_buckets, bias.max_distance, q)
+    check_t5_args(bias.table, bias.num_buckets, bias.max_distance, q, bias.bidirectional)
 
 
 def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, attn_mask=None,
@@ -74,7 +72,7 @@ def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, 
     V.check_mask(attn_mask, q, k)
     scale = V.resolve_scale(scale, q)
     alpha = V.check_positive("alpha", alpha)
-    check_t5_args(table, num_buckets, max_distance, q)
+    check_t5_args(table, num_buckets, max_distance, q, bidirectional)
     dropout_p = V.check_dropout(dropout_p)
     lut = t5_offset_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
     return bucket_bias_attention(q, k, v, table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=scale * alpha,

@@ -6,6 +6,24 @@ import math
 
 import torch
 
+from .. import validate as V
+
+
+def check_bucketing(num_buckets, max_distance, bidirectional) -> None:
+    """num_buckets and max_distance ints, bidirectional a bool, and at least one exact bucket per sign
+    below max_distance: otherwise the log-spaced buckets divide by zero or index out of the table."""
+    for name, val in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 2:
+            raise ValueError(f"{name} must be an int >= 2, got {val!r}")
+    V.check_flag("bidirectional", bidirectional)
+    max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if max_exact < 1:
+        raise ValueError(f"num_buckets must be >= {4 if bidirectional else 2} with bidirectional={bidirectional}, "
+                         f"got {num_buckets}")
+    if max_distance <= max_exact:
+        raise ValueError(f"max_distance must exceed the {max_exact} exact buckets (num_buckets={num_buckets}, "
+                         f"bidirectional={bidirectional}), got {max_distance}")
+
 
 def t5_relative_buckets(rel: torch.Tensor, num_buckets: int = 32, max_distance: int = 128,
                         bidirectional: bool = True) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """What L2 attention adds to the shared layer: ``tie_qk``."""
 from __future__ import annotations
 
+from .. import validate as V
 from ..variant import LayerHook
 
 
@@ -9,7 +10,7 @@ class L2Hook(LayerHook):
     weight keeps its shape so timm checkpoints still load."""
 
     def setup(self, layer, *, tie_qk: bool = False) -> None:
-        layer.tie_qk = bool(tie_qk)
+        layer.tie_qk = V.check_flag("tie_qk", tie_qk)
 
     def keys_are_queries(self, layer) -> bool:
         return layer.tie_qk

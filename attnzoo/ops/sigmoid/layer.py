@@ -15,7 +15,10 @@ class SigmoidHook(LayerHook):
 
     def setup(self, layer, *, bias=None, learnable_bias: bool = False) -> None:
         layer.fixed_bias = None if bias is None else V.check_real("bias", bias)
-        layer.bias_shift = torch.nn.Parameter(torch.zeros(layer.num_heads)) if learnable_bias else None
+        learnable_bias = V.check_flag("learnable_bias", learnable_bias)
+        w = layer.qkv.weight  # the layer's device and dtype (its constructor's device=/dtype=)
+        layer.bias_shift = (torch.nn.Parameter(torch.zeros(layer.num_heads, device=w.device, dtype=w.dtype))
+                            if learnable_bias else None)
 
     def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
         super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)

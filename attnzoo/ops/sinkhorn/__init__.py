@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import functools
 
-from ..dispatch import register_backend
+import torch
+
+from ..dispatch import all_of, register_backend
+from ..masking import split_mask
 from ..triton_utils import HAVE_TRITON
 from ..variant import Variant, declare
 from . import cpu
@@ -44,6 +47,30 @@ def _triton_supports(q, k, v, attn_mask=None, dropout_p=0.0, **_):
     return sinkhorn_triton.unsupported_reason(q, attn_mask, dropout_p, v=v)
 
 
+def _implicit_reason(q, k, v, attn_mask=None, is_causal=False, **_):
+    """The implicit backward differentiates the fixed point where every row sums to 1 and every column
+    to Nq/Nk. A query row or key column with no entry left (key padding, a fully masked row, or a
+    causal prefix that does not reach a masked key) has marginals no plan can meet: the forward still
+    converges, but that fixed-point identity fails and the gradient would be silently wrong."""
+    if attn_mask is None:
+        return None
+    why = ("the implicit gradient needs every query row and key column of each Sinkhorn problem to keep an entry; "
+           "this attn_mask removes {} (use backend='cpu' or 'triton', the unrolled gradient)")
+    if torch.compiler.is_compiling():  # no data-dependent check while tracing: refuse what may be wrong
+        return why.format("keys, or may (masks are not read while torch.compile traces)")
+    keep, _ = split_mask(attn_mask, False, q.shape[2], k.shape[2], q.device)
+    if keep is None:
+        return None
+    keep = keep.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if is_causal:
+        return None if bool(keep.all()) else why.format("entries under is_causal (each prefix is its own problem)")
+    if not bool(keep.any(-1).all()):
+        return why.format("every key of a query row")
+    if not bool(keep.any(-2).all()):
+        return why.format("a key from every query (a key column)")
+    return None
+
+
 AUTO_MIN_LOGITS = 1 << 21  # Nq * Nk per head from which the streaming CPU path is also faster
 
 
@@ -66,7 +93,8 @@ def _backend(fn, grad_mode):
 register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled"), _cpu_supports, priority=10,
                  auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers,
                  description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
-register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"), _cpu_supports,
+register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"),
+                 all_of(_cpu_supports, _implicit_reason),
                  priority=1, auto_devices=(),
                  description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
 if HAVE_TRITON:
@@ -76,7 +104,7 @@ if HAVE_TRITON:
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
                      _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
-                     _triton_supports, priority=2, auto_devices=(),
+                     all_of(_triton_supports, _implicit_reason), priority=2, auto_devices=(),
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
 
 
