@@ -187,6 +187,21 @@ def test_include_last_layer_and_unswap():
     assert max_diff(hidden(model), before) <= 1e-6
 
 
+def test_unswap_restores_the_implementation_the_config_had():
+    model = BertForSequenceClassification(bert_config(attn_implementation="eager")).eval()
+    attnzoo.swap(model, "relu", include="bert.encoder.layer.1")
+    attnzoo.swap(model, "sigmoid", include="bert.encoder.layer.0")  # the config is already "attnzoo" here
+    assert model.config._attn_implementation == "attnzoo"
+    attnzoo.unswap(model, include="bert.encoder.layer.1")
+    assert model.config._attn_implementation == "attnzoo"  # layer 0 still runs a kernel
+    attnzoo.unswap(model)
+    assert model.config._attn_implementation == "eager"
+    state_keys = set(model.state_dict())
+    attnzoo.swap(model, "relu")
+    attnzoo.unswap(model)
+    assert model.config._attn_implementation == "eager" and set(model.state_dict()) == state_keys
+
+
 class LegacyAttention(nn.Module):
     """An attention module that does not call transformers' AttentionInterface."""
     def __init__(self):

@@ -38,10 +38,10 @@ from .spec import Target, resolve
 
 KERNEL_CHILD = "attnzoo_kernel"
 DISPATCH_NAME = "attnzoo"
-# config id -> the implementation it had before attnzoo.swap set "attnzoo" (configs are unhashable, and an
-# attribute on the config would be written into config.json by save_pretrained)
-_PREVIOUS: dict[int, str] = {}
 _HOOK = "_attnzoo_tokens_hook"
+# on a swapped module: the implementation its config had before attnzoo.swap set "attnzoo" (kept on the
+# module, not the config: save_pretrained would write a config attribute into config.json)
+_PREVIOUS_IMPLEMENTATION = "_attnzoo_previous_implementation"
 
 
 def available() -> bool:
@@ -259,7 +259,7 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
     def apply() -> None:
         config = module.config
         if config._attn_implementation != DISPATCH_NAME:
-            _PREVIOUS[id(config)] = config._attn_implementation
+            object.__setattr__(module, _PREVIOUS_IMPLEMENTATION, config._attn_implementation)
         if getattr(module, _HOOK, None) is not None:
             getattr(module, _HOOK).remove()
         module.add_module(KERNEL_CHILD, kernel)
@@ -292,7 +292,7 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
 
 def restore_implementations(root: nn.Module) -> None:
     """After an unswap: configs none of whose modules keep a kernel get their previous implementation."""
-    configs, still_used = {}, set()
+    configs, still_used, previous, noted = {}, set(), {}, []  # keyed by id() of configs alive in this call
     for m in root.modules():
         config = getattr(m, "config", None)
         if config is None or not recognises(m):
@@ -300,6 +300,12 @@ def restore_implementations(root: nn.Module) -> None:
         configs[id(config)] = config
         if getattr(m, KERNEL_CHILD, None) is not None:
             still_used.add(id(config))
+        if _PREVIOUS_IMPLEMENTATION in m.__dict__:
+            previous.setdefault(id(config), m.__dict__[_PREVIOUS_IMPLEMENTATION])
+            noted.append((m, id(config)))
     for key, config in configs.items():
         if key not in still_used and config._attn_implementation == DISPATCH_NAME:
-            config._attn_implementation_internal = _PREVIOUS.pop(key, "sdpa")
+            config._attn_implementation_internal = previous.get(key, "sdpa")
+    for m, key in noted:
+        if key not in still_used:
+            object.__delattr__(m, _PREVIOUS_IMPLEMENTATION)
