@@ -15,6 +15,9 @@ RUNS = [
     ("vit eager", "configs/vit_fashion_mnist.yaml", ["train.compile=false"]),
     ("otvit eager", "configs/otvit_fashion_mnist.yaml", ["train.compile=false"]),
     ("otvit compiled blocks", "configs/otvit_fashion_mnist.yaml", ["train.compile=blocks"]),
+    # CUDA graphs: a step of this small model is a few hundred short kernels, so launch overhead may rule
+    ("vit compiled cudagraphs", "configs/vit_fashion_mnist.yaml", ["train.compile_mode=reduce-overhead"]),
+    ("otvit compiled cudagraphs", "configs/otvit_fashion_mnist.yaml", ["train.compile_mode=reduce-overhead"]),
 ]
 
 
