@@ -20,8 +20,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from .layers import variants
-from .layers.base import AttentionLayer
-from .layers.base import TIMM_EXTRA
+from .layers.base import TIMM_EXTRA, AttentionLayer
 from .layers.masked import MASKED
 from .layers.multihead import MULTIHEAD
 from .layers.wrapper import Wrapper
@@ -231,12 +230,6 @@ class Resolved:
         """The arguments of the kind's functional."""
         options = self.record.options
         return {k: v for k, v in self.kwargs.items() if k in options}
-
-    @property
-    def layer_kwargs(self) -> dict:
-        """The other arguments (the layer's or module's)."""
-        options = self.record.options
-        return {k: v for k, v in self.kwargs.items() if k not in options}
 
     def causal(self, flag: bool) -> bool:
         return True if self.wrapper is not None and self.wrapper.causal else bool(flag)

@@ -20,7 +20,7 @@ from fractions import Fraction
 
 from .. import registry
 from ..ops import variant as catalog
-from ..ops.sizes import Shape
+from ..ops.sizes import DEFAULT_BACKWARD_FACTOR, Shape
 
 __all__ = ["MODES", "Shape", "formulas", "backward_rule", "forward_flops", "backward_flops", "flops"]
 
@@ -38,7 +38,7 @@ def formulas() -> dict[str, str]:
 
 def backward_rule() -> str:
     factors = {r.name: r.backward_factor for r in catalog.records()}
-    default = Fraction(5, 2)
+    default = DEFAULT_BACKWARD_FACTOR
     others = ", ".join(f"{n}: {float(f):g} x" for n, f in factors.items() if f != default)
     modules = ", ".join(f"{n} {w.module_work}: {float(w.module_backward_factor):g} x"
                         for n, w in registry.wrappers().items() if w.module_flops is not None)

@@ -5,7 +5,7 @@ from ..ops.fenchel.t5_buckets import t5_relative_buckets
 from .base import AttentionLayer
 from .masked import MaskedAttention
 from .multihead import MultiheadAttention
-from .variants import (FenchelAttention, L2Attention, LinearAttention, OTAttention, ReLUAttention,  # noqa: F401
+from .variants import (FenchelAttention, L2Attention, LinearAttention, OTAttention, ReLUAttention,
                        SigmoidAttention, SinkhornAttention, SoftmaxAttention)
 
 __all__ = ["AttentionLayer", "SoftmaxAttention", "L2Attention", "SinkhornAttention", "SigmoidAttention",

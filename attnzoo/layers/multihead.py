@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import validate as V
 from ..ops import variant as catalog
 from ..ops.masking import causal_keep

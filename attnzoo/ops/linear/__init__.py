@@ -9,14 +9,13 @@ chunk_kernels.py), priority 20, auto on CUDA only.
 from __future__ import annotations
 
 from ..dispatch import all_of, register_backend
-from ..triton_utils import register_triton
+from ..triton_utils import device_reason, register_triton
 from ..variant import Variant, declare
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused
 from .functional import check, linear
-from .layer import LinearHook
 from .reference import linear_attention
-from .triton import device_reason, dtype_reason, linear_attention_triton
+from .triton import dtype_reason, linear_attention_triton
 
 
 def _triton_device(q, k, v, **kw):
@@ -31,7 +30,7 @@ register_triton("linear", linear_attention_triton,
                             "state scan), forward and backward")
 
 RECORD = declare(Variant(
-    name="linear", reference=linear_attention, functional=linear, check=check, hook=LinearHook(),
+    name="linear", reference=linear_attention, functional=linear, check=check,
     default_scale=1.0, doc="Linear attention; its kernel uses no 1/sqrt(d) scale (see functional.linear).",
     complexity="O(N D Dv) without a general mask; a general mask needs O(N^2)",
     parameters="feature_map", paper="paper 002 eq (2.2); Katharopoulos et al. 2020",

@@ -32,8 +32,7 @@ from torch import Tensor
 from . import chunk_kernels as ck
 from .factorised import _causal_count, _key_weights, linear_attention_factorised
 from .reference import EPS, feature_map_fn
-from ..triton_utils import (HAVE_TRITON, INTERPRETED, device_reason, dot_precision, kernel_op, launcher,
-                            tracing_only)
+from ..triton_utils import HAVE_TRITON, INTERPRETED, dot_precision, kernel_op, launcher, tracing_only
 
 if HAVE_TRITON:
     import triton
