@@ -9,7 +9,6 @@ from pathlib import Path
 from . import UsageError
 
 HELP = "check the papers with the library: Lipschitz, Wasserstein, dynamics, Fenchel dual, TopoLip"
-TOOLS = ("lipschitz", "wasserstein", "dynamics", "fenchel", "topolip")
 
 
 def _csv(cast):

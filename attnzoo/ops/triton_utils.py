@@ -125,23 +125,6 @@ def tracing_only(t: torch.Tensor) -> bool:
     return INTERPRETED and is_fake(t)
 
 
-def block_sizes(nq: int, nk: int, d: int, dv: int, device_type: str, dtype=torch.bfloat16):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, num_warps) of an untuned launch.
-
-    The softmax-family and pointwise kernels pick their tiles through ops/triton_tuning.py
-    (autotuned lists per tile class); this fixed choice is kept for callers that want one
-    configuration: 16 x 16 tiles under the interpreter, on a GPU 64 x 64 tiles, 8 warps for the
-    widest heads, and 32 x 32 tiles for fp32 heads wider than 64.
-    """
-    bd = max(16, triton.next_power_of_2(d))
-    bdv = max(16, triton.next_power_of_2(dv))
-    if device_type == "cpu":
-        return 16, 16, bd, bdv, 1
-    wide = max(bd, bdv) >= 128
-    tile = 32 if (wide and dtype == torch.float32) else 64
-    return tile, tile, bd, bdv, 8 if wide else 4
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 products unless the user allowed TF32 for matmuls; fp16/bf16
     operands go to the tensor cores whatever this says (it only governs fp32 operands)."""
