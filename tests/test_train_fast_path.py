@@ -108,6 +108,23 @@ def test_throughput_runs_on_cpu(tmp_path):
         images_per_second("configs/vit_fashion_mnist.yaml", device="cpu", steps=0)
 
 
+def test_throughput_profiles_extra_steps_on_request():
+    small = ["model.embed_dim=16", "model.depth=1", "model.num_heads=2", "train.batch_size=8",
+             "train.eval_batch_size=8", "train.threads=1"]
+    r = images_per_second("configs/vit_fashion_mnist.yaml", device="cpu", steps=1, warmup=0, overrides=small,
+                          eval_batches=1, profile_steps=2)
+    p = r["profile"]
+    assert p["steps"] == 2 and p["ms_per_step"] > 0
+    assert p["launches_per_step"] == 0 and p["host_waits_per_step"] == 0  # no CUDA on this device
+    assert "aten::addmm" in p["host_table"] or "aten::linear" in p["host_table"]  # the model's matmuls ran
+    assert "device_table" not in p
+    json.dumps(r)
+    assert "profile" not in images_per_second("configs/vit_fashion_mnist.yaml", device="cpu", steps=1, warmup=0,
+                                              overrides=small, eval_batches=1)
+    with pytest.raises(ValueError, match="profile_steps"):
+        images_per_second("configs/vit_fashion_mnist.yaml", device="cpu", profile_steps=-1)
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_cuda

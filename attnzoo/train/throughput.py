@@ -30,13 +30,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_profile(run_steps, n: int, device: torch.device, rows: int = 15) -> dict:
+    """Where ``n`` training steps spend their time: torch.profiler's busiest operators by self time on
+    the host and on the device, and how many kernel launches and host waits a step makes (a small
+    model whose steps take far longer than its FLOPs allow is bound by one of these)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds = run_steps()
+    events = prof.key_averages()
+
+    def count(*names):
+        return sum(e.count for e in events if e.key in names) / n
+
+    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    out = {"steps": n, "ms_per_step": 1e3 * seconds / n,
+           "launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"),
+           "host_waits_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+           "copies_per_step": count("cudaMemcpyAsync", "cudaMemcpy"),
+           "host_table": events.table(sort_by="self_cpu_time_total", row_limit=rows)}
+    if device.type == "cuda":
+        out["device_table"] = events.table(sort_by=device_key, row_limit=rows)
+    return out
+
+
 def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, synthetic: bool = True,
-                      warmup: int = 5, overrides: Optional[list[str]] = None, eval_batches: int = 4) -> dict:
+                      warmup: int = 5, overrides: Optional[list[str]] = None, eval_batches: int = 4,
+                      profile_steps: int = 0) -> dict:
     """Train images/s of the config's training step (data assembly included) and an estimate of a
     full epoch (training split plus evaluation split at the measured rates). ``overrides``: extra
-    ``--set`` strings, e.g. ``["train.compile=blocks", "train.batch_size=256"]``."""
-    if steps < 1 or warmup < 0 or eval_batches < 1:
-        raise ValueError(f"steps and eval_batches must be >= 1 and warmup >= 0, got {steps}, {eval_batches}, {warmup}")
+    ``--set`` strings, e.g. ``["train.compile=blocks", "train.batch_size=256"]``. ``profile_steps``
+    > 0 profiles that many more steps after the measurement (``step_profile``; key "profile")."""
+    if steps < 1 or warmup < 0 or eval_batches < 1 or profile_steps < 0:
+        raise ValueError(f"steps and eval_batches must be >= 1, warmup and profile_steps >= 0, got {steps}, "
+                         f"{eval_batches}, {warmup}, {profile_steps}")
     cfg = load_config(config_path, list(overrides or []) + [f"train.device={device}", "train.progress=false"])
     info = D.DistInfo(device=D.pick_device(cfg.train.device))
     dev = info.device
@@ -56,7 +83,7 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
         except DataNotFoundError:
             splits = None
     if splits is None:  # enough generated images for every step, at least one of each class per batch
-        n_train = max(bs, (warmup + steps) * bs)
+        n_train = max(bs, (warmup + max(steps, profile_steps)) * bs)
         splits = Splits(synthetic_split(cfg.data.dataset, True, n_train),
                         synthetic_split(cfg.data.dataset, False, eval_batches * cfg.train.eval_batch_size),
                         ds, "test")
@@ -102,6 +129,8 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
     _sync(dev)
     data_s = time.perf_counter() - t0
 
+    profiled = step_profile(lambda: run_steps(profile_steps, 2), profile_steps, dev) if profile_steps else None
+
     train_ips = steps * bs / train_s
     eval_ips = n_eval / eval_s
     epoch_s = full_train / train_ips + full_test / eval_ips
@@ -120,6 +149,7 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
         "epoch_train_images": full_train, "epoch_eval_images": full_test,
         "warmup_seconds": warmup_s,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        **({"profile": profiled} if profiled else {}),
     }
 
 
@@ -132,11 +162,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--real-data", action="store_true", help="the dataset's files when present")
+    p.add_argument("--profile-steps", type=int, default=0, help="profile this many more steps and print the tables")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     for path in args.configs:
-        print(json.dumps(images_per_second(path, args.device, args.steps, not args.real_data, args.warmup,
-                                           args.overrides)), flush=True)
+        result = images_per_second(path, args.device, args.steps, not args.real_data, args.warmup, args.overrides,
+                                   profile_steps=args.profile_steps)
+        tables = result.get("profile", {})
+        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+        if tables:
+            print(json.dumps({k: v for k, v in tables.items() if not k.endswith("_table")}))
+            for key in ("host_table", "device_table"):
+                if key in tables:
+                    print(tables[key])
     return 0
 
 
