@@ -8,11 +8,12 @@ import traceback
 import torch
 
 import attnzoo
+from attnzoo.train.throughput import step_profile
 
 LAYERS = ["timm", "softmax", "l2", "sigmoid", "relu", "fenchel(preference='t5')", "sinkhorn", "ot"]
 
 
-def images_per_second(spec: str, device, batch: int, warmup: int, steps: int) -> dict:
+def images_per_second(spec: str, device, batch: int, warmup: int, steps: int, profile_steps: int = 0) -> dict:
     import timm
     torch.manual_seed(0)
     kw = {} if spec == "timm" else {"attn_layer": attnzoo.layer(spec)}
@@ -40,11 +41,14 @@ def images_per_second(spec: str, device, batch: int, warmup: int, steps: int) ->
 
     first, _ = timed(warmup)
     seconds, loss = timed(steps)
-    return {"images_per_s": batch * steps / seconds, "warmup_s": first, "loss": float(loss.detach()),
-            "finite": bool(torch.isfinite(loss))}
+    row = {"images_per_s": batch * steps / seconds, "warmup_s": first, "loss": float(loss.detach()),
+           "finite": bool(torch.isfinite(loss))}
+    if profile_steps:  # which kernels a step runs, and how long each takes, beside timm's own layer
+        row["profile"] = step_profile(lambda: timed(profile_steps)[0], profile_steps, device)
+    return row
 
 
-def run(device, deadline: float, log, batch=128, warmup=3, steps=10, layers=None) -> list[dict]:
+def run(device, deadline: float, log, batch=128, warmup=3, steps=10, layers=None, profile_steps=2) -> list[dict]:
     rows = []
     for spec in LAYERS if layers is None else layers:
         if time.time() > deadline:
@@ -52,7 +56,7 @@ def run(device, deadline: float, log, batch=128, warmup=3, steps=10, layers=None
             break
         row = {"layer": spec, "batch": batch}
         try:
-            row.update(images_per_second(spec, device, batch, warmup, steps))
+            row.update(images_per_second(spec, device, batch, warmup, steps, profile_steps))
         except Exception as e:  # noqa: BLE001 - a failure is a result here
             row.update({"error": f"{type(e).__name__}: {e}"[:300], "trace": traceback.format_exc()[-800:]})
         finally:
