@@ -30,17 +30,22 @@ def slug(name: str) -> str:
     return "-".join(p for p in out.split("-") if p) or "device"
 
 
+# variant -> (backend keyword arguments -> the variant's own flavour parts), registered by the variant's
+# folder (ops/<variant>/__init__.py) beside its backends
+_FLAVOURS: dict = {}
+
+
+def register_flavour(variant: str, parts) -> None:
+    """``parts(kwargs) -> list[str]``: the variant's arguments that change which kernel can win (a
+    preference, templates, a feature map), named as ``benchmarks/gpu_speed.py`` names its cases."""
+    _FLAVOURS[variant] = parts
+
+
 def flavour(variant: str, kwargs: dict) -> str:
-    """The part of a call that changes which kernel can win: masks, preferences, templates."""
-    parts = []
-    if kwargs.get("attn_mask") is not None:
-        parts.append("mask")
-    if variant == "fenchel" and kwargs.get("log_u") is not None:
-        parts.append("log_u")
-    if variant == "linear" and kwargs.get("feature_map", "elu") != "elu":
-        parts.append(kwargs["feature_map"])
-    if variant == "ot" and kwargs.get("templates_k") is not None:
-        parts.append("templates")
+    """The part of a call that changes which kernel can win: a mask, the variant's own parts, dropout."""
+    parts = ["mask"] if kwargs.get("attn_mask") is not None else []
+    if variant in _FLAVOURS:
+        parts += _FLAVOURS[variant](kwargs)
     if kwargs.get("dropout_p", 0.0):
         parts.append("dropout")
     return "+".join(parts) or "plain"

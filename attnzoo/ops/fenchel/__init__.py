@@ -10,6 +10,7 @@ relative-position preference runs on the fused kernels from its table (t5.py).
 from __future__ import annotations
 
 from ..dispatch import all_of, register_backend
+from ..measured import register_flavour
 from ..kernels import blockwise, sdpa
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
@@ -54,6 +55,8 @@ sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
 blockwise.register("fenchel", fenchel_cpu, first_order_only)
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
                  description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
+
+register_flavour("fenchel", lambda kw: ["log_u"] if kw.get("log_u") is not None else [])
 
 RECORD = declare(Variant(
     name="fenchel", reference=fenchel_attention, functional=fenchel, check=check, hook=FenchelHook(),

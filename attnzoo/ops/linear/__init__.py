@@ -9,6 +9,7 @@ chunk_kernels.py), priority 20, auto on CUDA only.
 from __future__ import annotations
 
 from ..dispatch import all_of, register_backend
+from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
 from ..variant import Variant, declare
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
@@ -28,6 +29,8 @@ register_triton("linear", linear_attention_triton,
                 all_of(_triton_device, supports_linear_fused, dtype_reason),
                 description="Triton causal linear attention, chunked parallel form (tensor-core chunks, fp32 "
                             "state scan), forward and backward")
+
+register_flavour("linear", lambda kw: [kw["feature_map"]] if kw.get("feature_map", "elu") != "elu" else [])
 
 RECORD = declare(Variant(
     name="linear", reference=linear_attention, functional=linear, check=check,

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..dispatch import register_backend
+from ..measured import register_flavour
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .cost import FORMULA, ot_flops, ot_reference_bytes
@@ -68,6 +69,8 @@ register_backend("ot", "cpu", ot_attention_cpu, supports=supports_ot_fused, prio
 register_triton("ot", ot_attention_triton, supports_ot_triton,
                 description="Triton OT attention as tensor-core matmuls of stabilised exponentials (exact per-pair "
                             "fallback where the shift underflows), forward and backward, chunked over batch x heads")
+
+register_flavour("ot", lambda kw: ["templates"] if kw.get("templates_k") is not None else [])
 
 RECORD = declare(Variant(
     name="ot", reference=ot_attention, functional=ot, check=check, hook=OTHook(), class_name="OTAttention",
