@@ -35,8 +35,7 @@ class MultiheadAttention(nn.Module):
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         self.kind = V.check_choice("kind", kind, catalog.names())
-        if isinstance(dropout, (bool, str)) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        V.check_dropout(dropout, "dropout")
         self.kind_kwargs = _check_kind_kwargs(self.kind, kind_kwargs, embed_dim // num_heads)
         self.backend = backend
         dd = {"device": device, "dtype": dtype}
@@ -162,10 +161,8 @@ def _check_kind_kwargs(kind: str, kind_kwargs: dict, head_dim: int) -> dict:
     unknown = sorted(set(kind_kwargs) - set(record.options))
     if unknown:
         raise TypeError(f"kind={kind!r} does not take {unknown}; its options are {sorted(record.options)}")
-    if record.check is not None:
-        stand_in = torch.zeros(1, 1, 1, head_dim)
-        scale = record.default_scale if record.default_scale is not None else head_dim ** -0.5
-        record.check(stand_in, stand_in, stand_in, scale=scale, **{**record.options, **kind_kwargs})
+    scale = record.default_scale if record.default_scale is not None else head_dim ** -0.5
+    catalog.check_on_stand_ins(record.check, head_dim, scale, {**record.options, **kind_kwargs})
     return dict(kind_kwargs)
 
 

@@ -148,10 +148,10 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_dropout(p) -> float:
+def check_dropout(p, name: str = "dropout_p") -> float:
     if isinstance(p, (bool, str, torch.Tensor)) or not isinstance(p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__} {p!r}")
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(p).__name__} {p!r}")
     p = float(p)
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
     return p

@@ -66,6 +66,15 @@ class LayerHook:
         return {name: getattr(layer, name) for name in self.options() if hasattr(layer, name)}
 
 
+def check_on_stand_ins(check: Optional[Callable], head_dim: int, scale: float, options: Mapping[str, Any]) -> None:
+    """Run a variant's ``check`` on its options before any call (when a layer or module is built), on
+    stand-in zeros q, k, v of shape (1, 1, 1, head_dim): a bad value fails there, not at the first
+    call inside a host model."""
+    if check is not None:
+        stand_in = torch.zeros(1, 1, 1, head_dim)
+        check(stand_in, stand_in, stand_in, scale=scale, **options)
+
+
 class OptionsHook(LayerHook):
     """The hook of a variant without one of its own: every keyword argument of its functional is a
     constructor option, stored on the layer under its name and passed on every call. With the
@@ -81,9 +90,7 @@ class OptionsHook(LayerHook):
 
     def setup(self, layer, **options) -> None:
         values = {**self.defaults, **options}
-        if self.check is not None:
-            stand_in = torch.zeros(1, 1, 1, layer.head_dim)
-            self.check(stand_in, stand_in, stand_in, scale=layer.scale, **values)
+        check_on_stand_ins(self.check, layer.head_dim, layer.scale, values)
         for name, value in values.items():
             setattr(layer, name, value)
 

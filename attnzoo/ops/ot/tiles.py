@@ -63,24 +63,29 @@ def _prepare(c, g, u, tile_elements, active):
     return c.contiguous(), g.contiguous(), u.contiguous(), tile_elements, active
 
 
+def _active_tiles(cf, gf, uf, af, tile_elements):
+    """(batch, query rows, key cols, u's block, P of the block) for every tile with an active pair;
+    P is made afresh per tile (the backward recomputes it instead of keeping it)."""
+    nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
+    bi, bj = _blocks(nq, nk, na, tile_elements)
+    for b in range(cf.shape[0]):
+        for i0 in range(0, nq, bi):
+            rows = slice(i0, min(nq, i0 + bi))
+            for j0 in range(0, nk, bj):
+                cols = slice(j0, min(nk, j0 + bj))
+                ub = _slice(uf, af, b, rows.start, rows.stop, cols.start, cols.stop)
+                if ub is not None:
+                    yield b, rows, cols, ub, _tile_softmax(cf[b, rows], gf[b, cols])
+
+
 def tiles_forward(c, g, u, tile_elements=None, active=None):
     """W (..., Nq, A) over the ``active`` pairs, no autograd (see transport_weights_tiles)."""
     c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
     cf, gf, uf, lead = _flat(c, g, u)
     af = None if active is None else active.reshape(uf.shape)
-    nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-    bi, bj = _blocks(nq, nk, na, tile_elements)
     w = torch.zeros_like(cf)
-    for b in range(cf.shape[0]):
-        for i0 in range(0, nq, bi):
-            i1 = min(nq, i0 + bi)
-            for j0 in range(0, nk, bj):
-                j1 = min(nk, j0 + bj)
-                ub = _slice(uf, af, b, i0, i1, j0, j1)
-                if ub is None:
-                    continue
-                p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                w[b, i0:i1] += (ub.unsqueeze(1) @ p).squeeze(1)
+    for b, rows, cols, ub, p in _active_tiles(cf, gf, uf, af, tile_elements):
+        w[b, rows] += (ub.unsqueeze(1) @ p).squeeze(1)
     return w.reshape(lead + w.shape[-2:])
 
 
@@ -90,32 +95,21 @@ def tiles_backward(dw, c, g, u, tile_elements=None, active=None):
     cf, gf, uf, lead = _flat(c, g, u)
     af = None if active is None else active.reshape(uf.shape)
     dwf = dw.reshape(cf.shape)
-    nq, na, nk = cf.shape[1], cf.shape[2], gf.shape[1]
-    bi, bj = _blocks(nq, nk, na, tile_elements)
     dc, dg, du = torch.zeros_like(cf), torch.zeros_like(gf), torch.zeros_like(uf)
     per_query_u = uf.shape[1] != 1
-    for b in range(cf.shape[0]):
-        for i0 in range(0, nq, bi):
-            i1 = min(nq, i0 + bi)
-            dw_blk = dwf[b, i0:i1].unsqueeze(1)                        # (bi, 1, A)
-            for j0 in range(0, nk, bj):
-                j1 = min(nk, j0 + bj)
-                ub = _slice(uf, af, b, i0, i1, j0, j1)
-                if ub is None:
-                    continue
-                p = _tile_softmax(cf[b, i0:i1], gf[b, j0:j1])
-                dl = p * dw_blk
-                gij = dl.sum(-1, keepdim=True)                          # (bi, bj, 1)
-                dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
-                dc[b, i0:i1] += dl.sum(1)
-                dg[b, j0:j1] += dl.sum(0)
-                gij = gij.squeeze(-1)
-                if af is not None:
-                    gij = gij * _slice(af, None, b, i0, i1, j0, j1)
-                if per_query_u:
-                    du[b, i0:i1, j0:j1] = gij
-                else:
-                    du[b, 0, j0:j1] += gij.sum(0)
+    for b, rows, cols, ub, p in _active_tiles(cf, gf, uf, af, tile_elements):
+        dl = p * dwf[b, rows].unsqueeze(1)                              # dW broadcast over the keys
+        gij = dl.sum(-1, keepdim=True)                                  # (bi, bj, 1)
+        dl.sub_(p.mul_(gij)).mul_(ub.unsqueeze(-1))
+        dc[b, rows] += dl.sum(1)
+        dg[b, cols] += dl.sum(0)
+        gij = gij.squeeze(-1)
+        if af is not None:
+            gij = gij * _slice(af, None, b, rows.start, rows.stop, cols.start, cols.stop)
+        if per_query_u:
+            du[b, rows, cols] = gij
+        else:
+            du[b, 0, cols] += gij.sum(0)
     return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape)
 
 
