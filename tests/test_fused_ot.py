@@ -12,6 +12,7 @@ loops of tests/formulas.py).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -569,21 +570,26 @@ def _ot_layer(backend, dim=16, heads=2, device="cpu"):
 @pytest.mark.parametrize("backend", LAYER_BACKENDS)
 def test_layer_under_bf16_autocast_matches_float32(backend):
     """Under CPU autocast the layer's projections hand bfloat16 q, k, v (and templates) to the kernels
-    (the Triton ones interpreted here); out and the parameter gradients follow the float32 run to
-    bfloat16 accuracy and stay finite."""
+    (the Triton ones interpreted here); out and the parameter gradients meet FlashAttention's rule
+    against the float64 layer: at most ~2x the error of the eager reference under the same autocast."""
     dev = KERNEL_DEVICE if backend == "triton" else "cpu"
     layer = _ot_layer(backend, device=dev)
     x, t = torch.randn(2, 9, 16, device=dev), torch.randn(2, 4, 16, device=dev)
-    want = layer(x, templates=t)
-    want_g = torch.autograd.grad(want.square().sum(), list(layer.parameters()))
-    with torch.autocast(dev, dtype=torch.bfloat16):
-        got = layer(x, templates=t)
-    got_g = torch.autograd.grad(got.float().square().sum(), list(layer.parameters()))
+
+    def run(module, autocast, dtype=torch.float32):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
+            out = module(x.to(dtype), templates=t.to(dtype))
+        return out, torch.autograd.grad(out.to(dtype).square().sum(), list(module.parameters()))
+
+    reference = copy.deepcopy(layer)
+    reference.backend = "reference"
+    low, low_g = run(reference, True)
+    want, want_g = run(reference.double(), False, torch.float64)
+    got, got_g = run(layer, True)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
-    for (name, _), a, b in zip(layer.named_parameters(), got_g, want_g):
-        assert torch.isfinite(a).all(), name
-        assert float((a.float() - b).norm()) <= 0.05 * float(b.norm()) + 1e-3, name
+    names = [n for n, _ in layer.named_parameters()]
+    assert_flash_rule(f"ot layer {backend}", torch.bfloat16, 1.0,
+                      [("out", got, low, want)] + list(zip(names, got_g, low_g, want_g)))
 
 
 def _compiled_equals_eager(module, *inputs, tol=1e-5, backend="aot_eager"):
