@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         if info.name.startswith("_"):
             continue
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
-        p = sub.add_parser(info.name.replace("_", "-"), help=mod.HELP, description=mod.HELP)
+        # argparse %-formats a subcommand's help= (for %(default)s and the like) but not its
+        # description: a literal % (e.g. "95% CI") must be doubled in the one and not the other
+        p = sub.add_parser(info.name.replace("_", "-"), help=mod.HELP.replace("%", "%%"), description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
