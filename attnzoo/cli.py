@@ -11,12 +11,13 @@ import importlib
 import pkgutil
 import sys
 
-from . import commands
+from . import __version__, commands
 from .commands import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description="attention variants behind one interface")
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
