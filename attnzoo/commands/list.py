@@ -2,8 +2,9 @@
 variant in full: its description, capabilities, complexity, parameters, paper, constructor options with
 their defaults, layer class, function and backends.
 
-The table needs about 130 columns to keep every word whole; a narrower terminal (``COLUMNS``) gets the
-same facts as one short block per variant instead of a table whose cells split words."""
+The table is printed when it fits the terminal (``COLUMNS``) with every word whole (the built-in
+variants need about 115 columns); a narrower terminal gets the same facts as one short block per
+variant instead of a table whose cells split words."""
 from __future__ import annotations
 
 import inspect
@@ -13,7 +14,7 @@ import textwrap
 from . import UsageError
 
 HELP = "list the attention variants and their capabilities (with NAME: one variant in full)"
-COLUMNS = ("name", "class", "supports", "complexity", "parameters", "paper")
+TABLE_COLUMNS = ("name", "class", "supports", "complexity", "parameters", "paper")
 CAPABILITIES = ("causal", "cross", "masks")
 
 
@@ -121,12 +122,12 @@ def _options_text(options: dict) -> str:
 def _table(rows: list[dict[str, str]]):
     from rich.table import Table
     table = Table(title="attnzoo variants (attnzoo list NAME: one in full)")
-    for col in COLUMNS:
+    for col in TABLE_COLUMNS:
         # a cell wraps between words, never inside one: the table's minimum width is then its
         # longest words, which run() compares with the terminal's before choosing the table
         table.add_column(col, no_wrap=col in ("name", "class"), overflow="ellipsis")
     for row in rows:
-        table.add_row(*(row[c] for c in COLUMNS))
+        table.add_row(*(row[c] for c in TABLE_COLUMNS))
     return table
 
 
