@@ -19,6 +19,7 @@ from ..ops import validate as V
 from ..ops import variant as catalog
 from ..ops.masking import causal_keep
 from ..ops.sizes import Shape
+from .spec import split_kind
 from .wrapper import Wrapper
 
 
@@ -34,6 +35,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        kind, kind_kwargs = split_kind(kind, kind_kwargs)  # kind="sinkhorn(n_iters=5)" as in attnzoo.create
         self.kind = V.check_choice("kind", kind, catalog.names())
         V.check_dropout(dropout, "dropout")
         self.kind_kwargs = _check_kind_kwargs(self.kind, kind_kwargs, embed_dim // num_heads)
