@@ -202,8 +202,8 @@ def check_arguments(args):
     for spec in args.variants:
         try:
             parse_variant(spec)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--variants: {e}") from None
+        except (ValueError, TypeError) as e:  # attnzoo.create's own message, after the spec it is about
+            raise UsageError(f"--variants {spec!r}: {e}") from None
     known = known_backends()
     for option, names in (("--backends", args.backends or []),
                           ("--skip-backends", [n for group in args.skip_backends for n in group])):
@@ -213,10 +213,19 @@ def check_arguments(args):
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     try:
-        _config(args)
+        config = _config(args)
     except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch.device on a bad --device
         raise UsageError(" ".join(str(e).split())) from None
+    check_device(config.device)
     return compared
+
+
+def check_device(device) -> None:
+    """UsageError in one line when the device cannot run here (``--device cuda`` without a GPU)."""
+    from ..bench.environment import unusable_device
+    problem = unusable_device(device)
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def run(args) -> int:
