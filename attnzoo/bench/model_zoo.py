@@ -97,16 +97,28 @@ def _quiet_transformers():
         logging.set_verbosity(before)
 
 
-def _hf(model_class: str, config_class: str, full: dict, tiny: dict) -> Callable[[str, Optional[str]], nn.Module]:
-    def build(size: str, spec: Optional[str]) -> nn.Module:
+@dataclass(frozen=True)
+class _HF:
+    """Builds a Hugging Face model from its config class with the given arguments (the rest are
+    transformers' defaults: GPT2Config() is GPT-2-small, BertConfig() BERT-base)."""
+    model_class: str
+    config_class: str
+    full: dict
+    tiny: dict
+
+    def config(self, size: str):
         import transformers
         with _quiet_transformers():
-            config = getattr(transformers, config_class)(**(full if size == "full" else tiny))
-            model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa")
+            return getattr(transformers, self.config_class)(**(self.full if size == "full" else self.tiny))
+
+    def __call__(self, size: str, spec: Optional[str]) -> nn.Module:
+        import transformers
+        config = self.config(size)
+        with _quiet_transformers():
+            model = getattr(transformers, self.model_class)._from_config(config, attn_implementation="sdpa")
         if spec is not None:
             swap(model, spec, strict=True)
         return model
-    return build
 
 
 def _tokens(model: nn.Module, shapes: Shapes, device, g: torch.Generator) -> tuple:
@@ -122,7 +134,8 @@ def _lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
 
 
 _NO_DROPOUT_BERT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-_NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# (GPT2LMHeadModel's class name does not say which loss it trains with: transformers would warn)
+_NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "loss_type": "ForCausalLM"}
 _TINY_LM = {"vocab_size": 128, "max_position_embeddings": 64}
 
 # the kernels that run every row independently: what the issue's language-model targets name
@@ -134,13 +147,13 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               Shapes(128, 197), Shapes(4, 17), VIT_VARIANTS, _vit, _images, _image_loss),
     ModelSpec("gpt2", "Hugging Face GPT-2-small (GPT2LMHeadModel, causal)", "HF sdpa", "tokens/s", True,
               Shapes(8, 1024), Shapes(2, 16), LM_VARIANTS,
-              _hf("GPT2LMHeadModel", "GPT2Config", {**_NO_DROPOUT_GPT2},
+              _HF("GPT2LMHeadModel", "GPT2Config", {**_NO_DROPOUT_GPT2},
                   {**_NO_DROPOUT_GPT2, "vocab_size": 128, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2,
                    "bos_token_id": 0, "eos_token_id": 0}),
               _tokens, _lm_loss),
     ModelSpec("llama", "Llama-style (LlamaForCausalLM: 12 query heads, 4 key/value heads, hidden 768, 12 layers)",
               "HF sdpa", "tokens/s", True, Shapes(8, 1024), Shapes(2, 16), LM_VARIANTS,
-              _hf("LlamaForCausalLM", "LlamaConfig",
+              _HF("LlamaForCausalLM", "LlamaConfig",
                   {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
                    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024},
                   {**_TINY_LM, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -148,7 +161,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
               _tokens, _lm_loss),
     ModelSpec("bert", "Hugging Face BERT-base (BertForMaskedLM)", "HF sdpa", "tokens/s", False,
               Shapes(64, 128), Shapes(2, 16), LM_VARIANTS,
-              _hf("BertForMaskedLM", "BertConfig", {**_NO_DROPOUT_BERT},
+              _HF("BertForMaskedLM", "BertConfig", {**_NO_DROPOUT_BERT},
                   {**_NO_DROPOUT_BERT, **_TINY_LM, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                    "intermediate_size": 64}),
               _tokens, _lm_loss),

@@ -173,7 +173,7 @@ def _model_config(args):
 def _overhead_config(args):
     from ..bench.overhead import OverheadConfig
     return OverheadConfig(rounds=args.rounds, inner=args.inner, threads=args.threads or 1, seed=args.seed,
-                          layers=args.variants).validate()
+                          variants=args.variants).validate()
 
 
 def _name(args, default: str) -> str:
