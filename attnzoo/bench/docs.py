@@ -25,6 +25,9 @@ attnzoo bench --compare benchmarks/results/cpu/bench_cpu.json   # this run again
 attnzoo bench --compare OLD.json NEW.json                       # two saved runs, no benchmarking
 attnzoo bench --budget-seconds 300 --call-timeout-seconds 60 --skip-backends torch-flex,flex   # bounded
 attnzoo bench --from-jsonl runs/bench/x/bench.jsonl             # the result of a run that was killed
+attnzoo bench --models                                          # whole models' training throughput (below)
+attnzoo bench --models vit_s gpt2 --variants softmax l2 --model-modes eager compile --device cuda
+attnzoo bench --overhead --out benchmarks/results/cpu           # per-call overhead at tiny shapes, CPU
 ```
 Each run writes `NAME.jsonl` while it runs (a header line, then one line per finished row, flushed at
 once), then `NAME.json` (every measurement and the environment), `NAME.md` (tables) and
@@ -34,8 +37,38 @@ row instead (variant, backend, N, mode, status, median time, x SDPA, first-call 
 killed, `--from-jsonl` rebuilds the JSON, Markdown and plots from the rows it finished. Variants are names or spec strings; `--backends` filters attnzoo's
 backends (`reference`, `torch`, `cpu`, `triton`, ..., `auto`) and the baselines (`sdpa`,
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`, `sdpa-math`, `torch-flex`, `flash-attn`, `fla`,
-`torch-mha`). Standard runs: `benchmarks/sweep_cpu.py` (CPU) and `benchmarks/gpu_speed.py` (GPU); this page:
-`benchmarks/render_readme.py`.
+`torch-mha`). A spec that `attnzoo.create` refuses (`"l2(foo=1)"`, `"sinkhorn(n_iters=-1)"`) and
+`--device cuda` where no GPU is visible stop the command before any work, in one error line.
+Standard runs: `benchmarks/sweep_cpu.py` (CPU) and `benchmarks/gpu_speed.py` (GPU, docs/gpu.md); this
+page: `benchmarks/render_readme.py`. One harness serves all three benchmarks: `attnzoo.bench.timing`
+times everything, `attnzoo.bench.report` writes every table.
+
+**Whole models** (`--models`; default all four, each variant of `--variants` or the model's own list):
+timm `vit_small_patch16_224` (224 x 224, N = 197, batch 128), Hugging Face BERT-base (`BertForMaskedLM`,
+128 tokens, batch 64), GPT-2-small (`GPT2LMHeadModel`, 1024 tokens, causal, batch 8) and a Llama-style
+model (`LlamaForCausalLM`, hidden 768, 12 layers, 12 query heads sharing 4 key/value heads, 1024 tokens,
+causal, batch 8), all built from their configs (no download, dropout off). The variant goes in with
+`attn_layer=attnzoo.layer(spec)` (timm) or `attnzoo.swap(model, spec)` (Hugging Face, built with
+`attn_implementation="sdpa"`, its own attention and the baseline). Each (model, attention, mode) case
+trains with AdamW (bf16 autocast on CUDA) in `eager`, `compile` (`torch.compile(model)`) or
+`cudagraphs` (`mode="reduce-overhead"`; on a CPU that mode only compiles, so the case is recorded as
+skipped with that reason) mode: warm-up steps (compilation and graph capture land there, their time
+kept), blocks of steps timed with one synchronisation per block (images/s or tokens/s: the median
+block), steps started on an idle GPU timed until the host returns (host ms per step), and a
+torch.profiler pass counting kernel launches and CUDA-graph launches per step (aten ops per step on a
+CPU) and the GPU's busy time. The ratio ("x own") divides by the model's own attention in the same
+mode, measured in the same process; cases run model by model, eager before compiled before CUDA
+graphs, the own attention first, each under its own deadline (`--case-seconds`,
+`--compile-case-seconds`, `--budget-seconds`), so a slow compile is a skipped row, not a lost run.
+Files: `models.json`, `models.md`, `models.jsonl`. `--model-size tiny` (the default on a CPU) keeps each
+architecture at a few thousand parameters.
+
+**Per-call overhead** (`--overhead`, CPU, one thread): what a call costs beyond its math, forward +
+backward at B 1, H 2, N 16, D 8: the functional each name runs against `F.scaled_dot_product_attention`
+(causal for `masked`), and `attnzoo.create(name, 64, 2)` against timm's `Attention(64, 2)`. The
+candidates of a group are timed in interleaved rounds (every candidate once a round, 5 calls a sample,
+the order rotating), so machine noise hits them alike; figures are medians over rounds, ratios the
+median of per-round ratios. Files: `overhead.json`, `overhead.md`.
 """
 
 WHAT = """\
@@ -215,10 +248,12 @@ def _overhead_part(overhead: tuple[dict, Path], doc_dir: Path) -> list[str]:
     result, path = overhead
     s, env = result["settings"], result["environment"]
     src = _relative(Path(path).resolve(), doc_dir)
+    load = env.get("load_average")
+    busy = f" (load average {load[0]:.3g} at the end: the machine's other jobs)" if load else ""
     return ["### Per-call overhead (CPU)", "",
             f"What a call costs beyond its math: forward + backward at B {s['batch']}, H {s['heads']}, "
             f"N {s['seq_len']}, D {s['head_dim']} (layers: width {s['dim']}, {s['layer_heads']} heads) on "
-            f"{env.get('device_name')}, {s['threads']} thread, {s['rounds']} interleaved rounds of {s['inner']} calls "
+            f"{env.get('device_name')}{busy}, {s['threads']} thread, {s['rounds']} interleaved rounds of {s['inner']} calls "
             f"(medians; ratio = median of per-round ratios), torch {env.get('torch')}, {result['created'][:10]}. "
             f"`attnzoo bench --overhead`; data: [`{src}`]({src}).", "", overhead_markdown(result)]
 

@@ -45,7 +45,7 @@ MODES = ("eager", "compile", "cudagraphs")
 
 # steps per case: on a GPU few steps of a real model suffice (a step is tens of ms); the tiny CPU models
 # are timed over a few steps too
-GPU_STEPS = {"warmup": 3, "steps": 4, "blocks": 3, "host_steps": 3, "profile_steps": 2}
+GPU_STEPS = {"warmup": 3, "steps": 4, "blocks": 3, "host_steps": 2, "profile_steps": 1}
 CPU_STEPS = {"warmup": 1, "steps": 2, "blocks": 3, "host_steps": 2, "profile_steps": 1}
 
 

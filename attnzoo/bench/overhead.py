@@ -50,8 +50,8 @@ class OverheadConfig:
     head_dim: int = 8
     dim: int = 64              # the layers' width (heads of dim // heads each)
     layer_heads: int = 2
-    rounds: int = 40
-    inner: int = 20            # calls per sample
+    rounds: int = 200
+    inner: int = 5             # calls per sample: short samples are rarely cut by the scheduler on a busy machine
     warmup: int = 5
     threads: int = 1
     seed: int = 0

@@ -456,8 +456,8 @@ def overhead_markdown(result: dict) -> str:
     """Per group (functional, layer): each candidate's median microseconds per fwd+bwd call, the
     reference's, the difference and the ratio (median of per-round ratios, with its p20-p80)."""
     out = []
-    for group, title in (("functional", "attnzoo.functional.<variant> against F.scaled_dot_product_attention"),
-                         ("layer", "attnzoo.create(name, 64, 2) against timm's Attention(64, 2)")):
+    for group, title in (("functional", "`attnzoo.functional.<variant>` against `F.scaled_dot_product_attention`"),
+                         ("layer", "`attnzoo.create(name, 64, 2)` against timm's `Attention(64, 2)`")):
         rows = [r for r in result["results"] if r["group"] == group and r["name"] != r["reference"]]
         if not rows:
             continue

@@ -105,7 +105,7 @@ def add_arguments(parser) -> None:
     m.add_argument("--model-steps", type=int, default=None, help="steps per timed block (default 4 on CUDA, 2 on CPU)")
     m.add_argument("--model-blocks", type=int, default=None, help="timed blocks per case (default 3)")
     m.add_argument("--profile-steps", type=int, default=None,
-                   help="steps profiled for launches and aten ops per case (default 2 on CUDA, 1 on CPU)")
+                   help="steps profiled for launches and aten ops per case (default 1)")
     m.add_argument("--case-seconds", type=float, default=90.0, help="an eager model case is interrupted past this")
     m.add_argument("--compile-case-seconds", type=float, default=240.0,
                    help="a compiled model case (compile, cudagraphs) is interrupted past this")
@@ -115,8 +115,8 @@ def add_arguments(parser) -> None:
                    help="per-call overhead on the CPU at B 1, H 2, N 16, D 8, one thread, fwd+bwd: each functional "
                         "against F.scaled_dot_product_attention and each attnzoo.create(name, 64, 2) against timm's "
                         "Attention, interleaved rounds, medians")
-    m.add_argument("--rounds", type=int, default=40, help="--overhead: interleaved rounds (default 40)")
-    m.add_argument("--inner", type=int, default=20, help="--overhead: calls per sample (default 20)")
+    m.add_argument("--rounds", type=int, default=200, help="--overhead: interleaved rounds (default 200)")
+    m.add_argument("--inner", type=int, default=5, help="--overhead: calls per sample (default 5)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
                    help="folder for NAME.json, NAME.md and NAME_{time,memory}_*.png (default: runs/bench/<device>-<time>)")

@@ -64,6 +64,11 @@ def warm_model(device: str, model: str, attention: str, mode: str, size: str, ba
     trainer = Trainer(Case(model_spec(model), attention, mode), config, torch.device(device))
     for _ in range(2):
         trainer.step()
+    del trainer
+    # the worker takes the next case: its compiled graphs (and CUDA-graph memory pools) go now
+    torch._dynamo.reset()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return f"{model}/{attention}/{mode}"
 
 
