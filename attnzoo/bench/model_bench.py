@@ -173,6 +173,7 @@ def _row(case: Case, config: ModelBenchConfig) -> dict:
             "unit": spec.unit, "batch": batch, "seq_len": shapes.seq, "causal": spec.causal,
             "items_per_step": spec.items_per_step(type(shapes)(batch, shapes.seq)),
             "items_per_s": None, "step_s": None, "ratio_vs_own": None, "host_ms_per_step": None,
+            "op_host_ms_per_step": None,
             "launches_per_step": None, "graph_launches_per_step": None, "aten_ops_per_step": None,
             "host_waits_per_step": None, "device_ms_per_step": None, "warmup_s": None, "parameters": None,
             "loss": None}
@@ -247,11 +248,14 @@ class ModelRunner:
         warmup_s = time.perf_counter() - start
         stats = time_steps(trainer.step, device, c.steps, c.blocks)
         host = host_seconds(trainer.step, device, c.host_steps)
-        profile = profile_steps(trainer.step, device, c.profile_steps)
         items = trainer.case.model.items_per_step(trainer.shapes)
-        return {"items_per_s": items / stats.median, "step_s": stats.to_dict(), "warmup_s": warmup_s,
-                "host_ms_per_step": host.median * 1e3, "loss": float(trainer.loss),
-                **{k: v for k, v in profile.items() if k != "profiled_steps"}}
+        out = {"items_per_s": items / stats.median, "step_s": stats.to_dict(), "warmup_s": warmup_s,
+               "host_ms_per_step": host.median * 1e3, "loss": float(trainer.loss)}
+        try:  # the throughput stands even if the profiler fails
+            profile = profile_steps(trainer.step, device, c.profile_steps)
+        except Exception as e:  # noqa: BLE001 - said in the row, never fatal
+            return {**out, "reason": f"no profile: {errors.short(f'{type(e).__name__}: {e}', 200)}"}
+        return {**out, **{k: v for k, v in profile.items() if k != "profiled_steps"}}
 
     def _recover(self, case: Case) -> None:
         """Free the case's model and compiled graphs before the next one. A full garbage collection
@@ -304,6 +308,8 @@ def methods(device: torch.device) -> dict:
                             "the GPU (median): close to the step time means the step is bound by the host",
         "launches": "torch.profiler: kernel launches (cudaLaunchKernel / cuLaunchKernel events) and CUDA-graph "
                     "launches per step on CUDA; aten ops per step on every device (nested calls counted)",
+        "op_host_ms_per_step": "torch.profiler: the host's self time inside profiled calls per step (torch ops, "
+                               "CUDA API calls, custom ops with their Python), waits for the GPU left out",
         "ratio_vs_own": "items/s with the variant / items/s with the model's own attention (timm's Attention, "
                         "Hugging Face's sdpa), same model and mode, measured in the same process",
         "modes": "eager; compile = torch.compile(model); cudagraphs = torch.compile(model, mode='reduce-overhead') "

@@ -359,8 +359,8 @@ def _model_cell(row: Optional[dict]) -> str:
     return fmt_rate(row["items_per_s"]) + ("" if ratio is None or row["attention"] == "own" else f" ({ratio:.2f}x)")
 
 
-MODEL_COLUMNS = ("attention", "mode", "throughput", "x own", "step", "host ms", "launches", "aten ops", "GPU ms",
-                 "warm-up", "note")
+MODEL_COLUMNS = ("attention", "mode", "throughput", "x own", "step", "host ms", "op host ms", "launches", "aten ops",
+                 "GPU ms", "warm-up", "note")
 
 
 def model_row_cells(row: dict, result: dict) -> list[str]:
@@ -371,6 +371,7 @@ def model_row_cells(row: dict, result: dict) -> list[str]:
             "" if row.get("ratio_vs_own") is None else f"{row['ratio_vs_own']:.3f}",
             fmt_time(step.get("median")) if ok else "",
             "" if row.get("host_ms_per_step") is None else f"{row['host_ms_per_step']:.3g}",
+            "" if row.get("op_host_ms_per_step") is None else f"{row['op_host_ms_per_step']:.3g}",
             _launches(row), "" if row.get("aten_ops_per_step") is None else f"{row['aten_ops_per_step']:.0f}",
             "" if row.get("device_ms_per_step") is None else f"{row['device_ms_per_step']:.3g}",
             fmt_time(row.get("warmup_s")), row.get("reason") or ""]

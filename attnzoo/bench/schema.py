@@ -115,7 +115,8 @@ MODELS_TOP_LEVEL = {"schema": str, "created": str, "environment": dict, "setting
 MODEL_ROW = {"model": str, "attention": str, "mode": str, "status": str, "unit": str, "batch": int, "seq_len": int,
              "items_per_step": int}
 MODEL_ROW_OPTIONAL = {"reason": str, "items_per_s": float, "step_s": dict, "ratio_vs_own": float,
-                      "host_ms_per_step": float, "launches_per_step": float, "graph_launches_per_step": float,
+                      "host_ms_per_step": float, "op_host_ms_per_step": float, "launches_per_step": float,
+                      "graph_launches_per_step": float,
                       "aten_ops_per_step": float, "host_waits_per_step": float, "device_ms_per_step": float,
                       "warmup_s": float, "parameters": int, "loss": float}
 

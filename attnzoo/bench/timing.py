@@ -274,7 +274,8 @@ HOST_WAIT_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEvent
 def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dict:
     """What ``n`` steps do, per step, read from torch.profiler: kernel launches and CUDA-graph
     launches (CUDA), the aten ops dispatched (every device; nested calls counted, e.g. aten::linear
-    and the aten::addmm it calls), host waits, the GPU's busy time (the kernels' total), and with
+    and the aten::addmm it calls), the host's time inside profiled calls (``op_host_ms_per_step``),
+    host waits, the GPU's busy time (the kernels' total), and with
     ``rows`` the busiest operators by self time on the host and on the device."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda(device) else [])
@@ -288,7 +289,11 @@ def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dic
     def count(names) -> float:
         return sum(e.count for e in events if e.key in names) / n
 
-    out = {"profiled_steps": n, "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / n}
+    # the host time inside profiled calls (torch ops, CUDA API calls, attnzoo's custom ops with their
+    # Python), waits for the GPU left out; Python between ops is not in it (host_seconds has it all)
+    op_host_us = sum(e.self_cpu_time_total for e in events if e.key not in HOST_WAIT_EVENTS)
+    out = {"profiled_steps": n, "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / n,
+           "op_host_ms_per_step": op_host_us / n / 1e3}
     if _cuda(device):
         from torch.autograd import DeviceType
         device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
