@@ -403,9 +403,11 @@ def models_settings_line(result: dict) -> str:
     s, env = result["settings"], result["environment"]
     shapes = ", ".join(f"{name} batch {v['batch'] if s.get('batch') is None else s['batch']} x {v['seq']} tokens"
                        for name, v in s.get("shapes", {}).items())
+    partial = (f"; stopped early, after {s.get('rows_logged')} of {s.get('planned_rows', '?')} cases"
+               if s.get("complete") is False else "")
     return (f"{env.get('device_name')}, torch {env.get('torch')}, triton {env.get('triton')}; {s.get('size')} size: "
             f"{shapes}; {s.get('warmup')} warm-up steps, {s.get('blocks')} blocks of {s.get('steps')} steps, "
-            f"{s.get('profile_steps')} profiled; run {result['created']}")
+            f"{s.get('profile_steps')} profiled; run {result['created']}{partial}")
 
 
 def models_report(result: dict) -> str:

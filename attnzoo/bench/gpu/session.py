@@ -101,7 +101,7 @@ def parse(argv=None, extra: tuple = ()):
     m.add_argument("--case-seconds", type=float, default=40.0, help="an eager model case is interrupted past this")
     m.add_argument("--compile-case-seconds", type=float, default=90.0,
                    help="a compiled model case is interrupted past this")
-    m.add_argument("--model-workers", type=int, default=8,
+    m.add_argument("--model-workers", type=int, default=6,
                    help="warm phase: worker processes compiling model cases at once (each holds a model on the GPU)")
     p.add_argument("--from-results", nargs="+", type=Path, default=None, metavar="SPEED_JSON",
                    help="measure nothing: write the report, plot and ranking table of earlier runs' speed.json files "
@@ -159,6 +159,7 @@ class Session:
         self.models_file = both("models.jsonl") if "models" in args.phases else None
         self.rows = []
         self.models_result = None
+        self.models_head, self.models_rows = None, []
 
     def log(self, msg: str) -> None:
         line = f"[+{time.time() - self.start:6.1f}s] {msg}"
@@ -290,14 +291,25 @@ class Session:
         config = self.model_config(budget=max(1.0, self.deadline("models") - time.time()))
 
         def on_start(head):
+            self.models_head = head
             self.models_file.write(json.dumps(head, default=str) + "\n")
 
         def on_row(row):
+            self.models_rows.append(row)
             self.models_file.write(json.dumps(row, default=str) + "\n")
             self.log("models " + model_row_line(row))
 
         self.models_result = model_bench.run(config, progress=False, on_start=on_start, on_row=on_row)
         return self.models_result["results"]
+
+    def _models_so_far(self) -> Optional[dict]:
+        """The model benchmark's result, also when the run was stopped mid-phase (SIGINT from the
+        device call's time limit): rebuilt from the cases that finished."""
+        if self.models_result is None and self.models_head is not None and self.models_rows:
+            result = model_bench.finish(self.models_head, list(self.models_rows))
+            result["settings"].update(rows_logged=len(self.models_rows), complete=False)
+            return result
+        return self.models_result
 
     def phase_compile(self):
         return compile_check.run(self.device, self.deadline("compile"), self.log)
@@ -311,9 +323,10 @@ class Session:
         for name in ("correctness", "compile", "warm", *self.extra):
             if results.get(name) is not None:
                 write_json({"meta": meta, "rows": results[name]}, self.out / f"{name}.json")
-        if self.models_result is not None:
+        models = self._models_so_far()
+        if models is not None:
             from ..output import write_models_outputs
-            files = write_models_outputs(self.models_result, self.out, "models")
+            files = write_models_outputs(models, self.out, "models")
             if self.args.mirror is not None:
                 write_text(files["markdown"].read_text(), self.args.mirror / "models.md")
         if rows:

@@ -121,6 +121,8 @@ def warm(jobs: list, workers: int, deadline: float, log, limits: Optional[dict] 
             pool.shutdown(wait=False, cancel_futures=True)
             for proc in processes:  # a worker still compiling is stopped, not waited for
                 proc.terminate()
+            for proc in processes:  # but its GPU memory must be back before the timed phases start
+                proc.join(timeout=10)
     log(f"warm: {done} jobs done, {len(failed)} failed")
     return {"jobs": len(jobs), "done": done, "failed": failed[:20],
             "worker_seconds": {k: round(v, 1) for k, v in seconds.items()}}
