@@ -1,6 +1,8 @@
 """attnzoo compare PLAN.yaml | CONFIG.yaml ... [--seeds 0 1 2] [--set key=value] [--out-dir DIR]."""
 from __future__ import annotations
 
+import json
+
 from . import UsageError
 
 HELP = "train several models x seeds and write the comparison table (mean, 95% CI, paper) and test curves"
@@ -38,7 +40,7 @@ def run(args) -> int:
             plan.out_dir = Path(args.out_dir)
         if args.seeds:
             plan.seeds = list(dict.fromkeys(args.seeds))
-        extra = list(args.overrides) + ([f"data.data_dir={args.data_dir}"] if args.data_dir else [])
+        extra = list(args.overrides) + ([f"data.data_dir={json.dumps(args.data_dir)}"] if args.data_dir is not None else [])
         for r in plan.runs:
             r.overrides = r.overrides + extra
         names = [r.name for r in plan.runs]
