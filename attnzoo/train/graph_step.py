@@ -144,29 +144,35 @@ class GraphedTrainStep:
     def rows(self, k: int) -> int:
         return max(0, min(self.batch, self.n_real - k * self.batch))
 
-    def _body(self) -> None:
-        cfg = self.cfg
+    def forward_loss(self):
+        """Batch ``step_index`` of the epoch through the model: (weighted mean loss, logits, labels,
+        real-row mask, number of real rows as a tensor). Fixed shapes, no host reads: this part
+        traces into one graph with its backward (``torch.compile(fullgraph=True)``, tested)."""
         at = self.step_index * self.batch + self.offsets
         index, weight = self.order[at], self.weight[at]
         real = weight > 0
         batch = self.data.batch(index, self.epoch)
         images, labels = batch[0], batch[1]
-        # gradients set to None, so the backward writes them afresh: during capture this allocates them
-        # in the graph's memory, where every replay writes them again (no kernel is recorded for it)
-        self.optimizer.zero_grad(set_to_none=True)
         with _autocast(self.amp):
             if len(batch) == 4:
                 logits = self.model(images, templates=batch[2], template_mask=batch[3] & real)
             else:
                 logits = self.model(images)
             per_row = F.cross_entropy(logits.float(), labels, reduction="none",
-                                      label_smoothing=cfg.optim.label_smoothing)
+                                      label_smoothing=self.cfg.optim.label_smoothing)
             count = weight.sum()
             loss = (per_row * weight).sum() / count
+        return loss, logits, labels, real, count
+
+    def _body(self) -> None:
+        # gradients set to None, so the backward writes them afresh: during capture this allocates them
+        # in the graph's memory, where every replay writes them again (no kernel is recorded for it)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, logits, labels, real, count = self.forward_loss()
         loss.backward()
-        if cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
-        self.optimizer.step()
+        if self.cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+        self.optimizer.step()  # fused AdamW: lr and step count read on the device
         with torch.no_grad():
             self.loss_sum += loss.detach().double() * count.double()
             self.correct += ((logits.argmax(-1) == labels) & real).sum()
