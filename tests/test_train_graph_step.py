@@ -166,6 +166,10 @@ def test_graph_choice_and_its_errors(tmp_path):
         tiny_config(tmp_path, overrides=["train.graph=yes please"])
     with pytest.raises(ValueError, match="train.compile=blocks"):
         tiny_config(tmp_path, overrides=["train.graph=true", "train.compile=blocks"])
+    with pytest.raises(ValueError, match="captures its own CUDA graphs"):
+        tiny_config(tmp_path, overrides=["train.graph=true", "train.compile_mode=reduce-overhead"])
+    for other in (["train.compile=blocks"], ["train.compile=true", "train.compile_mode=reduce-overhead"]):
+        assert not graph_choice(tiny_config(tmp_path, overrides=["train.graph=auto", *other]), cuda, 1, "device")
 
 
 def test_the_learning_rate_scales_by_the_stated_rule(tmp_path):

@@ -13,6 +13,7 @@ import yaml
 PIPELINES = ("auto", "device", "loader")
 COMPILE_CHOICES = (False, True, "model", "blocks", "auto")
 GRAPH_CHOICES = (False, True, "auto")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs themselves
 LR_SCALING = ("none", "linear", "sqrt")
 
 
@@ -195,8 +196,10 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _require(d.pipeline in PIPELINES, "data.pipeline", f"one of {list(PIPELINES)}", d.pipeline)
     _require(t.compile in COMPILE_CHOICES, "train.compile", "false, true, model, blocks or auto", t.compile)
     _require(t.graph in GRAPH_CHOICES, "train.graph", "false, true or auto", t.graph)
-    _require(t.graph is False or t.compile != "blocks", "train.graph",
-             "false with train.compile=blocks (blocks keep OT-ViT's data-dependent gather)", t.graph)
+    _require(t.graph is not True or t.compile != "blocks", "train.graph",
+             "false or auto with train.compile=blocks (blocks keep OT-ViT's data-dependent gather)", t.graph)
+    _require(t.graph is not True or t.compile_mode not in CUDAGRAPH_MODES, "train.graph",
+             f"false or auto with train.compile_mode={t.compile_mode} (that mode captures its own CUDA graphs)", t.graph)
     _require(o.lr_scaling in LR_SCALING, "optim.lr_scaling", f"one of {list(LR_SCALING)}", o.lr_scaling)
     _require(o.lr_reference_batch > 0, "optim.lr_reference_batch", "a positive integer", o.lr_reference_batch)
     _require(t.log_every > 0, "train.log_every", "a positive integer", t.log_every)

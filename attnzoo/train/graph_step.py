@@ -36,9 +36,14 @@ WARMUP_STEPS = 3
 
 def graph_choice(cfg, device: torch.device, world: int, pipeline: str) -> bool:
     """Whether ``train.graph`` asks for the static (graphed) step here: ``auto`` on one CUDA device
-    with the device-resident data; ``true`` anywhere it can run (CPU: uncaptured, for tests)."""
+    with the device-resident data, unless torch.compile captures graphs itself (``compile_mode``
+    reduce-overhead / max-autotune) or compiles block by block; ``true`` anywhere it can run (CPU:
+    uncaptured, for tests)."""
+    from .config import CUDAGRAPH_MODES
     how = cfg.train.graph
     if how is False:
+        return False
+    if how == "auto" and (cfg.train.compile == "blocks" or cfg.train.compile_mode in CUDAGRAPH_MODES):
         return False
     possible = world == 1 and pipeline == "device"
     if how == "auto":
