@@ -47,19 +47,27 @@ def _log(*parts) -> None:
 
 
 def _run(cmd: list[str], timeout: float, out_file: Path) -> int:
-    """Run a command (output into ``out_file`` and echoed at the end), killed after ``timeout`` s."""
+    """Run a command (output appended to ``out_file``, its end echoed), stopped after ``timeout`` s:
+    SIGTERM first (``attnzoo compare`` then stops the run processes it started), SIGKILL 30 s later."""
     _log(f"$ {' '.join(cmd)}  (at most {timeout:.0f} s)")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = out_file.stat().st_size if out_file.exists() else 0
     with open(out_file, "a") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=max(1.0, timeout), cwd=ROOT,
-                                  env=env)
-            code = proc.returncode
+            code = proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             out.write(f"\n[stopped after {timeout:.0f} s]\n")
             code = 124
-    tail = out_file.read_text().splitlines()[-15:]
-    _log("\n".join(tail))
+    with open(out_file) as f:
+        f.seek(start)
+        _log("\n".join(f.read().splitlines()[-15:]))
     return code
 
 

@@ -176,3 +176,55 @@ def test_the_device_command_runs_on_cpu_with_tiny_settings(tmp_path):
         names = tar.getnames()
     assert any(n.endswith("vit_seed0/metrics.json") for n in names) and not any("checkpoints" in n for n in names)
     assert "otvit seed 0: training" in (out / "log.txt").read_text()
+
+
+def _sleeping_child(cfg_dict, resume, deadline, log_path):
+    import time
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(log_path).write_text("started\n")
+    time.sleep(120)
+
+
+def test_sigterm_stops_the_run_processes_it_started(tmp_path, monkeypatch):
+    """A timeout around ``attnzoo compare --parallel`` sends SIGTERM: the runs it started are ended
+    too (none is left on the GPU machine), and the signal handler is put back."""
+    import os
+    import signal
+    import threading
+    import time
+    monkeypatch.setattr(protocol, "START_METHOD", "fork")
+    monkeypatch.setattr(protocol, "POLL_SECONDS", 0.1)
+    monkeypatch.setattr(protocol, "_child", _sleeping_child)
+    plan = _plan(tmp_path)
+    todo = [(r, s, cfg, None, 0) for r, s, cfg in protocol.configs(plan)]
+    started, procs = [], []
+
+    def send_term_when_running():
+        for _ in range(400):
+            logs = list(tmp_path.glob("*/train.log"))
+            if len(logs) == 2:      # both run processes are up
+                started.extend(logs)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=send_term_when_running, daemon=True).start()
+    import multiprocessing as mp
+    real_ctx = mp.get_context
+
+    def recording_ctx(method):
+        ctx = real_ctx(method)
+
+        class Ctx:
+            def Process(self, *a, **k):
+                proc = ctx.Process(*a, **k)
+                procs.append(proc)
+                return proc
+        return Ctx()
+    monkeypatch.setattr(mp, "get_context", recording_ctx)
+    t0 = time.time()
+    with pytest.raises(SystemExit):
+        protocol._run_in_processes(plan, todo, QUIET, 2, None, _NoBar())
+    assert len(started) == 2 and len(procs) == 2 and time.time() - t0 < 60
+    assert not any(p.is_alive() for p in procs)
+    assert signal.getsignal(signal.SIGTERM) == before

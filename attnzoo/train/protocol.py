@@ -278,8 +278,14 @@ def _run_in_processes(plan, todo, log, parallel, deadline, bar, grace: float = 6
     """Up to ``parallel`` runs at once, each a child process sharing the device. A child still running
     ``grace`` seconds past the deadline is stopped (its last finished epoch is in its checkpoint)."""
     import multiprocessing as mp
+    import signal
+    import threading
     ctx = mp.get_context(START_METHOD)
     waiting, running, took, seen = list(todo), {}, {}, {}
+
+    def stop(signum, frame):  # SIGTERM (a timeout around this command): stop the runs started here first
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
     try:
         while waiting or running:
             while waiting and len(running) < parallel:
@@ -321,6 +327,8 @@ def _run_in_processes(plan, todo, log, parallel, deadline, bar, grace: float = 6
             if proc.is_alive():
                 proc.terminate()
                 proc.join(30)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def report(plan: Plan) -> dict:
