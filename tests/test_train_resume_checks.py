@@ -197,3 +197,17 @@ def test_a_time_budget_stops_between_epochs_and_resume_finishes(tmp_path, monkey
     monkeypatch.undo()
     summary = train(cfg, resume=str(tmp_path / "run"), **QUIET)
     assert summary["epochs_done"] == 3 and not summary.get("stopped_early")
+
+
+def test_a_checkpoint_from_before_a_new_setting_resumes_with_its_default(half_run, tmp_path):
+    """Settings a checkpoint predates count as their defaults (what it ran with), not as changes."""
+    run = _copy(half_run, tmp_path)
+    weights, state = load_checkpoint(run)
+    state = {k: v for k, v in state.items() if k not in ("format", "weights_tensors_sha256")}
+    del state["config"]["optim"]["lr_scaling"], state["config"]["train"]["graph"]
+    C.save_checkpoint(run / "checkpoints", 1, weights, state)
+    summary = train(tiny_config(run, overrides=["train.epochs=2"]), resume=str(run), **QUIET)
+    assert summary["epochs_done"] == 2 and "config_changes" not in summary
+    with pytest.raises(CheckpointError, match="optim.lr_scaling: checkpoint 'none', config 'sqrt'"):
+        train(tiny_config(_copy(run, tmp_path / "b"), overrides=["train.epochs=3", "optim.lr_scaling=sqrt"]),
+              resume=str(tmp_path / "b" / "run"), **QUIET)

@@ -257,15 +257,27 @@ RESUME_INCIDENTAL = ("train.out_dir", "train.progress", "train.plot", "train.log
                      "data.data_dir", "data.download", "data.num_workers", "data.pipeline")
 
 
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    """A saved config with the settings it predates filled in with their defaults (what it ran with)."""
+    out = dict(defaults)
+    for key, value in saved.items():
+        out[key] = _with_defaults(value, defaults[key]) if isinstance(value, dict) and isinstance(
+            defaults.get(key), dict) else value
+    return out
+
+
 def check_resumable(state: dict, config: dict, path, allow_change: bool = False,
-                    device_type: str = None) -> list[str]:
+                    device_type: str = None, defaults: dict = None) -> list[str]:
     """The settings a resume changes, as ``"key: checkpoint A, config B"`` lines. A checkpoint whose
     model (or dataset) differs from the config is always refused; any other change (learning rate,
     seed, batch size, epochs, ..., or the device type) would make the run differ from an
-    uninterrupted one, so it is refused unless ``allow_change``."""
+    uninterrupted one, so it is refused unless ``allow_change``. ``defaults``: the config's default
+    values, for settings a checkpoint saved by an older attnzoo does not record."""
     saved = state.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} records no config, so it cannot be checked against this one")
+    if defaults is not None:
+        saved = _with_defaults(saved, defaults)
     diffs = _differences({"model": saved.get("model", {}), "dataset": saved.get("data", {}).get("dataset")},
                          {"model": config["model"], "dataset": config["data"]["dataset"]})
     if diffs:

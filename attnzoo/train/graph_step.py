@@ -91,7 +91,10 @@ class _Captured:
             with torch.cuda.graph(graph):
                 self.body()
         except Exception as e:  # noqa: BLE001 - any capture failure: report, then run uncaptured
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:  # a stream left in the failed capture's error state: the body below says more
+                pass
             if self.required:
                 raise RuntimeError(f"train.graph=true: the {self.name} could not be captured in a CUDA graph "
                                    f"({type(e).__name__}: {e}); use train.graph=auto to fall back") from e
@@ -104,9 +107,10 @@ class _Captured:
 
 
 class GraphedTrainStep:
-    """The static training step over a ``DeviceTrainData``; ``start_epoch(epoch, steps)`` then
-    ``steps`` calls of ``step()``. ``loss_sum`` (float64, weighted by rows) and ``correct`` (int64)
-    accumulate on the device over the epoch; ``rows(k)`` is how many real images step k holds."""
+    """The static training step over a ``DeviceTrainData``: ``start_epoch(epoch)``, then one
+    ``run()`` per step (the k-th call of the epoch trains batch k). ``loss_sum`` (float64, weighted
+    by rows) and ``correct`` (int64) accumulate on the device over the epoch; ``rows(k)`` is how
+    many real images step k holds."""
 
     def __init__(self, model, optimizer, data, cfg, device: torch.device, required: bool) -> None:
         self.model, self.optimizer, self.data, self.cfg, self.device = model, optimizer, data, cfg, device

@@ -268,7 +268,8 @@ def _resume_state(cfg: TrainConfig, resume, info: D.DistInfo, allow_change: bool
     """The verified checkpoint (weights, state) and the settings this resume changes, recorded with
     the ones earlier resumes changed: [{"after_epoch": E, "changes": [...]}, ...]."""
     weights, state = load_checkpoint(resume)
-    changes = check_resumable(state, cfg.to_dict(), resume, allow_change, info.device.type)
+    changes = check_resumable(state, cfg.to_dict(), resume, allow_change, info.device.type,
+                              defaults=TrainConfig().to_dict())
     recorded = list(state.get("config_changes", []))
     if changes:
         log(f"resuming {resume} with changed settings (--allow-config-change): {'; '.join(changes)}")
