@@ -15,11 +15,24 @@ from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixtur
 pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
 
+class Stop(Exception):
+    """Ends a run after a chosen epoch (its checkpoint written), as an interruption would."""
+
+
+def stop_after(epoch):
+    def on_epoch(row):
+        if row["epoch"] == epoch:
+            raise Stop
+    return on_epoch
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    """A 3-epoch run interrupted after epoch 2: resuming it with the same config trains epoch 3."""
     out = tmp_path_factory.mktemp("ckpt")
     torch.set_num_threads(1)
-    train(tiny_config(out, overrides=["train.epochs=2"]), log=lambda *a: None)
+    with pytest.raises(Stop):
+        train(tiny_config(out, overrides=["train.epochs=3"]), log=lambda *a: None, on_epoch=stop_after(2))
     return out
 
 

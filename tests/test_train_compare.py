@@ -70,7 +70,7 @@ def test_compare_trains_every_seed_and_writes_the_table(tmp_path, capsys, monkey
     # finished runs are kept; a new seed trains only itself
     trained = []
     from attnzoo.train import loop
-    monkeypatch.setattr(loop, "train", lambda cfg, resume=None, log=None: trained.append(cfg.train.out_dir)
+    monkeypatch.setattr(loop, "train", lambda cfg, resume=None, log=None, **kw: trained.append(cfg.train.out_dir)
                         or _real_train(cfg, resume, log))
     assert _compare(tmp_path, "--seeds", "0", "1", "2") == 0
     assert sorted(trained) == sorted(str(tmp_path / f"{m}_seed2") for m in ("vit", "otvit"))

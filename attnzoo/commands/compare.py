@@ -1,9 +1,14 @@
-"""attnzoo compare PLAN.yaml | CONFIG.yaml ... [--seeds 0 1 2] [--set key=value] [--out-dir DIR]."""
+"""attnzoo compare PLAN.yaml | CONFIG.yaml ... [--seeds 0 1 2] [--set key=value] [--out-dir DIR]
+[--parallel N] [--time-budget SECONDS]."""
 from __future__ import annotations
+
+import json
+import time
 
 from . import UsageError
 
-HELP = "train several models x seeds and write the comparison table (mean, 95% CI, paper) and test curves"
+HELP = ("train several models x seeds, then the comparison table (mean and confidence interval per model, paired "
+        "difference, the paper's numbers) and the test curves")
 
 
 def add_arguments(parser) -> None:
@@ -18,6 +23,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="train only these runs of the plan "
                         "(the table still shows every run found)")
     parser.add_argument("--report-only", action="store_true", help="train nothing: tabulate the runs found")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="train N runs at once, each in its own process sharing the device (default 1: one "
+                             "after the other in this process); runs start seed by seed")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="stop each run after its last epoch that fits in SECONDS from now (checkpoints "
+                             "written: run the command again to resume), start no run that cannot finish; the "
+                             "table shows what is done")
 
 
 def run(args) -> int:
@@ -38,9 +50,14 @@ def run(args) -> int:
             plan.out_dir = Path(args.out_dir)
         if args.seeds:
             plan.seeds = list(dict.fromkeys(args.seeds))
-        extra = list(args.overrides) + ([f"data.data_dir={args.data_dir}"] if args.data_dir else [])
+        extra = list(args.overrides) + ([f"data.data_dir={json.dumps(args.data_dir)}"] if args.data_dir is not None else [])
         for r in plan.runs:
             r.overrides = r.overrides + extra
+        if args.parallel < 1:
+            raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+        if args.time_budget is not None and not args.time_budget > 0:
+            raise UsageError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+        deadline = None if args.time_budget is None else time.time() + args.time_budget
         names = [r.name for r in plan.runs]
         if args.only:
             unknown = sorted(set(args.only) - set(names))
@@ -51,9 +68,10 @@ def run(args) -> int:
         if args.only and not args.report_only:
             keep = plan.runs
             plan.runs = [r for r in keep if r.name in args.only]
-            protocol.run_plan(plan)
+            protocol.run_plan(plan, parallel=args.parallel, deadline=deadline)
             plan.runs = keep
-        result = protocol.run_plan(plan, report_only=args.report_only or bool(args.only))
+        result = protocol.run_plan(plan, report_only=args.report_only or bool(args.only), parallel=args.parallel,
+                                   deadline=deadline)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     print(result["text"])

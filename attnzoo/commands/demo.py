@@ -26,7 +26,8 @@ def add_arguments(parser) -> None:
                              f"(default: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--dataset", choices=["auto", *CONFIGS], default="auto",
                         help="auto (default): Fashion-MNIST when its files are on disk, else the digits")
-    parser.add_argument("--data-dir", default=None, help="a folder holding the four Fashion-MNIST .gz files")
+    parser.add_argument("--data-dir", default=None, help="a folder holding the four Fashion-MNIST .gz files "
+                        "(must exist; implies Fashion-MNIST)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per variant (default: the config's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field for every variant, as in attnzoo train")
@@ -41,8 +42,19 @@ def config_dir() -> Path:
 
 
 def pick_dataset(choice: str, data_dir) -> tuple[str, str]:
-    """(dataset, a line for the user): Fashion-MNIST only from files already on disk."""
-    from ..train.datasets import FASHION_MNIST_INSTALL, fashion_mnist_present
+    """(dataset, a line for the user): Fashion-MNIST only from files already on disk. A --data-dir
+    must exist and hold the files: it asks for Fashion-MNIST (the digits read no folder)."""
+    from ..train.datasets import FASHION_MNIST_INSTALL, fashion_mnist_dirs, fashion_mnist_present
+    if data_dir is not None:
+        if choice == "digits":
+            raise UsageError(f"--data-dir {data_dir!r} cannot be used with --dataset digits: the digits ship inside "
+                             f"scikit-learn and read no folder; drop --data-dir")
+        if not Path(data_dir).is_dir():
+            raise UsageError(f"--data-dir {data_dir!r} does not exist or is not a folder")
+        if not fashion_mnist_present(data_dir):
+            raise UsageError(f"--data-dir {data_dir!r} holds no Fashion-MNIST files (looked for the four .gz files in "
+                             f"{[str(d) for d in fashion_mnist_dirs(data_dir)]}); to install them: "
+                             f"{FASHION_MNIST_INSTALL}")
     present = fashion_mnist_present(data_dir)
     how = f"{FASHION_MNIST_INSTALL} (or --data-dir DIR holding its four .gz files)"
     if choice == "fashion_mnist" and not present:
@@ -66,8 +78,8 @@ def plan_runs(args, dataset: str) -> list[tuple[str, object]]:
     from ..train import load_config
     base = config_dir() / CONFIGS[dataset]
     common = list(args.overrides)
-    if args.data_dir:
-        common.append(f"data.data_dir={args.data_dir}")
+    if args.data_dir is not None and dataset != "digits":
+        common.append(f"data.data_dir={json.dumps(args.data_dir)}")
     if args.epochs is not None:
         common.append(f"train.epochs={args.epochs}")
     if len(set(args.variants)) != len(args.variants):

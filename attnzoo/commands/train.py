@@ -1,7 +1,13 @@
-"""attnzoo train CONFIG.yaml [--set key=value ...] [--resume [PATH]] [--data-dir DIR]."""
+"""attnzoo train CONFIG.yaml [--set key=value ...] [--resume [PATH]] [--data-dir DIR].
+
+Exit status: 0 when training ran (or stopped at --time-budget with its checkpoint written, or a
+resumed run already holds train.epochs epochs: "nothing left to train"), 2 for bad input, data or
+checkpoints (one ``error:`` line)."""
 from __future__ import annotations
 
+import json
 import sys
+import time
 
 HELP = "train a ViT / OT-ViT with any attention variant (runs under torchrun for DDP)"
 
@@ -14,21 +20,35 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
                         help="continue from a checkpoint: a run dir, checkpoints/last.json or a .safetensors "
                              "(no PATH: the config's train.out_dir)")
-    parser.add_argument("--data-dir", default=None, help="folder holding a local copy of the dataset")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="with --resume: accept settings that differ from the checkpoint's (learning rate, seed, "
+                             "batch size, epochs, ...); the run then differs from an uninterrupted one, and the changes "
+                             "are recorded in metrics.json")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="stop after the last epoch expected to end within SECONDS (checkpoint written; "
+                             "--resume continues)")
+    parser.add_argument("--data-dir", default=None, help="folder holding a local copy of the dataset (must exist)")
     parser.add_argument("--out-dir", default=None, help="where metrics, curves and checkpoints go")
 
 
 def run(args) -> int:
     from ..train import CheckpointError, DataNotFoundError, load_config, train
     overrides = list(args.overrides)
-    if args.data_dir:
-        overrides.append(f"data.data_dir={args.data_dir}")
+    if args.data_dir is not None:
+        overrides.append(f"data.data_dir={json.dumps(args.data_dir)}")
     if args.out_dir:
-        overrides.append(f"train.out_dir={args.out_dir}")
+        overrides.append(f"train.out_dir={json.dumps(args.out_dir)}")
+    if args.allow_config_change and not args.resume:
+        print("attnzoo train: error: --allow-config-change only applies with --resume", file=sys.stderr)
+        return 2
+    if args.time_budget is not None and not args.time_budget > 0:
+        print(f"attnzoo train: error: --time-budget must be > 0 seconds, got {args.time_budget}", file=sys.stderr)
+        return 2
+    deadline = None if args.time_budget is None else time.time() + args.time_budget
     try:
         cfg = load_config(args.config, overrides)
         resume = cfg.train.out_dir if args.resume == "auto" else args.resume
-        train(cfg, resume=resume)
+        train(cfg, resume=resume, allow_config_change=args.allow_config_change, deadline=deadline)
     except (ValueError, TypeError, FileNotFoundError, CheckpointError, DataNotFoundError) as e:
         print(f"attnzoo train: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,17 @@ At test time the model is called without ``templates``: only the input's own.
 
 ``ot_queries="cls"`` (default) runs the last layer for the class token only: the head reads nothing
 else, so the logits are the same as with ``"all"`` while the OT attention does 1/N of the work.
+
+Two forwards for a batch where only some rows borrow (``template_mask``): the eager one gathers
+those rows (``nonzero``: a size only the data knows, so a host sync), and a shape-static one for
+torch.compile and CUDA graphs (``static_shapes = True``, or whenever dynamo traces the model). The
+static one runs partners for a fixed number of rows, ``partner_capacity(B, partner_prob)``: the
+rows that borrow come first (a stable sort of the mask), so up to that many rows get their
+partner and the logits equal the eager forward's. With ``partner_prob`` unknown (None) the
+capacity is the whole batch; with it (the training loop sets it from ``data.partner_prob``) the
+capacity is the mean plus 6 standard deviations of Binomial(B, p): at B = 512, p = 0.5, 325 rows
+instead of 512, and a batch with more borrowing rows than that (probability below 1e-9) lets the
+rows past the capacity go without their partner (counted in ``partner_overflow``).
 """
 from __future__ import annotations
 
@@ -23,6 +34,16 @@ from .ot_block import OTBlock
 from .vit import ViT
 
 GAMMA_RULES = ("sqrt_embed_dim", "sqrt_head_dim")
+CAPACITY_SIGMAS = 6.0  # P(Binomial > mean + 6 sd) < 1e-9 for the batch sizes used here
+
+
+def partner_capacity(batch: int, prob: Optional[float]) -> int:
+    """How many rows of a batch of ``batch`` the shape-static forward runs partners for: all of them
+    when ``prob`` is None, else ceil(mean + 6 sd) of Binomial(batch, prob), at least 1, at most batch."""
+    if prob is None:
+        return batch
+    mean, sd = batch * prob, math.sqrt(batch * prob * (1.0 - prob))
+    return max(1, min(batch, math.ceil(mean + CAPACITY_SIGMAS * sd)))
 
 
 def resolve_gamma(rule: Union[str, float], embed_dim: int, num_heads: int) -> float:
@@ -55,6 +76,10 @@ class OTViT(ViT):
         self.ot_backend = ot_backend
         self._depth = vit_kwargs.get("depth", 6)
         super().__init__(**vit_kwargs)
+        self.static_shapes = False   # the shape-static forward in eager mode too (CUDA graphs)
+        self.partner_prob: Optional[float] = None  # sizes the static forward's partner rows
+        # rows that borrowed past the static forward's capacity and went without their partner
+        self.register_buffer("partner_overflow", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def _block(self, index, attention, dim, num_heads, mlp_ratio, dropout, attn_dropout, qkv_bias):
         if index < self._depth - 1:
@@ -84,7 +109,7 @@ class OTViT(ViT):
         if template_mask is None:   # every row borrows its partner's templates
             x, t = self._with_partners(images, templates)
             return self.classify(last(x, templates=t))
-        if torch.compiler.is_compiling():
+        if self.static_shapes or torch.compiler.is_compiling():
             return self._static_forward(images, templates, template_mask)
         rows = template_mask.nonzero().squeeze(1)
         if rows.numel() == 0:
@@ -107,13 +132,24 @@ class OTViT(ViT):
         return x, (t[:, 1:] if self.template_tokens == "patches" else t)
 
     def _static_forward(self, images, templates, template_mask):
-        """The masked forward without data-dependent shapes, for torch.compile: every partner goes
-        through the trunk and the last layer runs with and without templates for every row (one
-        query each), ``template_mask`` picks per row. Same logits as the eager forward, which
-        gathers the rows that borrow (nonzero: a size only the data knows)."""
-        x, t = self._with_partners(images, templates)
+        """The masked forward without data-dependent shapes (torch.compile, CUDA graphs): the rows
+        that borrow are sorted first (stable), the first ``partner_capacity`` rows run their partner
+        through the trunk and the last layer with templates, every row runs the last layer without,
+        and each row keeps the output its mask asks for. The same logits as the eager forward, which
+        gathers the borrowing rows (nonzero: a size only the data knows)."""
+        B = images.shape[0]
+        k = partner_capacity(B, self.partner_prob)
+        order = torch.sort((~template_mask).to(torch.int32), stable=True).indices  # borrowing rows first
+        rows = order[:k]
+        borrows = template_mask[rows]
+        if k < B:  # rows that borrow but fall past the capacity: none unless the batch is very unlucky
+            with torch.no_grad():
+                self.partner_overflow += template_mask.sum() - borrows.sum()
+        x, t = self._with_partners(images, templates[rows])
         last = self._last
-        out = torch.where(template_mask[:, None, None], last(x, templates=t), last(x))
+        own = last(x)
+        lent = last(x[rows], templates=t)
+        out = own.index_copy(0, rows, torch.where(borrows[:, None, None], lent, own[rows]))
         return self.classify(out)
 
     @staticmethod

@@ -4,14 +4,19 @@ a torch file read back with ``weights_only=True``.
 Integrity: every file is written to a temporary name, flushed and renamed (atomic on POSIX); a
 temporary left by a killed process is removed by the next save (``remove_stale_temporaries``).
 ``last.json`` / ``best.json`` name the pair of files that belong together with their SHA-256
-checksums, and the state file records the weights' checksum too, so flipped bytes in either file
-are found whichever path the checkpoint is loaded by. A save writes the epoch's two files, then
+checksums. The pair also vouches for itself, so a checkpoint loaded by its ``.safetensors`` path
+with no pointer beside it is verified too: the weights file's metadata holds the SHA-256 of its own
+tensors (names, dtypes, shapes and bytes) and of the state file, and the state records the weights'
+tensor checksum (the two files belong together). Every file read is checked; a checkpoint that
+carries no checksum for a file it needs (one written by an older attnzoo, loaded without its
+pointer) is refused rather than trusted. A save writes the state, then the weights, then
 ``best.json`` (when the epoch is the best), then ``last.json``: a crash at any moment leaves both
 pointers naming complete, verified files (``best.json`` can only run ahead of ``last.json``, by
 the epoch that ``--resume`` then trains again)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -19,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 STATE_FORMAT = "attnzoo-train-state/1"
@@ -73,20 +78,37 @@ def sha256(path: Union[str, Path]) -> str:
     return h.hexdigest()
 
 
+def tensors_sha256(tensors: dict) -> str:
+    """SHA-256 of a state dict's content: every tensor's name, dtype, shape and bytes, in name order.
+    It does not depend on how a file lays the tensors out, so it travels inside the file itself."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_checkpoint(ckpt_dir: Union[str, Path], epoch: int, weights: dict, state: dict,
                     is_best: bool = False) -> Path:
-    """Write epochNNNN.{safetensors,state.pt}, point best.json (when best) then last.json at them with
+    """Write epochNNNN.{state.pt,safetensors}, point best.json (when best) then last.json at them with
     their checksums, drop the files no pointer names any more."""
     ckpt_dir = Path(ckpt_dir)
     remove_stale_temporaries(ckpt_dir)
     stem = f"epoch{epoch:04d}"
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     weights_file, state_file = ckpt_dir / f"{stem}.safetensors", ckpt_dir / f"{stem}.state.pt"
-    _atomic_write(weights_file, lambda p: save_file(weights, p, metadata={"epoch": str(epoch), "format": STATE_FORMAT}))
-    weights_sum = sha256(weights_file)
-    _atomic_write(state_file, lambda p: torch.save({"format": STATE_FORMAT, "weights_sha256": weights_sum, **state}, p))
-    pointer = json.dumps({"epoch": epoch, "weights": weights_file.name, "weights_sha256": weights_sum,
-                          "state": state_file.name, "state_sha256": sha256(state_file)})
+    content = tensors_sha256(weights)
+    buffer = io.BytesIO()
+    recorded = {k: v for k, v in state.items() if k not in ("format", "weights_sha256", "weights_tensors_sha256")}
+    torch.save({"format": STATE_FORMAT, **recorded, "weights_tensors_sha256": content}, buffer)
+    state_bytes = buffer.getvalue()
+    state_sum = hashlib.sha256(state_bytes).hexdigest()
+    _atomic_write(state_file, lambda p: Path(p).write_bytes(state_bytes))
+    _atomic_write(weights_file, lambda p: save_file(weights, p, metadata={
+        "epoch": str(epoch), "format": STATE_FORMAT, "tensors_sha256": content, "state_sha256": state_sum}))
+    pointer = json.dumps({"epoch": epoch, "weights": weights_file.name, "weights_sha256": sha256(weights_file),
+                          "state": state_file.name, "state_sha256": state_sum})
     for name in (["best", "last"] if is_best else ["last"]):
         _atomic_write(ckpt_dir / f"{name}.json", lambda p: Path(p).write_text(pointer))
     _remove_unreferenced(ckpt_dir)
@@ -156,12 +178,33 @@ def _verify(path: Path, expected, what: str) -> None:
                               f"when it was saved (disk or copy damage); use another checkpoint or retrain")
 
 
-def load_weights(path: Union[str, Path], expected_sha256: str = None) -> dict:
-    _verify(Path(path), expected_sha256, "weights")
+def weights_metadata(path: Union[str, Path]) -> dict:
+    """The metadata a weights file carries (its tensors' and its state's checksums), from its header."""
     try:
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint weights {path} are corrupt or truncated ({e})") from None
+
+
+def load_weights(path: Union[str, Path], expected_sha256: str = None, expected_tensors_sha256: str = None) -> dict:
+    """The tensors of a weights file, checked against the file checksum given (a pointer's) and against
+    the tensor checksum its own metadata records (and ``expected_tensors_sha256``, the state's)."""
+    _verify(Path(path), expected_sha256, "weights")
+    try:
+        weights = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint weights {path} are corrupt or truncated ({e})") from None
+    recorded = weights_metadata(path).get("tensors_sha256")
+    if recorded is not None or expected_tensors_sha256 is not None:
+        content = tensors_sha256(weights)
+        if recorded is not None and content != recorded:
+            raise CheckpointError(f"checkpoint weights {path} are corrupt: the SHA-256 of their tensors differs from "
+                                  f"the one the file recorded when it was saved; use another checkpoint or retrain")
+        if expected_tensors_sha256 is not None and content != expected_tensors_sha256:
+            raise CheckpointError(f"checkpoint weights {path} do not belong to their state file: the state records "
+                                  f"another SHA-256 for its weights' tensors; use the pair a last.json names")
+    return weights
 
 
 def load_state(path: Union[str, Path], expected_sha256: str = None) -> dict:
@@ -180,11 +223,20 @@ def load_state(path: Union[str, Path], expected_sha256: str = None) -> dict:
 
 
 def load_checkpoint(path: Union[str, Path], which: str = "last") -> tuple[dict, dict]:
-    """(weights, state) of a checkpoint, both verified against their checksums;
+    """(weights, state) of a checkpoint, every file verified against a checksum recorded when it was
+    saved (a pointer's, or the pair's own when the weights file is named directly);
     CheckpointNotFoundError / CheckpointError with the reason."""
     weights_file, state_file, sums = resolve(path, which)
-    state = load_state(state_file, sums.get("state_sha256"))
-    weights = load_weights(weights_file, sums.get("weights_sha256") or state.get("weights_sha256"))
+    state_sum = sums.get("state_sha256")
+    if state_sum is None:  # no pointer names the pair: the weights file records its state's checksum
+        state_sum = weights_metadata(weights_file).get("state_sha256")
+        if state_sum is None:
+            raise CheckpointError(f"checkpoint state {state_file} cannot be verified: no last.json or best.json "
+                                  f"names it and {weights_file.name} records no checksum for it (saved by an "
+                                  f"older attnzoo); resume from the run's last.json instead")
+    state = load_state(state_file, state_sum)
+    weights = load_weights(weights_file, sums.get("weights_sha256") or state.get("weights_sha256"),
+                           state.get("weights_tensors_sha256"))
     return weights, state
 
 
@@ -199,16 +251,49 @@ def _differences(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def check_resumable(state: dict, config: dict, path) -> None:
-    """Refuse a checkpoint whose model (or dataset) differs from the config being resumed."""
+# settings that change no number of a run: a resume may change them freely (the two data pipelines
+# give the same batches bit for bit; the device is compared as the device type actually used)
+RESUME_INCIDENTAL = ("train.out_dir", "train.progress", "train.plot", "train.log_every", "train.device",
+                     "data.data_dir", "data.download", "data.num_workers", "data.pipeline")
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    """A saved config with the settings it predates filled in with their defaults (what it ran with)."""
+    out = dict(defaults)
+    for key, value in saved.items():
+        out[key] = _with_defaults(value, defaults[key]) if isinstance(value, dict) and isinstance(
+            defaults.get(key), dict) else value
+    return out
+
+
+def check_resumable(state: dict, config: dict, path, allow_change: bool = False,
+                    device_type: str = None, defaults: dict = None) -> list[str]:
+    """The settings a resume changes, as ``"key: checkpoint A, config B"`` lines. A checkpoint whose
+    model (or dataset) differs from the config is always refused; any other change (learning rate,
+    seed, batch size, epochs, ..., or the device type) would make the run differ from an
+    uninterrupted one, so it is refused unless ``allow_change``. ``defaults``: the config's default
+    values, for settings a checkpoint saved by an older attnzoo does not record."""
     saved = state.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} records no config, so it cannot be checked against this one")
+    if defaults is not None:
+        saved = _with_defaults(saved, defaults)
     diffs = _differences({"model": saved.get("model", {}), "dataset": saved.get("data", {}).get("dataset")},
                          {"model": config["model"], "dataset": config["data"]["dataset"]})
     if diffs:
         raise CheckpointError(f"checkpoint {path} was trained with a different model: {'; '.join(diffs)}; resume with "
                               f"the checkpoint's settings or train into a new train.out_dir")
+    rest = lambda c: {k: v for k, v in c.items() if k != "model"}  # noqa: E731
+    changes = [d for d in _differences(rest(saved), rest(config)) if d.split(":")[0] not in RESUME_INCIDENTAL]
+    saved_device = state.get("device_type")
+    if device_type is not None and saved_device is not None and saved_device != device_type:
+        changes.append(f"device: checkpoint {saved_device!r}, now {device_type!r}")
+    if changes and not allow_change:
+        raise CheckpointError(f"checkpoint {path} was trained with other settings: {'; '.join(changes)}; resuming "
+                              f"with them would not continue the same run (it would differ from an uninterrupted "
+                              f"one); resume with the checkpoint's settings, train into a new train.out_dir, or "
+                              f"pass --allow-config-change (the changes are then recorded in metrics.json)")
+    return changes
 
 
 def restore(model: torch.nn.Module, optimizer, scheduler, weights: dict, state: dict, path) -> None:

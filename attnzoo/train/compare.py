@@ -3,7 +3,9 @@ and a summary table. ``python -m attnzoo.train.compare OUT_DIR NAME=RUN_DIR [NAM
 
 ``seed_table`` summarises several seeds per model as paper 004 reports them: the mean test
 accuracy with a 95% confidence interval (Student's t, n - 1 degrees of freedom), beside the
-paper's numbers, and each model's difference from the first with a Welch interval."""
+paper's numbers, and each model's difference from the first: paired by seed (the same seed gives
+both models the same data order, crops, flips and dropout seeds, so the per-seed differences are
+the natural sample: Student's t on them) and, unpaired, with Welch's interval."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +48,21 @@ def welch_difference(a: list[float], b: list[float], level: float = 0.95) -> tup
     return diff, t_quantile(level, dof) * math.sqrt(va + vb)
 
 
+def paired_difference(a: dict, b: dict, level: float = 0.95) -> tuple[Optional[float], Optional[float], list]:
+    """(mean of b[s] - a[s] over the seeds s both have, half-width of the ``level`` t-interval,
+    those seeds); (None, None, []) without a common seed, no half-width for one."""
+    seeds = [s for s in a if s in b]
+    if not seeds:
+        return None, None, []
+    diffs = [b[s] - a[s] for s in seeds]
+    mean, half = confidence_interval(diffs, level)
+    return mean, half, seeds
+
+
+def _signed(mean: float, half: Optional[float]) -> str:
+    return f"{mean:+.4f}" + ("" if half is None else f" ± {half:.4f}")
+
+
 def _pm(mean: float, half: Optional[float], digits: int = 4) -> str:
     return f"{mean:.{digits}f}" + ("" if half is None else f" ± {half:.{digits}f}")
 
@@ -69,10 +86,12 @@ def seed_table(groups: dict[str, list[dict]], paper: Optional[dict] = None, leve
                "epochs": sorted({r["epochs_done"] for r in runs}),
                "evaluated_on": sorted({r.get("evaluated_on", "test") for r in runs}),
                "paper": paper.get(name)}
+        by_seed = dict(zip(row["seeds"], final))
         if first is None:
-            first = (name, final)
+            first = (name, final, by_seed)
         else:
             row["minus_first"], row["minus_first_ci"] = welch_difference(first[1], final, level)
+            row["paired"], row["paired_ci"], row["paired_seeds"] = paired_difference(first[2], by_seed, level)
         rows.append(row)
     on = "/".join(sorted({e for r in rows for e in r["evaluated_on"]}))
     pct = f"{level:.0%}"
@@ -87,13 +106,15 @@ def seed_table(groups: dict[str, list[dict]], paper: Optional[dict] = None, leve
                      f"{'/'.join(map(str, r['epochs']))} | {speed} |")
     diffs = [r for r in rows if "minus_first" in r]
     if diffs:
-        lines += ["", f"| difference (final acc) | mean ± {pct} CI (Welch) | paper |", "|---|---|---|"]
+        lines += ["", f"| difference (final acc) | paired by seed: mean ± {pct} CI | unpaired: mean ± {pct} CI "
+                      f"(Welch) | paper |", "|---|---|---|---|"]
         for r in diffs:
             pa, pb = rows[0]["paper"], r["paper"]
             paper_diff = f"{pb['mean'] - pa['mean']:+.3f}" if pa and pb else ""
-            half = r["minus_first_ci"]
-            lines.append(f"| {r['name']} − {rows[0]['name']} | {r['minus_first']:+.4f}"
-                         f"{'' if half is None else f' ± {half:.4f}'} | {paper_diff} |")
+            paired = "" if r["paired"] is None else \
+                f"{_signed(r['paired'], r['paired_ci'])} ({len(r['paired_seeds'])} seeds)"
+            lines.append(f"| {r['name']} − {rows[0]['name']} | {paired} | "
+                         f"{_signed(r['minus_first'], r['minus_first_ci'])} | {paper_diff} |")
     return {"level": level, "rows": rows, "markdown": "\n".join(lines) + "\n"}
 
 

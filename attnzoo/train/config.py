@@ -12,6 +12,9 @@ import yaml
 
 PIPELINES = ("auto", "device", "loader")
 COMPILE_CHOICES = (False, True, "model", "blocks", "auto")
+GRAPH_CHOICES = (False, True, "auto")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs themselves
+LR_SCALING = ("none", "linear", "sqrt")
 
 
 @dataclass
@@ -37,8 +40,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     dataset: str = "fashion_mnist"    # fashion_mnist | cifar10 | cifar100
-    data_dir: Optional[str] = None    # local copy; default ./data (CIFAR) or the Debian files (Fashion-MNIST)
+    data_dir: Optional[str] = None    # local copy (must exist); default ./data (CIFAR) or the Debian files (Fashion-MNIST)
     download: bool = True             # let torchvision download when the files are missing
+    verify: bool = True               # check Fashion-MNIST's files against their known sizes and checksums
     augment: bool = False             # random crop (zero padding crop_padding) + horizontal flip (where allowed)
     crop_padding: int = 4             # pixels of zero padding before the random crop; 0 = no crop
     flip: bool = True                 # random horizontal flips, only where the dataset allows (never digits)
@@ -55,7 +59,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 3e-4                  # at train.batch_size = lr_reference_batch; scaled by lr_scaling otherwise
+    lr_reference_batch: int = 128     # the batch size lr is given for
+    lr_scaling: str = "none"          # none | linear | sqrt: lr * (batch / lr_reference_batch) ** (1 or 1/2)
     weight_decay: float = 0.05
     betas: tuple = (0.9, 0.999)
     warmup_epochs: float = 1.0        # linear warmup from 0, then cosine to min_lr
@@ -76,6 +82,7 @@ class RunConfig:
     compile_mode: Optional[str] = None  # torch.compile's mode (e.g. max-autotune-no-cudagraphs); null = default
     compile_backend: Optional[str] = None  # torch.compile's backend; null = inductor (eager: tracing only, for tests)
     channels_last: bool = True        # channels-last images and weights on CUDA (the patch embedding's conv)
+    graph: Union[bool, str] = False   # the whole step (batch, forward, backward, AdamW) as one CUDA graph: false | true | auto
     log_every: int = 50               # steps between progress updates and loss checks (each one waits for the GPU)
     threads: Optional[int] = None     # torch.set_num_threads; null = torch's default
     out_dir: str = "runs/default"
@@ -188,6 +195,13 @@ def check(cfg: TrainConfig) -> TrainConfig:
              d.validation_size)
     _require(d.pipeline in PIPELINES, "data.pipeline", f"one of {list(PIPELINES)}", d.pipeline)
     _require(t.compile in COMPILE_CHOICES, "train.compile", "false, true, model, blocks or auto", t.compile)
+    _require(t.graph in GRAPH_CHOICES, "train.graph", "false, true or auto", t.graph)
+    _require(t.graph is not True or t.compile != "blocks", "train.graph",
+             "false or auto with train.compile=blocks (blocks keep OT-ViT's data-dependent gather)", t.graph)
+    _require(t.graph is not True or t.compile_mode not in CUDAGRAPH_MODES, "train.graph",
+             f"false or auto with train.compile_mode={t.compile_mode} (that mode captures its own CUDA graphs)", t.graph)
+    _require(o.lr_scaling in LR_SCALING, "optim.lr_scaling", f"one of {list(LR_SCALING)}", o.lr_scaling)
+    _require(o.lr_reference_batch > 0, "optim.lr_reference_batch", "a positive integer", o.lr_reference_batch)
     _require(t.log_every > 0, "train.log_every", "a positive integer", t.log_every)
     _require(0.0 <= d.partner_prob <= 1.0, "data.partner_prob", "in [0, 1]", d.partner_prob)
     _require(o.lr > 0, "optim.lr", "> 0", o.lr)
@@ -209,6 +223,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
             device = None
         _require(device is not None and device.type in ("cpu", "cuda"), "train.device", "auto, cpu, cuda or cuda:N",
                  t.device)
+    from .datasets import check_data_dir
+    check_data_dir(d.dataset, d.data_dir, d.synthetic)
     from ..models import build_model
     info = dataset_info(d.dataset)
     try:
@@ -217,6 +233,15 @@ def check(cfg: TrainConfig) -> TrainConfig:
     except (ValueError, TypeError) as e:
         raise ValueError(f"model: {e}") from None
     return cfg
+
+
+def effective_lr(cfg: TrainConfig) -> float:
+    """The learning rate training uses: ``optim.lr`` scaled from ``optim.lr_reference_batch`` to
+    ``train.batch_size`` by ``optim.lr_scaling`` (sqrt: the square-root rule for Adam-type
+    optimizers, Malladi et al. 2022; linear: Goyal et al. 2017). ``optim.min_lr`` scales with it."""
+    o = cfg.optim
+    ratio = cfg.train.batch_size / o.lr_reference_batch
+    return o.lr * {"none": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[o.lr_scaling]
 
 
 def model_kwargs(m: ModelConfig, info) -> dict:

@@ -104,7 +104,7 @@ def load_splits(cfg: TrainConfig) -> Splits:
     if d.synthetic:
         train = synthetic_split(d.dataset, True, d.synthetic_train_size)
     else:
-        train = load_split(d.dataset, True, d.data_dir, d.download)
+        train = load_split(d.dataset, True, d.data_dir, d.download, d.verify)
     if d.validation_size:
         if d.validation_size >= train[1].shape[0]:
             raise ValueError(f"data.validation_size ({d.validation_size}) must be smaller than the training split "
@@ -113,7 +113,7 @@ def load_splits(cfg: TrainConfig) -> Splits:
         evaluates_on = "validation"
     else:
         test = (synthetic_split(d.dataset, False, d.synthetic_test_size) if d.synthetic
-                else load_split(d.dataset, False, d.data_dir, d.download))
+                else load_split(d.dataset, False, d.data_dir, d.download, d.verify))
         evaluates_on = "test"
     train, _ = _fixed_subset(*train, d.train_subset, SUBSET_SEED)
     test, _ = _fixed_subset(*test, d.test_subset, SUBSET_SEED)

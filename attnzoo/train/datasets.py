@@ -4,7 +4,6 @@ files, a local copy, or torchvision's download), CIFAR-10/100 (torchvision), or 
 from __future__ import annotations
 
 import gzip
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +12,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-# where the Debian package dataset-fashion-mnist puts the files; ATTNZOO_FASHION_MNIST_DIR points
-# elsewhere (tests use it to behave the same whether or not the package is installed)
-DEBIAN_FASHION_MNIST = Path(os.environ.get("ATTNZOO_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist"))
-FASHION_MNIST_INSTALL = "sudo apt-get install dataset-fashion-mnist"
-FASHION_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-                 False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+from .errors import DataNotFoundError
+from .fashion_mnist_files import DEBIAN_FOLDER, FASHION_FILES, FASHION_MNIST_INSTALL, verify_file
+
+# where the Debian package dataset-fashion-mnist puts the files (ATTNZOO_FASHION_MNIST_DIR: elsewhere)
+DEBIAN_FASHION_MNIST = DEBIAN_FOLDER
 
 
 @dataclass(frozen=True)
@@ -41,23 +39,22 @@ DATASETS = {
 }
 
 
-class DataNotFoundError(FileNotFoundError):
-    """The dataset's files are missing and could not be downloaded; the message says how to get them."""
-
-
 def dataset_info(name: str) -> DatasetInfo:
     if name not in DATASETS:
         raise ValueError(f"data.dataset must be one of {sorted(DATASETS)}, got {name!r}")
     return DATASETS[name]
 
 
-def load_split(name: str, train: bool, data_dir: Optional[str] = None, download: bool = True):
-    """(images uint8 (N, C, H, W), labels int64 (N,)) for one split of a named dataset."""
+def load_split(name: str, train: bool, data_dir: Optional[str] = None, download: bool = True,
+               verify: bool = True):
+    """(images uint8 (N, C, H, W), labels int64 (N,)) for one split of a named dataset. ``verify``:
+    check Fashion-MNIST's files against their known sizes and checksums (``fashion_mnist_files``)."""
     dataset_info(name)
+    check_data_dir(name, data_dir)
     if name == "digits":
         return _digits(train)
     if name == "fashion_mnist":
-        return _fashion_mnist(train, data_dir, download)
+        return _fashion_mnist(train, data_dir, download, verify)
     return _cifar(name, train, data_dir, download)
 
 
@@ -95,37 +92,70 @@ def read_idx_gz(path: Path) -> np.ndarray:
     return data.reshape(dims)
 
 
+def check_data_dir(dataset: str, data_dir: Optional[str], synthetic: bool = False) -> None:
+    """A data folder that is given must exist and be one the dataset reads: DataNotFoundError /
+    ValueError naming it (never a silent fallback to other files or to the digits)."""
+    if data_dir is None:
+        return
+    where = f"data.data_dir (--data-dir) {str(data_dir)!r}"
+    if not str(data_dir).strip():
+        raise ValueError(f"{where} is empty; pass a folder or leave it out")
+    if synthetic:
+        raise ValueError(f"{where} is given, but data.synthetic is true: generated images read no files; "
+                         f"drop --data-dir or set data.synthetic=false")
+    if dataset == "digits":
+        raise ValueError(f"{where} is given, but data.dataset=digits reads no folder (the digits ship inside "
+                         f"scikit-learn); drop --data-dir, or choose a dataset that has files (fashion_mnist, cifar10, "
+                         f"cifar100)")
+    if not Path(data_dir).is_dir():
+        raise DataNotFoundError(f"{where} does not exist or is not a folder; pass the folder that holds the "
+                                f"{dataset} files")
+
+
 def fashion_mnist_dirs(data_dir: Optional[str]) -> list[Path]:
-    dirs = []
+    """Where the four files are looked for: the given folder (flat, ``fashion-mnist/`` or torchvision's
+    ``FashionMNIST/raw/``), else the Debian package's folder."""
     if data_dir:
         root = Path(data_dir)
-        dirs += [root, root / "fashion-mnist", root / "FashionMNIST" / "raw"]
-    return dirs + [DEBIAN_FASHION_MNIST]
+        return [root, root / "fashion-mnist", root / "FashionMNIST" / "raw"]
+    return [DEBIAN_FASHION_MNIST]
+
+
+def fashion_mnist_folder(data_dir: Optional[str] = None) -> Optional[Path]:
+    """The first folder holding all four files (nothing is downloaded), or None."""
+    for d in fashion_mnist_dirs(data_dir):
+        if all((d / f).is_file() for f in FASHION_FILES[True] + FASHION_FILES[False]):
+            return d
+    return None
 
 
 def fashion_mnist_present(data_dir: Optional[str] = None) -> bool:
     """True when both splits' files are on disk (nothing is downloaded)."""
-    return any(all((d / f).is_file() for f in FASHION_FILES[True] + FASHION_FILES[False])
-               for d in fashion_mnist_dirs(data_dir))
+    return fashion_mnist_folder(data_dir) is not None
 
 
-def _fashion_mnist(train: bool, data_dir, download):
+def _fashion_mnist(train: bool, data_dir, download, verify: bool = True):
     image_file, label_file = FASHION_FILES[train]
+    looked = [str(d) for d in fashion_mnist_dirs(data_dir)]
     for d in fashion_mnist_dirs(data_dir):
         if (d / image_file).is_file() and (d / label_file).is_file():
+            if verify:
+                for name in (image_file, label_file):
+                    verify_file(d / name)
             images = read_idx_gz(d / image_file)
             labels = read_idx_gz(d / label_file)
             return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
     how = (f"install the Debian package ({FASHION_MNIST_INSTALL}, files in "
            f"{DEBIAN_FASHION_MNIST}), or put {image_file} and {label_file} in a folder passed as --data-dir")
     if not download:
-        raise DataNotFoundError(f"Fashion-MNIST files not found in {[str(d) for d in fashion_mnist_dirs(data_dir)]}; {how}")
+        raise DataNotFoundError(f"Fashion-MNIST files not found in {looked}; {how}")
     from torchvision.datasets import FashionMNIST
     root = data_dir or "data"
     try:
         ds = FashionMNIST(root=root, train=train, download=True)
     except Exception as e:  # no network, proxy, disk...
-        raise DataNotFoundError(f"Fashion-MNIST not found locally and the download failed ({e}); {how}") from None
+        raise DataNotFoundError(f"Fashion-MNIST files not found in {looked}, and the download into {root!r} failed "
+                                f"({e}); {how}") from None
     return ds.data.unsqueeze(1).clone(), ds.targets.to(torch.int64).clone()
 
 

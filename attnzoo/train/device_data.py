@@ -45,6 +45,8 @@ class DeviceTrainData:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.epoch = 0
         self._draws = None   # (epoch, draws of that epoch)
+        # CUDA graphs read the draws from fixed addresses: later epochs are copied into the first's tensors
+        self.fixed_buffers = False
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -63,6 +65,10 @@ class DeviceTrainData:
             out["top"], out["left"], out["flipped"] = self.crop.draw(self.seed, epoch, every)
         if self.partners is not None:
             out["partner"], out["has"] = self.partners.partners(every, epoch)
+        if self.fixed_buffers and self._draws is not None:
+            for key, value in out.items():
+                self._draws[1][key].copy_(value)
+            out = self._draws[1]
         self._draws = (epoch, out)
         return out
 
@@ -85,9 +91,13 @@ class DeviceTrainData:
         p = torch.where(has[:, None, None, None], self.pixels(partner, epoch), 0.0)
         return x, y, p, has
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """This process's image indices for ``epoch``, in training order (on the device)."""
+        return shard_order(self.seed, epoch, self.n_images, self.rank, self.world, device=self.device)
+
     def __iter__(self):
         epoch = self.epoch
-        order = shard_order(self.seed, epoch, self.n_images, self.rank, self.world, device=self.device)
+        order = self.order(epoch)
         for start in range(0, order.numel(), self.batch_size):
             yield self.batch(order[start:start + self.batch_size], epoch)
 
@@ -108,6 +118,10 @@ class DeviceEvalData:
 
     def __len__(self) -> int:
         return math.ceil(self.labels.shape[0] / self.batch_size)
+
+    def pixels(self, index: torch.Tensor) -> torch.Tensor:
+        """Normalised (B, C, H, W) images ``index`` of this process's share."""
+        return normalize(self.images[index], self.table).contiguous(memory_format=self.memory_format)
 
     def __iter__(self):
         for start in range(0, self.labels.shape[0], self.batch_size):

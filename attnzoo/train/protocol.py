@@ -13,12 +13,22 @@ A plan is a YAML file (``configs/compare/*.yaml``) or a list of training configs
 
 Each (run, seed) trains into ``out_dir/NAME_seedS``. A run that already finished with the same
 settings is kept (seeds can be added later, on another machine, and the table grows); one that
-stopped part-way resumes from its last checkpoint; one with other settings is an error that names
-the differing keys. ``table.md`` / ``table.json`` and ``test_curves.png`` are written after every
-finished run, so an interrupted plan still leaves its table."""
+stopped part-way resumes from its last checkpoint (or starts again when its folder holds metrics
+but no checkpoint: a folder carried back from another machine without its checkpoints); one with
+other settings is an error that names the differing keys. ``table.md`` / ``table.json`` and
+``test_curves.png`` are written after every finished run, so an interrupted plan still leaves its
+table.
+
+``parallel`` > 1 trains that many runs at once, each in its own process sharing the device (its
+output in ``NAME_seedS/train.log``), in the plan's order by seed (every model's seed 0 first), so
+that a plan cut short keeps whole seeds. ``deadline`` (a ``time.time()`` value, from
+``--time-budget``) stops each run after the last epoch expected to end before it and starts no
+run that an earlier run of the same model says cannot finish in time."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,7 +42,9 @@ RUN_KEYS = {"config", "set", "paper"}
 # settings that may differ between the runs of one table without changing what is measured
 INCIDENTAL = {("train", "out_dir"), ("train", "progress"), ("train", "plot"), ("train", "device"),
               ("data", "data_dir"), ("data", "download"), ("data", "num_workers"), ("data", "pipeline"),
-              ("train", "log_every")}
+              ("train", "log_every"), ("data", "verify")}
+START_METHOD = "spawn"   # child processes of a parallel plan (spawn: safe with CUDA; the tests use fork)
+POLL_SECONDS = 2.0
 
 
 @dataclass
@@ -158,22 +170,165 @@ def status(cfg: TrainConfig) -> str:
     return "done" if saved.get("epochs_done", 0) >= cfg.train.epochs else "partial"
 
 
+def _resume_from(cfg: TrainConfig, state: str, log) -> Optional[str]:
+    """The checkpoint a ``partial`` run resumes from; None (train from the start) when its folder
+    holds metrics but no checkpoint (carried from another machine without them)."""
+    if state != "partial":
+        return None
+    if (Path(cfg.train.out_dir) / "checkpoints" / "last.json").is_file():
+        return cfg.train.out_dir
+    log(f"{cfg.train.out_dir}: metrics but no checkpoint to resume from: training from the first epoch")
+    return None
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="protocol", unit="epoch", dynamic_ncols=True, file=sys.stderr,
+                mininterval=1.0 if sys.stderr.isatty() else 30.0)
+
+
+def _epochs_done(cfg: TrainConfig) -> int:
+    metrics = Path(cfg.train.out_dir) / "metrics.json"
+    try:
+        return int(json.loads(metrics.read_text()).get("epochs_done", 0))
+    except (OSError, ValueError):
+        return 0
+
+
 def run_plan(plan: Plan, log: Callable[..., None] = print, train_fn: Optional[Callable] = None,
-             report_only: bool = False) -> dict:
-    """Train every (run, seed) that is not done yet, then write the table and the curves."""
+             report_only: bool = False, parallel: int = 1, deadline: Optional[float] = None) -> dict:
+    """Train every (run, seed) that is not done yet (``parallel`` at a time, until ``deadline``),
+    then write the table and the curves."""
     from .loop import train
     train_fn = train_fn or train
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
     planned = configs(plan)
     states = [status(cfg) for _, _, cfg in planned]
-    if not report_only:
-        for (run, seed, cfg), state in zip(planned, states):
-            if state == "done":
-                log(f"{run.name} seed {seed}: done already ({cfg.train.out_dir})")
-                continue
-            log(f"{run.name} seed {seed}: {'resuming' if state == 'partial' else 'training'} -> {cfg.train.out_dir}")
-            train_fn(cfg, resume=cfg.train.out_dir if state == "partial" else None, log=log)
-            report(plan)
+    todo = []
+    for (run, seed, cfg), state in zip(planned, states):
+        if state == "done":
+            log(f"{run.name} seed {seed}: done already ({cfg.train.out_dir})")
+        elif not report_only:
+            resume = _resume_from(cfg, state, log)
+            todo.append((run, seed, cfg, resume, _epochs_done(cfg) if resume else 0))
+    todo.sort(key=lambda item: (plan.seeds.index(item[1]), [r.name for r in plan.runs].index(item[0].name)))
+    if todo:
+        bar = _progress(sum(cfg.train.epochs for _, _, cfg, _, _ in todo))
+        bar.update(sum(start for *_, start in todo))
+        try:
+            if parallel == 1:
+                _run_in_process(plan, todo, log, train_fn, deadline, bar)
+            else:
+                _run_in_processes(plan, todo, log, parallel, deadline, bar)
+        finally:
+            bar.close()
     return report(plan)
+
+
+def _time_left(deadline: Optional[float], estimate: Optional[float]) -> bool:
+    """Whether a run expected to take ``estimate`` seconds (None: unknown) can start before ``deadline``."""
+    if deadline is None:
+        return True
+    now = time.time()
+    return now < deadline and (estimate is None or now + estimate < deadline)
+
+
+def _run_in_process(plan, todo, log, train_fn, deadline, bar) -> None:
+    took: dict[str, float] = {}
+    for run, seed, cfg, resume, start in todo:
+        if not _time_left(deadline, took.get(run.name)):
+            log(f"{run.name} seed {seed}: not started, the time budget is spent")
+            continue
+        log(f"{run.name} seed {seed}: {'resuming' if resume else 'training'} -> {cfg.train.out_dir}")
+        t0 = time.time()
+        kwargs = {} if deadline is None else {"deadline": deadline}
+        summary = train_fn(cfg, resume=resume, log=log, on_epoch=lambda row: bar.update(1), **kwargs)
+        if summary and not summary.get("stopped_early"):
+            took[run.name] = _full_run_seconds(time.time() - t0, start, cfg.train.epochs)
+        _report_so_far(plan)
+
+
+def _full_run_seconds(elapsed: float, start: int, epochs: int) -> float:
+    """A whole run's expected duration from one that trained epochs start+1..epochs in ``elapsed``."""
+    return elapsed * epochs / max(1, epochs - start)
+
+
+def _report_so_far(plan: Plan) -> None:
+    try:
+        report(plan)
+    except ValueError:  # no run has metrics yet
+        pass
+
+
+def _child(cfg_dict: dict, resume: Optional[str], deadline: Optional[float], log_path: str) -> None:
+    """One run in its own process, its output in ``log_path``."""
+    import os
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", buffering=1) as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = sys.stderr = out
+        from .config import from_dict
+        from .loop import train
+        train(from_dict(cfg_dict), resume=resume, deadline=deadline)
+
+
+def _run_in_processes(plan, todo, log, parallel, deadline, bar, grace: float = 60.0) -> None:
+    """Up to ``parallel`` runs at once, each a child process sharing the device. A child still running
+    ``grace`` seconds past the deadline is stopped (its last finished epoch is in its checkpoint)."""
+    import multiprocessing as mp
+    import signal
+    import threading
+    ctx = mp.get_context(START_METHOD)
+    waiting, running, took, seen = list(todo), {}, {}, {}
+
+    def stop(signum, frame):  # SIGTERM (a timeout around this command): stop the runs started here first
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        while waiting or running:
+            while waiting and len(running) < parallel:
+                run, seed, cfg, resume, start = waiting.pop(0)
+                if not _time_left(deadline, took.get(run.name)):
+                    log(f"{run.name} seed {seed}: not started, the time budget is spent")
+                    continue
+                log_path = Path(cfg.train.out_dir) / "train.log"
+                log(f"{run.name} seed {seed}: {'resuming' if resume else 'training'} -> {cfg.train.out_dir} "
+                    f"(process; output in {log_path})")
+                proc = ctx.Process(target=_child, args=(cfg.to_dict(), resume, deadline, str(log_path)),
+                                   name=f"{run.name}_seed{seed}")
+                proc.start()
+                running[proc] = (run, seed, cfg, start, time.time())
+                seen[proc] = _epochs_done(cfg)
+            time.sleep(POLL_SECONDS)
+            for proc, (run, seed, cfg, start, t0) in list(running.items()):
+                now_done = _epochs_done(cfg)
+                bar.update(max(0, now_done - seen[proc]))
+                seen[proc] = max(seen[proc], now_done)
+                if proc.is_alive():
+                    if deadline is not None and time.time() > deadline + grace:
+                        log(f"{run.name} seed {seed}: still running {grace:.0f} s past the time budget: stopped")
+                        proc.terminate()
+                        proc.join(30)
+                    continue
+                proc.join()
+                del running[proc]
+                done = _epochs_done(cfg) >= cfg.train.epochs
+                if proc.exitcode != 0:
+                    log(f"{run.name} seed {seed}: process ended with exit code {proc.exitcode} (see "
+                        f"{Path(cfg.train.out_dir) / 'train.log'})")
+                elif done:
+                    took[run.name] = _full_run_seconds(time.time() - t0, start, cfg.train.epochs)
+                log(f"{run.name} seed {seed}: {'finished' if done else 'stopped'} after epoch {_epochs_done(cfg)}")
+                _report_so_far(plan)
+    finally:
+        for proc in running:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(30)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def report(plan: Plan) -> dict:

@@ -21,8 +21,9 @@ from . import distributed as D
 from .config import load_config
 from .data import Splits, augmentation, build_loaders, load_splits
 from .datasets import DataNotFoundError, dataset_info, synthetic_split
-from .loop import compile_choice, compile_model, evaluate, memory_format, model_from_config, train_one_epoch
-from .optim import build_optimizer, build_scheduler
+from .loop import (Graphs, compile_choice, compile_model, evaluate, memory_format, model_from_config, optimizer_for,
+                   train_one_epoch)
+from .optim import build_scheduler, match_lr_kind
 
 
 def _sync(device: torch.device) -> None:
@@ -92,9 +93,11 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
 
     torch.manual_seed(cfg.train.seed)
     model = model_from_config(cfg, ds).to(dev, memory_format=memory_format(cfg, dev))
-    optimizer = build_optimizer(model, cfg.optim, fused=dev.type == "cuda")
+    optimizer = optimizer_for(model, cfg, dev)
     scheduler = build_scheduler(optimizer, cfg.optim, math.ceil(full_train / bs), cfg.train.epochs)
+    match_lr_kind(optimizer, scheduler)
     compile_model(model, cfg, dev)
+    graphs = Graphs(model, optimizer, data, cfg, dev, 1)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
 
@@ -103,19 +106,21 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
         data.train.set_epoch(epoch)
         _sync(dev)
         t0 = time.perf_counter()
-        train_one_epoch(model, data.train, optimizer, scheduler, cfg, info, epoch)
+        train_one_epoch(model, data.train, optimizer, scheduler, cfg, info, epoch, graphs.train)
         _sync(dev)
         return time.perf_counter() - t0
 
     t0 = time.perf_counter()
     if warmup:
         run_steps(warmup, 0)
-    evaluate(model, data.test, cfg, info)  # the evaluation graph compiles here
+    evaluate(model, data.test, cfg, info, graphs.eval)  # the evaluation graph compiles here
+    if graphs.on:
+        evaluate(model, data.test, cfg, info, graphs.eval)  # ... and is captured here (after a warm-up pass)
     warmup_s = time.perf_counter() - t0
     train_s = run_steps(steps, 1)
     _sync(dev)
     t0 = time.perf_counter()
-    evaluate(model, data.test, cfg, info)
+    evaluate(model, data.test, cfg, info, graphs.eval)
     _sync(dev)
     eval_s = time.perf_counter() - t0
     n_eval = data.test.n_images
@@ -140,6 +145,7 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__, "batch_size": bs, "steps": steps, "warmup_steps": warmup,
         "compile": compile_choice(cfg, dev) or "off", "compile_mode": cfg.train.compile_mode,
+        "graph": graphs.status(), "lr": float(optimizer.param_groups[0]["initial_lr"]),
         "amp_bf16": bool(cfg.train.amp and dev.type == "cuda"), "channels_last": memory_format(cfg, dev) == torch.channels_last,
         "augment": augmentation(cfg, ds) is not None, "partner_prob": cfg.data.partner_prob if cfg.model.name == "otvit" else 0.0,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
