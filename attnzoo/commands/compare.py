@@ -7,7 +7,7 @@ import time
 
 from . import UsageError
 
-HELP = ("train several models x seeds, then the comparison table (mean and confidence interval per model, paired "
+HELP = ("train several models x seeds, then the comparison table (mean and 95% CI per model, paired "
         "difference, the paper's numbers) and the test curves")
 
 
