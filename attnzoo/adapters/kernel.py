@@ -22,15 +22,17 @@ def kernel_layer(target: Target, dim: int, num_heads: int, head_dim: int, *, dev
     return layer
 
 
-def drop_padded_queries(attn_mask, nq: int):
+def drop_padded_queries(attn_mask, nq: int, first_token_key: int = 0):
     """Self-attention with a padding mask: a token no query may attend to is padding, so its query row
     is masked too (its output becomes 0). Only Sinkhorn needs this: a padded query would otherwise
-    take part in the column normalisation and change the unpadded tokens' outputs."""
-    if attn_mask is None or attn_mask.shape[-1] != nq:
+    take part in the column normalisation and change the unpadded tokens' outputs. Keys before
+    ``first_token_key`` are not tokens (MultiheadAttention's add_bias_kv / add_zero_attn keys)."""
+    if attn_mask is None or attn_mask.shape[-1] - first_token_key != nq:
         return attn_mask
-    attn_mask = attn_mask.expand(*attn_mask.shape[:-2], nq, nq)  # a (B, 1, 1, Nk) padding mask covers every row
+    # a (B, 1, 1, Nk) padding mask covers every row
+    attn_mask = attn_mask.expand(*attn_mask.shape[:-2], nq, attn_mask.shape[-1])
     keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
-    seen = keep.any(-2)                       # (..., Nk): key j is attended by some query
+    seen = keep[..., first_token_key:].any(-2)  # (..., N): token j is attended by some query
     if bool(seen.all()):
         return attn_mask
     rows = seen.unsqueeze(-1)                 # query i == token i in self-attention
@@ -101,17 +103,18 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
                self_attention: bool = False, causal_queries: bool = False,
-               last_rows: Optional[int] = None) -> torch.Tensor:
+               last_rows: Optional[int] = None, first_token_key: int = 0) -> torch.Tensor:
     """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``), with the host's
     logit ``scale`` (ignored by a variant without logits) and ``dropout_p``.
     ``self_attention``: q and k come from the same tokens (see drop_padded_queries).
     ``causal_queries``: the queries are a causal decoder's positions (see attend_each_prefix).
     ``last_rows``: only the last rows are wanted, (B, H, last_rows, Dv): a cached decode step of a
-    variant that couples queries, where q also holds the earlier positions' queries (decode_state)."""
+    variant that couples queries, where q also holds the earlier positions' queries (decode_state).
+    ``first_token_key``: keys before it are not tokens (see drop_padded_queries)."""
     nq = q.shape[-2]
     rows = nq if last_rows is None else last_rows
     if self_attention and layer.couples_queries:
-        attn_mask = drop_padded_queries(attn_mask, nq)
+        attn_mask = drop_padded_queries(attn_mask, nq, first_token_key)
     if layer.keys_are_queries:
         if k.shape != q.shape:
             raise ValueError(f"{type(layer).__name__} uses the queries as keys (l2's tie_qk=True), so it needs "
