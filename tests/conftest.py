@@ -10,6 +10,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    # tests monkeypatch module constants that backend choices read (size thresholds, ranked devices):
+    # each test starts without the decisions kept for earlier call signatures (attnzoo/ops/plan.py)
+    from attnzoo.ops import plan
+    plan.clear()
     yield
 
 

@@ -654,3 +654,71 @@ def test_smallest_t5_bucketings_run(num_buckets, max_distance, bidirectional):
         layer.relative_bias.weight.normal_()
     x = torch.randn(B, N, DIM, dtype=torch.float64)
     torch.testing.assert_close(layer(x), layer_expected(layer, "fenchel", x, None, False), atol=1e-9, rtol=1e-9)
+
+
+# --- grouped-query attention: k and v with fewer heads than q (enable_gqa=True) ----------------------------
+
+GQA_HEADS, GQA_KV_HEADS = 4, 2  # two query heads share each key/value head
+
+
+def gqa_cases():
+    cases = []
+    for variant in VARIANT_OPTS:
+        for backend in backends_of(variant):
+            if backend == "triton_implicit":  # 30 rounds under the interpreter: one case
+                combos = [(None, False)]
+            elif is_triton(backend):
+                combos = [(None, True), ("heads", False)]
+            else:
+                combos = [(None, False), (None, True), ("heads", False), ("keys", True)]
+            cases += [(variant, backend, mask, causal) for mask, causal in combos]
+    return cases
+
+
+GQA_CASES = gqa_cases()
+
+
+@pytest.mark.parametrize("variant,backend,mask_kind,causal", GQA_CASES,
+                         ids=[f"{v}-{b}-{m or 'nomask'}-{'causal' if c else 'full'}" for v, b, m, c in GQA_CASES])
+def test_grouped_query_heads(variant, backend, mask_kind, causal):
+    """enable_gqa=True: query head h reads key/value head h // (H / H_kv) (SDPA's convention), so the
+    output is the formula on k, v with each head repeated for its group, and dk, dv sum the group's
+    gradients. Backends that index the shared head (SDPA, the Triton softmax and pointwise kernels)
+    and those that get k, v expanded by the call path must agree with it alike."""
+    g = seeded(7)
+    nq, nk = 5, 6
+    q = torch.randn(B, GQA_HEADS, nq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, GQA_KV_HEADS, nk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, GQA_KV_HEADS, nk, DV, generator=g, dtype=torch.float64)
+    mask = None
+    if mask_kind == "heads":  # differs per query head, so sharing k, v must not share the mask
+        mask = torch.rand(GQA_HEADS, nq, nk, generator=g) < 0.7
+        mask[..., 0] = True
+    elif mask_kind == "keys":
+        mask = torch.randn(B, 1, 1, nk, generator=g, dtype=torch.float64)
+    group = GQA_HEADS // GQA_KV_HEADS
+    implicit = backend.endswith("_implicit")  # the converged plan's gradient: compare near the fixed point
+    opts = {"n_iters": 30, "eps": 2.0} if implicit else VARIANT_OPTS[variant]
+    leaves64 = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = expected(variant, leaves64[0], leaves64[1].repeat_interleave(group, 1),
+                    leaves64[2].repeat_interleave(group, 1), mask, causal, None, opts)
+    cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_g = torch.autograd.grad((want * cot).sum(), leaves64)
+    dtype, device = (torch.float32, KERNEL_DEVICE) if is_triton(backend) else (torch.float64, "cpu")
+    leaves = [t.to(dtype).to(device).requires_grad_() for t in (q, k, v)]
+    m = None if mask is None else mask.to(device) if mask.dtype == torch.bool else mask.to(dtype).to(device)
+    try:
+        out = getattr(AF, variant)(*leaves, attn_mask=m, is_causal=causal, backend=backend, enable_gqa=True, **opts)
+    except ValueError as e:
+        assert backend not in ("auto", "reference"), f"{backend} refused a grouped-query call: {e}"
+        assert "cannot run this" in str(e), str(e)
+        return
+    tol = dict(atol=1e-9, rtol=1e-9) if dtype == torch.float64 else dict(atol=5e-5, rtol=5e-5)
+    if implicit:  # 30 rounds leave ~1e-7 of the fixed point
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float64 else dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(out.double().cpu(), want.detach(), **tol)
+    got_g = torch.autograd.grad((out * cot.to(dtype).to(device)).sum(), leaves)
+    gtol = tol if dtype == torch.float64 or implicit else dict(atol=5e-4, rtol=5e-4)
+    for name, a, b in zip("qkv", got_g, want_g):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        torch.testing.assert_close(a.double().cpu(), b, **gtol, msg=lambda s, n=name: f"grad {n}: {s}")

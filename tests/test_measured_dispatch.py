@@ -108,7 +108,7 @@ def test_the_lookup_traces_into_one_graph(monkeypatch):
     may be traced (on a GPU an os.stat in this path failed every layer's compile). The lookup is
     exercised on CPU tensors by ranking CPU calls too, with a table of this test's own."""
     monkeypatch.setattr(measured, "RANKED_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(measured, "_entries_for_device", lambda index: (_entry("l2", 8, 4, ["reference"]),))
+    monkeypatch.setattr(measured, "_entries_for_device", lambda index: ((_entry("l2", 8, 4, ["reference"]),),))
     measured._tables.cache_clear()
     torch._dynamo.reset()
     q = torch.randn(1, 2, 8, 4)
@@ -119,3 +119,27 @@ def test_the_lookup_traces_into_one_graph(monkeypatch):
     assert AF.explain("l2", q, q, q).backend.name == "reference"
     torch.testing.assert_close(out, AF.l2(q, q, q, backend="reference"))
     torch._dynamo.reset()
+
+
+def test_own_table_first_then_same_capability(monkeypatch):
+    """A device's own table ranks the cases it measured; the cases its (partial) run left out come
+    from a table of the same compute capability; another capability's table is never used."""
+    own = {"capability": [9, 0], "entries": [_entry("sigmoid", 4096, 64, ["triton", "reference"])]}
+    sibling = {"capability": [9, 0], "entries": [_entry("sigmoid", 4096, 64, ["reference", "triton"]),
+                                                _entry("l2", 4096, 64, ["torch", "triton"])]}
+    other = {"capability": [8, 0], "entries": [_entry("relu", 4096, 64, ["triton"])]}
+    monkeypatch.setattr(measured, "_tables", lambda: (("gpu-a", (9, 0), tuple(own["entries"])),
+                                                      ("gpu-b", (9, 0), tuple(sibling["entries"])),
+                                                      ("gpu-c", (8, 0), tuple(other["entries"]))))
+    tables = measured.tables_for("gpu-a", (9, 0))
+    assert [len(t) for t in tables] == [1, 2]
+
+    def rank(variant):
+        for entries in tables:
+            found = measured.nearest_ranking(entries, variant, "plain", "bfloat16", False, 64, 4096, "fwd")
+            if found:
+                return found
+        return ()
+    assert rank("sigmoid") == ("triton", "reference")   # the own measurement wins
+    assert rank("l2") == ("torch", "triton")             # left out by the own run: the sibling's
+    assert rank("relu") == ()                            # another capability: priorities decide

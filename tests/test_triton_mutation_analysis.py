@@ -25,6 +25,7 @@ OUTPUTS = {
     f"{S}.softmax_fwd_kernel": {"O", "LSE"},
     f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT", "DPREF", "DTABLE"},
     f"{S}.softmax_bwd_dq_kernel": {"DQ"},
+    f"{S}.softmax_bwd_delta_kernel": {"DELTA"},
     f"{P}.pointwise_fwd_kernel": {"O", "N_ROWS"},
     f"{P}.pointwise_bwd_dkdv_kernel": {"DK", "DV_OUT"},
     f"{P}.pointwise_bwd_dq_kernel": {"DQ", "DBIAS"},

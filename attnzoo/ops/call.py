@@ -1,37 +1,40 @@
-"""The one path from a public attention function to a kernel: shared argument checks, then the
-dispatcher's choice, then the chosen backend.
+"""What every call shares on its way from a public attention function to a kernel: the argument
+checks common to all variants, grouped-query heads, and the output of a call with no (batch, head)
+pair.
 
-Every variant's functional (ops/<variant>/functional.py, or the one ``ops.variant`` makes for a
-variant declared with only a reference) checks its own arguments and calls ``run``.
+``ops.variant.attend`` runs these checks, the variant's own ``check`` and the dispatcher's choice
+once per call signature (``ops/plan.py``) and the chosen backend on every call.
 """
 from __future__ import annotations
 
 import torch
 
-from . import dispatch
 from . import validate as V
-from .masking import propagate_query_nan
+
+# the keyword arguments every backend receives besides the variant's own options
+SHARED_KWARGS = ("attn_mask", "is_causal", "scale", "dropout_p")
 
 
-def common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, default_scale=None) -> dict:
+def common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, default_scale=None, enable_gqa=False) -> dict:
     """Checks shared by every variant; the keyword arguments every backend receives: attn_mask as a
     4-D view, is_causal, scale (``default_scale``, else 1/sqrt(D), when None) and dropout_p."""
-    V.check_qkv(q, k, v)
+    V.check_qkv(q, k, v, enable_gqa=V.check_flag("enable_gqa", enable_gqa))
     V.check_mask(attn_mask, q, k)
     V.check_values("attn_mask", attn_mask)
     return {"attn_mask": V.as_4d(attn_mask), "is_causal": V.check_flag("is_causal", is_causal),
             "scale": V.resolve_scale(scale, q, default_scale), "dropout_p": V.check_dropout(dropout_p)}
 
 
-def run(variant: str, backend, q, k, v, **kw):
-    """Run ``variant`` on the backend the dispatcher picks (an unknown or refusing backend raises)."""
-    choice = dispatch.choose(variant, backend, q, k, v, **kw)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no (batch, head) pair: nothing to attend, no kernel to launch
-        return empty_output(q, k, v)
-    out = choice.backend.fn(q, k, v, **kw)
-    if q.device.type in choice.backend.hides_query_nan_on:
-        out = propagate_query_nan(out, q)
-    return out
+def gqa_group(q, k) -> int:
+    """How many query heads share each key/value head (1 without grouped-query attention)."""
+    return q.shape[1] // k.shape[1] if k.shape[1] else 1
+
+
+def expand_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H_kv, N, D) -> (B, H_kv * group, N, D), key/value head j serving query heads
+    j * group .. j * group + group - 1 (SDPA's ``enable_gqa`` and Hugging Face's ``repeat_kv``); for
+    backends that do not index the shared head themselves (autograd sums the gradient back)."""
+    return t.repeat_interleave(group, dim=1)
 
 
 def empty_output(q, k, v):

@@ -48,6 +48,12 @@ class Backend:
     # kernel: its running max skips NaN scores); the caller then puts the NaN back (attnzoo's rule is
     # that NaN in q reaches the output row of that query, on every backend)
     hides_query_nan_on: tuple = ()
+    # True when ``supports`` reads tensor values (not only shapes, dtypes, devices and flags): a choice
+    # that consulted it is made again on every call instead of being kept for the call's signature
+    reads_values: bool = False
+    # True when the backend takes ``enable_gqa=True`` with k, v of fewer heads than q (each key/value
+    # head shared by H / H_kv query heads, indexed in place); other backends get k, v expanded
+    gqa: bool = False
 
 
 @dataclass
@@ -57,6 +63,9 @@ class Choice:
     requested: str
     reasons: dict = field(default_factory=dict)  # backend name -> why it was not chosen
     measured_order: tuple = ()  # the device table's ranking for this call, fastest first, if any
+    # False when a backend consulted for it reads tensor values: the same signature may choose otherwise
+    reusable: bool = True
+    notes: tuple = ()  # what else explain says about the call (e.g. how grouped-query heads are handled)
 
     def __str__(self) -> str:
         lines = [f"{self.variant}: runs '{self.backend.name}' ({self.backend.description or 'no description'})"
@@ -65,10 +74,19 @@ class Choice:
             lines.append(f"  measured on this device, fastest first: {', '.join(self.measured_order)}")
         for name, why in self.reasons.items():
             lines.append(f"  skipped '{name}': {why}")
+        lines.extend(f"  {note}" for note in self.notes)
         return "\n".join(lines)
 
 
 _TABLE: dict[str, dict[str, Backend]] = {}
+
+# Bumped whenever a table changes, so decisions kept for a call signature (ops/plan.py) are dropped.
+generation = 0
+
+
+def _changed() -> None:
+    global generation
+    generation += 1
 
 
 class _Default:
@@ -78,10 +96,15 @@ class _Default:
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
                      description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None,
-                     hides_query_nan_on: tuple = ()) -> None:
+                     hides_query_nan_on: tuple = (), reads_values: bool = False, gqa: bool = False) -> None:
+    """Add (or replace) backend ``name`` of ``variant``. ``supports`` and ``auto_prefers`` must decide
+    from the call's shapes, dtypes, devices, ``requires_grad``, grad mode and plain option values, so
+    a decision can be kept per call signature; one that reads tensor values says ``reads_values=True``.
+    ``gqa=True``: the backend takes ``enable_gqa=True`` (fewer key/value heads than query heads)."""
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
                                                    priority, description, tuple(auto_devices), auto_prefers,
-                                                   tuple(hides_query_nan_on))
+                                                   tuple(hides_query_nan_on), bool(reads_values), bool(gqa))
+    _changed()
 
 
 def all_of(*checks):
@@ -98,6 +121,7 @@ def all_of(*checks):
 def forget(variant: str) -> None:
     """Drop every backend of ``variant`` (a variant removed from the catalog)."""
     _TABLE.pop(variant, None)
+    _changed()
 
 
 def backends(variant: str) -> list[str]:
@@ -155,19 +179,21 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
         why = chosen.supports(q, k, v, **kwargs)
         if why is not None:
             raise ValueError(f"backend={requested!r} cannot run this {variant} call: {why}")
-        return Choice(variant, chosen, requested)
+        return Choice(variant, chosen, requested, reusable=not chosen.reads_values)
     reasons = {}
+    reusable = True
     order, ranked = _auto_candidates(variant, q, k, v, kwargs)
     for name in order:
         cand = table[name]
         if q.device.type not in cand.auto_devices:
             reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
             continue
+        reusable = reusable and not cand.reads_values
         why = cand.supports(q, k, v, **kwargs)
         if why is None and cand.auto_prefers is not None:
             why = cand.auto_prefers(q, k, v, **kwargs)
         if why is None:
-            return Choice(variant, cand, requested, reasons, ranked)
+            return Choice(variant, cand, requested, reasons, ranked, reusable)
         reasons[name] = why
     raise ValueError(f"no backend can run this {variant} call: {reasons}")
 

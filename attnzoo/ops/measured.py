@@ -4,9 +4,10 @@
 ``attnzoo/ops/measured_tables/<device>.json``: for each measured case (variant, flavour, dtype,
 causal, head dim, N, direction) the backends that ran, fastest first. ``auto`` looks up the nearest
 measured case (same variant, flavour, causality and direction; the same dtype when measured, else
-the other half precision; then nearest head dim, then N, on a log scale) and tries its ranking before the priority order. A device with
-no table of its own uses one measured on a device of the same compute capability (an H100 uses the
-H200's table), otherwise only priorities decide.
+the other half precision; then nearest head dim, then N, on a log scale) and tries its ranking before
+the priority order. The device's own table is searched first; a case it did not measure (or a device
+with no table of its own) is looked up in the tables of devices of the same compute capability (an
+H100 uses the H200's table for what its own run left out), otherwise only priorities decide.
 
 The lookup runs while torch.compile traces a call, so it is one function of plain values that dynamo
 treats as a constant (``assume_constant_result``): the ranking is fixed into the compiled graph.
@@ -64,16 +65,18 @@ def _tables() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _entries_for_device(index: int) -> tuple:
-    name = slug(torch.cuda.get_device_name(index))
-    cap = tuple(torch.cuda.get_device_capability(index))
+    """The tables that rank this device's calls, most specific first: its own, then those of devices
+    of the same compute capability (a partial run on one device still leaves its other cases to a
+    sibling's full measurement)."""
+    return tables_for(slug(torch.cuda.get_device_name(index)), tuple(torch.cuda.get_device_capability(index)))
+
+
+def tables_for(name: str, cap: tuple) -> tuple:
+    """(entries, ...) of the shipped tables for device ``name`` of capability ``cap``, own table first."""
     tables = _tables()
-    for table_slug, _, entries in tables:
-        if table_slug == name:
-            return entries
-    for _, table_cap, entries in tables:
-        if table_cap == cap:
-            return entries
-    return ()
+    own = [entries for table_slug, _, entries in tables if table_slug == name]
+    siblings = [entries for table_slug, table_cap, entries in tables if table_slug != name and table_cap == cap]
+    return tuple(own + siblings)
 
 
 _HALF = ("bfloat16", "float16")
@@ -109,7 +112,11 @@ def _lookup(index: int, variant: str, flavour_name: str, dtype: str, causal: boo
     trace file-system calls (os.stat) or the device queries, and the answer is fixed per shape."""
     if index < 0:
         index = torch.cuda.current_device()
-    return nearest_ranking(_entries_for_device(index), variant, flavour_name, dtype, causal, head_dim, n, direction)
+    for entries in _entries_for_device(index):
+        found = nearest_ranking(entries, variant, flavour_name, dtype, causal, head_dim, n, direction)
+        if found:
+            return found
+    return ()
 
 
 def ranking(variant: str, q, k, v, kwargs: dict) -> tuple:

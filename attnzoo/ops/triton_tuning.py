@@ -92,6 +92,7 @@ class TunedKernel:
         self.configs.update({(True,) + cls: rows for cls, rows in configs(dropout_table).items()})
         self.key = list(key)
         self._tuners = {}
+        self._frozen = {}  # (dropout, dtype, block_d, block_dv, shape_key) -> the launch keywords tuned for it
 
     def configs_for(self, dtype, block_d, block_dv, dropout=False):
         return self.configs[(bool(dropout),) + tile_class(dtype, block_d, block_dv)]
@@ -107,6 +108,30 @@ class TunedKernel:
         if cls not in self._tuners:
             self._tuners[cls] = triton.autotune(configs=candidates, key=self.key, do_bench=quick_bench)(self.fn)
         return self._tuners[cls], {}
+
+    def run(self, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, tune=True, shape_key=None):
+        """Launch the kernel on ``grid`` (a function of the launch's tile keywords, META) with ``args``
+        and ``kwargs``. ``shape_key`` names what the autotuner keys on for this launch (the flavour
+        constexprs, D, DV, the length buckets); in eager mode the configuration tuned for it is frozen
+        after the first launch, and later launches go straight to the kernel with those keywords and a
+        tuple grid: no autotuner bookkeeping over every argument on each call (host-overhead.md)."""
+        from .triton_utils import launcher
+        frozen_key = (bool(dropout), dtype, block_d, block_dv, shape_key) if shape_key is not None else None
+        eager = not torch.compiler.is_compiling()
+        if eager and frozen_key is not None and not _pinned:
+            tiles = self._frozen.get(frozen_key)
+            if tiles is not None:
+                self.fn[grid(tiles)](*args, **kwargs, **tiles)
+                return
+        kernel, tiles = self.launch(dtype, block_d, block_dv, dropout, tune)
+        launcher(kernel)[grid](*args, **kwargs, **tiles)
+        if eager and frozen_key is not None and not _pinned:
+            if isinstance(kernel, triton.runtime.Autotuner):
+                best = getattr(kernel, "best_config", None)  # set by the launch (absent if it did not run)
+                if best is None:
+                    return
+                tiles = best.all_kwargs()
+            self._frozen[frozen_key] = dict(tiles)
 
 
 # --- the configuration lists ------------------------------------------------------------------

@@ -76,26 +76,71 @@ def common_reason(q, k, v, attn_mask=None, dropout_p=0.0):
     return None
 
 
-def kernel_op(name: str, *, mutates_args=()):
-    """Register a function that launches Triton kernels as a torch custom op: the one way a kernel
-    becomes an op torch.compile can hold (every family's forward and backward; the autograd link is
-    the op's ``register_autograd``), so every layer traces as one graph on a GPU and under the
-    interpreter alike.
+def eager_call(tensor) -> bool:
+    """True when a kernel op's call runs its host function directly: eager mode (not while
+    torch.compile traces), a plain tensor (not a fake tensor or another subclass) and no torch dispatch
+    mode active (a mode that records ops, such as a FLOP counter or a tracer, sees the op)."""
+    return (not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
+            and torch._C._len_torch_dispatch_stack() == 0)
 
-    On a GPU it is a ``torch.library.triton_op``: torch.compile traces through it and records each
-    ``wrap_triton`` launch in the graph. Under the interpreter the launches are plain Python that a
-    fake tensor cannot feed, so ``tracing_only`` returns before launching while tracing; a traced
-    triton_op would then record no launch at all and the compiled graph would return uninitialised
-    memory. There the function is an opaque ``custom_op`` instead, with itself as the fake
-    implementation (shapes only, via ``tracing_only``): compiled graphs call it and it runs for real.
-    """
-    def register(fn):
+
+class KernelOp:
+    """A host function that launches Triton kernels, as a torch op and as a plain call.
+
+    ``op`` is the registered torch op (``attnzoo::<name>``): on a GPU a ``torch.library.triton_op``,
+    so torch.compile traces through it and records each ``wrap_triton`` launch in its graph; under
+    the interpreter an opaque ``custom_op`` whose fake implementation is the host function itself
+    returning before its launches (``tracing_only``), since a traced interpreted launch would record
+    nothing. Calling the KernelOp in eager mode skips the op's dispatch (tens of microseconds per
+    call in custom_op and autograd-registration overhead, measured in pytorch#177109 and
+    attention-gym#302): the host function runs directly, inside an ``autograd.Function`` built from
+    the same backward and setup_context as the op's ``register_autograd`` when a gradient is needed.
+    Both routes run the same host code and kernels."""
+
+    def __init__(self, name: str, host, mutates_args=()):
+        self.name = name
+        self.host = host
         if not INTERPRETED:
             from torch.library import triton_op
-            return triton_op(name, mutates_args=mutates_args)(fn)
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
-        op.register_fake(fn)
-        return op
+            self.op = triton_op(name, mutates_args=mutates_args)(host)
+        else:
+            self.op = torch.library.custom_op(name, mutates_args=mutates_args)(host)
+            self.op.register_fake(host)
+        self._function = None
+        self.__doc__ = host.__doc__
+        self.__name__ = host.__name__
+
+    def register_autograd(self, backward, *, setup_context) -> None:
+        self.op.register_autograd(backward, setup_context=setup_context)
+        self._function = _autograd_function(self.name, self.host, backward, setup_context)
+
+    def __call__(self, *args):
+        if not eager_call(args[0]):
+            return self.op(*args)
+        if self._function is not None and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._function.apply(*args)
+        return self.host(*args)
+
+
+def _autograd_function(name: str, host, backward, setup_context) -> type:
+    """The eager route's autograd link: the op's own backward and setup_context around its host function.
+    Gradients of outputs nobody used arrive as None (the backward functions ignore them), so no zeros
+    are materialised for them."""
+
+    def save(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        setup_context(ctx, inputs, output)
+
+    return type(name.replace("::", "_"), (torch.autograd.Function,), {
+        "forward": staticmethod(host), "setup_context": staticmethod(save), "backward": staticmethod(backward)})
+
+
+def kernel_op(name: str, *, mutates_args=()):
+    """Decorator: the host function as a :class:`KernelOp` registered under ``name``; the forward and
+    backward ops of a family are tied by ``register_autograd`` like a torch op's."""
+    def register(fn):
+        return KernelOp(name, fn, mutates_args)
     return register
 
 
@@ -107,11 +152,13 @@ def quick_bench(kernel_call, quantiles):
 
 
 def launcher(kernel):
-    """What a host function indexes with the grid to launch ``kernel``: ``wrap_triton(kernel)`` on a
-    GPU, so torch.compile records the launch in its graph; the kernel itself under the interpreter,
-    where nothing is traced (the ops are opaque there, see ``kernel_op``) and torch 2.11's
-    ``wrap_triton`` refuses interpreted kernels."""
-    if INTERPRETED:
+    """What a host function indexes with the grid to launch ``kernel``: ``wrap_triton(kernel)`` while
+    torch.compile traces a GPU op (the launch is recorded in its graph); the kernel itself otherwise.
+    In eager mode ``wrap_triton`` outside a triton_op's body goes through the higher-order-op path (a
+    grid per autotune configuration, generated code; flash-attention#2818 measured +70 us a call),
+    and under the interpreter nothing is traced (the ops are opaque there, see ``KernelOp``) and
+    torch 2.11's ``wrap_triton`` refuses interpreted kernels."""
+    if INTERPRETED or not torch.compiler.is_compiling():
         return kernel
     from torch.library import wrap_triton
     return wrap_triton(kernel)
@@ -131,6 +178,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"
+
+
+_STAND_INS: dict = {}
+
+
+def stand_in(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-element tensor on ``like``'s device passed for an absent optional input (the kernel never
+    reads it: its flavour flag is off). Made once per device and dtype in eager mode, so a call
+    allocates and fills nothing for it; while torch.compile traces (or for a fake tensor) a fresh one,
+    since a real tensor cannot enter a fake-tensor trace."""
+    if not eager_call(like):
+        return torch.zeros(1, dtype=dtype, device=like.device)
+    key = (like.device, dtype)
+    t = _STAND_INS.get(key)
+    if t is None:
+        t = _STAND_INS[key] = torch.zeros(1, dtype=dtype, device=like.device)
+    return t
 
 
 def kernel_mask(attn_mask, B, H, nq, nk):
@@ -323,10 +387,10 @@ def call_reason(q, k, v, **kw):
 
 
 def register_triton(variant: str, fn, supports=call_reason, *, description: str, name: str = "triton",
-                    priority: int = TRITON_PRIORITY) -> None:
+                    priority: int = TRITON_PRIORITY, gqa: bool = False) -> None:
     """Register a Triton kernel as a backend: auto picks it on CUDA tensors only (under
     TRITON_INTERPRET=1 it also runs on CPU tensors, when asked for by name, far too slowly to be a
     default); its ``supports`` says why a call is refused (``attnzoo.explain`` prints it)."""
     from .dispatch import register_backend
     register_backend(variant, name, fn, supports=supports, priority=priority, description=description,
-                     auto_devices=("cuda",))
+                     auto_devices=("cuda",), gqa=gqa)

@@ -9,6 +9,7 @@ on the GPU. Unchecked, a NaN in a mask gives backend-dependent output.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 
@@ -21,7 +22,9 @@ def _shape(t) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q, k, v, enable_gqa: bool = False) -> None:
+    """q (B, H, Nq, D), k (B, H_kv, Nk, D), v (B, H_kv, Nk, Dv) of one float dtype and device; H_kv == H,
+    or with ``enable_gqa`` any divisor of H (grouped-query attention, SDPA's convention)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -36,8 +39,16 @@ def check_qkv(q, k, v) -> None:
     B, H, Nq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"batch size mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 0 must agree)")
-    if k.shape[1] != H or v.shape[1] != H:
-        raise ValueError(f"head count mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 1 must agree)")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"head count mismatch: k {_shape(k)} and v {_shape(v)} must have the same number of heads "
+                         "(dim 1)")
+    if k.shape[1] != H:
+        if not enable_gqa:
+            raise ValueError(f"head count mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)} (dim 1 must agree; "
+                             "for grouped-query attention, k and v with fewer heads, pass enable_gqa=True)")
+        if k.shape[1] == 0 or H % k.shape[1] != 0:
+            raise ValueError(f"enable_gqa=True needs q's head count to be a multiple of k's and v's, got q {_shape(q)}, "
+                             f"k {_shape(k)}, v {_shape(v)} (dim 1)")
     if k.shape[3] != D:
         raise ValueError(f"k must have head dim D={D} like q, got k {_shape(k)}")
     if v.shape[2] != k.shape[2]:
@@ -142,9 +153,17 @@ def check_positive(name: str, value, allow_zero: bool = False) -> float:
     return value
 
 
+def close_match(value, choices) -> str:
+    """' (did you mean 'x'?)' for a string close to one of ``choices``, else ''."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_choice(name: str, value, choices) -> str:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}{close_match(value, choices)}")
     return value
 
 

@@ -19,11 +19,13 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from . import call, dispatch
+from . import plan as plan_cache
 from . import validate as V
+from .masking import propagate_query_nan
 from .sizes import DEFAULT_BACKWARD_FACTOR, SCORE_MATMUL_FORMULA, score_matmul_flops, weights_bytes
 
 # the arguments every variant's functional and backends share (everything else is the variant's own)
-SHARED_ARGS = ("attn_mask", "is_causal", "scale", "dropout_p", "backend")
+SHARED_ARGS = ("attn_mask", "is_causal", "scale", "dropout_p", "backend", "enable_gqa")
 DEFAULT_CAPABILITIES = {"causal": True, "cross": True, "masks": True}
 
 
@@ -182,11 +184,13 @@ def make_functional(record: Variant) -> Callable:
     defaults = option_defaults(record.reference)
     name = record.name
 
-    def functional(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None, **options):
+    def functional(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None,
+                   enable_gqa=False, **options):
         unknown = sorted(set(options) - set(defaults))
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {unknown}; its options are {sorted(defaults)}")
-        return attend(name, q, k, v, attn_mask, is_causal, scale, dropout_p, backend, **{**defaults, **options})
+        return attend(name, q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa,
+                      **{**defaults, **options})
 
     P = inspect.Parameter
     params = [P("q", P.POSITIONAL_OR_KEYWORD), P("k", P.POSITIONAL_OR_KEYWORD), P("v", P.POSITIONAL_OR_KEYWORD),
@@ -194,7 +198,8 @@ def make_functional(record: Variant) -> Callable:
               P("is_causal", P.POSITIONAL_OR_KEYWORD, default=False),
               P("scale", P.POSITIONAL_OR_KEYWORD, default=None)]
     params += [P(n, P.KEYWORD_ONLY, default=d) for n, d in defaults.items()]
-    params += [P("dropout_p", P.KEYWORD_ONLY, default=0.0), P("backend", P.KEYWORD_ONLY, default=None)]
+    params += [P("dropout_p", P.KEYWORD_ONLY, default=0.0), P("backend", P.KEYWORD_ONLY, default=None),
+               P("enable_gqa", P.KEYWORD_ONLY, default=False)]
     functional.__signature__ = inspect.Signature(params)
     functional.__name__ = functional.__qualname__ = name
     functional.__doc__ = record.reference.__doc__
@@ -245,27 +250,109 @@ def is_declared(name) -> bool:
 # -- the call path -------------------------------------------------------------------------------
 
 def backend_kwargs(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
-                   **options) -> dict:
+                   enable_gqa=False, **options) -> dict:
     """The keyword arguments ``name``'s backends receive for this call (every argument checked)."""
     record = get(name)
-    kw = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, record.default_scale)
-    if record.check is not None:
-        options = record.check(q, k, v, scale=kw["scale"], **options)
-    return {**kw, **options}
+    kw = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, record.default_scale, enable_gqa)
+    return {**kw, **_checked_options(record, q, k, v, kw["scale"], options)}
+
+
+def _checked_options(record: Variant, q, k, v, scale, options: dict) -> dict:
+    return record.check(q, k, v, scale=scale, **options) if record.check is not None else options
+
+
+def _make_plan(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict,
+               options_per_call: bool) -> tuple[plan_cache.Plan, dict]:
+    """Every check and the dispatcher's choice for this call: (its plan, its backend keyword arguments)."""
+    kw = backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, **options)
+    group = call.gqa_group(q, k) if enable_gqa else 1
+    if group > 1:  # the backends' predicates see the heads they compute with (once per signature)
+        choice = dispatch.choose(name, backend, q, call.expand_heads(k, group), call.expand_heads(v, group), **kw)
+    else:
+        choice = dispatch.choose(name, backend, q, k, v, **kw)
+    shared = {n: kw[n] for n in ("is_causal", "scale", "dropout_p")}
+    if group > 1 and choice.backend.gqa:
+        shared["enable_gqa"], group = True, 0
+    kept_options = None if options_per_call else {n: a for n, a in kw.items() if n not in call.SHARED_KWARGS}
+    restore_nan = q.device.type in choice.backend.hides_query_nan_on
+    return plan_cache.Plan(choice, shared, kept_options, restore_nan, q.shape[0] == 0 or q.shape[1] == 0,
+                           group if group > 1 else 0), kw
+
+
+def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: dict, kw: Optional[dict] = None):
+    """Run a call on its plan; ``kw`` (the first call's checked arguments) saves checking them again."""
+    if kw is None:
+        if attn_mask is not None:  # the value check of a float mask (eager, CPU by default)
+            V.check_values("attn_mask", attn_mask)
+            attn_mask = V.as_4d(attn_mask)
+        opts = p.options if p.options is not None else _checked_options(record, q, k, v, p.shared["scale"], options)
+        kw = {"attn_mask": attn_mask, **p.shared, **opts}
+    else:
+        kw = {**kw, **{n: a for n, a in p.shared.items() if n == "enable_gqa"}}
+    if p.empty:  # no (batch, head) pair: nothing to attend, no kernel to launch
+        return call.empty_output(q, k, v)
+    if p.gqa_group:
+        k, v = call.expand_heads(k, p.gqa_group), call.expand_heads(v, p.gqa_group)
+    out = p.fn(q, k, v, **kw)
+    if p.restore_nan:
+        out = propagate_query_nan(out, q)
+    return out
 
 
 def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0, backend=None,
-           **options):
-    """Check the arguments of a ``name`` call, then run it on the backend the dispatcher picks."""
-    return call.run(name, backend, q, k, v, **backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p,
-                                                               **options))
+           enable_gqa=False, **options):
+    """Check the arguments of a ``name`` call, then run it on the backend the dispatcher picks.
+
+    The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
+    the same signature does only the value checks and the kernel."""
+    record = get(name)
+    key = None
+    if not torch.compiler.is_compiling():
+        key, per_call = plan_cache.signature(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p,
+                                             enable_gqa, options)
+        if key is not None:
+            p = plan_cache.lookup(key)
+            if p is not None:
+                return _run_plan(record, p, q, k, v, attn_mask, options)
+    p, kw = _make_plan(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options,
+                       options_per_call=key is None or per_call)
+    if key is not None and p.choice.reusable:
+        plan_cache.keep(key, p)
+    return _run_plan(record, p, q, k, v, attn_mask, options, kw)
 
 
 def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
-    """Which backend runs this call and why the others were skipped (the functional's defaults fill
-    the options not given)."""
+    """Which backend runs this call and why the others were skipped. The arguments are checked exactly
+    as the variant's function checks them (an unknown keyword is a TypeError naming it); the
+    function's defaults fill the options not given."""
     V.check_choice("variant", name, _VARIANTS)
     record = _VARIANTS[name]
+    check_keywords(record, kwargs)
     options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS}}
-    shared = {n: kwargs[n] for n in ("attn_mask", "is_causal", "scale", "dropout_p") if n in kwargs}
-    return dispatch.choose(name, backend, q, k, v, **backend_kwargs(name, q, k, v, **shared, **options))
+    shared = {n: kwargs[n] for n in call.SHARED_KWARGS + ("enable_gqa",) if n in kwargs}
+    kw = backend_kwargs(name, q, k, v, **shared, **options)
+    group = call.gqa_group(q, k)
+    if group > 1:
+        choice = dispatch.choose(name, backend, q, call.expand_heads(k, group), call.expand_heads(v, group), **kw)
+    else:
+        choice = dispatch.choose(name, backend, q, k, v, **kw)
+    if group > 1:
+        how = ("indexes each shared key/value head in place" if choice.backend.gqa else
+               "does not index shared heads: k and v are expanded to q's heads first (a copy)")
+        choice.notes = choice.notes + (f"grouped-query attention, {call.gqa_group(q, k)} query heads per key/value "
+                                       f"head: '{choice.backend.name}' {how}",)
+    return choice
+
+
+def check_keywords(record: Variant, kwargs: Mapping[str, Any]) -> None:
+    """TypeError for a keyword the variant's function does not take, with the closest one it does."""
+    params = inspect.signature(record.functional).parameters
+    accepted = {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    accepted.discard("q"), accepted.discard("k"), accepted.discard("v")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted |= set(record.options) | set(SHARED_ARGS)
+    accepted.add("enable_gqa")
+    for keyword in kwargs:
+        if keyword not in accepted:
+            raise TypeError(f"{record.name}() got an unexpected keyword argument {keyword!r}"
+                            f"{V.close_match(keyword, accepted)}; it takes {sorted(accepted)}")

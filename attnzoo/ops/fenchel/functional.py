@@ -1,6 +1,8 @@
 """The public Fenchel-dual attention function (re-exported as ``attnzoo.functional.fenchel``)."""
 from __future__ import annotations
 
+import torch
+
 from .. import call
 from .. import validate as V
 from ..variant import attend
@@ -23,13 +25,16 @@ def check(q, k, v, *, scale, log_u=None, alpha=1.0, solve="first_order", relativ
 
 
 def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None, alpha=1.0,
-            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None):
+            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False):
     """Paper 004 eq (16): weights proportional to u_ij exp(alpha s_ij), u = exp(log_u)
     (broadcastable to (B, H, Nq, Nk), -inf = masked); solve="second_order" uses eq (13),
     solve="exact" maximises the dual (7) per query. ``relative_bias``: a learned T5 relative-position
     log u (``ops.fenchel.t5.T5Bias``, paper 004 eqs 17-18) instead of ``log_u``; at first order the
     fused kernels read it from its table, tile by tile (ops/fenchel/t5.py)."""
-    if relative_bias is not None and solve == "first_order" and log_u is None:
+    # the fused T5 kernels take q's head count for k and v: grouped-query calls take the dense route
+    grouped = enable_gqa is True and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 \
+        and k.shape[1] != q.shape[1]
+    if relative_bias is not None and solve == "first_order" and log_u is None and not grouped:
         shared = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p)
         t5.check_bias(relative_bias, q)
         out = t5.t5_attention(q, k, v, relative_bias, attn_mask=shared["attn_mask"], is_causal=shared["is_causal"],
@@ -37,5 +42,6 @@ def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None,
                               dropout_p=shared["dropout_p"], backend=backend)
         if out is not None:
             return out
-    return attend("fenchel", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, log_u=log_u, alpha=alpha,
+    return attend("fenchel", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, log_u=log_u,
+                  alpha=alpha,
                   solve=solve, relative_bias=relative_bias)

@@ -41,7 +41,8 @@ def _rows_with_a_key(finite_keys, is_causal, nq, nk):
 def _fenchel_key_coordinate(q, k, v, log_u_keys, is_causal, scale, dropout_p):
     """softmax(scale q.k + g_j) v for a per-key g (B|1, H|1, Nk) with the mask-free SDPA kernels.
     A key with g = -inf is given a logit so negative that its weight is exactly 0 whenever its row
-    keeps any other key; rows left with none are zeroed, as everywhere in attnzoo."""
+    keeps any other key; rows left with none are zeroed, as everywhere in attnzoo. Not for float16
+    inputs: the sentinel (and g / scale) must fit the coordinate's dtype (bfloat16 has fp32's range)."""
     g = log_u_keys.to(at_least_fp32(q.dtype)).expand(*log_u_keys.shape[:-1], k.shape[-2])
     finite = g > -math.inf
     g = torch.where(finite, g, torch.full((), -1e30, dtype=g.dtype, device=g.device))
@@ -56,7 +57,10 @@ def fenchel_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None
     if solve != "first_order":
         raise ValueError(f"the torch backend computes solve='first_order' only, got solve={solve!r}")
     scale = alpha * scale
-    if attn_mask is None and log_u is not None and scale > 0:
+    # the coordinate carries log u / scale in q's dtype: float16's range (65504) holds neither the
+    # sentinel of a removed key nor a strongly negative log u, so float16 takes the additive mask (exact
+    # for -inf; a log u below float16's range is a weight that underflows to 0 anyway)
+    if attn_mask is None and log_u is not None and scale > 0 and q.dtype != torch.float16:
         per_key = log_u.reshape((1,) * (4 - log_u.dim()) + tuple(log_u.shape)) if log_u.dim() < 4 else log_u
         if per_key.shape[-2] == 1:
             return _fenchel_key_coordinate(q, k, v, per_key[..., 0, :], is_causal, scale, dropout_p)

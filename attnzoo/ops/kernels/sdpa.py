@@ -69,12 +69,12 @@ def _round_up_head_dims(q, k, v):
     return q, k, v
 
 
-def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p):
+def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=False):
     mask, causal, has_key = sdpa_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device, q.dtype)
     dv = v.shape[-1]
     q, k, v = _round_up_head_dims(q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=scale)[..., :dv]
+                                         scale=scale, enable_gqa=enable_gqa)[..., :dv]
     if has_key is not None:
         out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
@@ -120,11 +120,11 @@ def mask_grad_on_cpu(q, k, v, **kw):
     return None
 
 
-def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION):
+def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION, gqa: bool = False):
     """Register ``fn`` (a variant's form of SDPA) as its "torch" backend. SDPA's fused CPU kernel
     returns a zero row for a query holding NaN, so the dispatcher puts the NaN back on CPU tensors
     (on CUDA that would cost a pass over q and the output per call; benchmarks/gpu_speed.py's
     "nan-query" rows check cuDNN / FlashAttention there)."""
     from ..dispatch import register_backend
     register_backend(variant, "torch", fn, supports=supports, priority=priority, description=description,
-                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",))
+                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa)

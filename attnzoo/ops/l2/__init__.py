@@ -19,9 +19,9 @@ from .kernels import l2_cpu, l2_flex, l2_torch
 from .layer import L2Hook
 from .reference import l2_attention
 
-register_triton("l2", flash.l2_attention,
+register_triton("l2", flash.l2_attention, gqa=True,
                 description="Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout")
-sdpa.register("l2", l2_torch, priority=15, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
+sdpa.register("l2", l2_torch, priority=15, gqa=True, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
 blockwise.register("l2", l2_cpu)
 register_backend("l2", "flex", l2_flex, supports=flex_reason, priority=5,
                  description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))

@@ -11,13 +11,13 @@ from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
 
 
-def l2_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def l2_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
     """softmax(scale (2 q.k - ||k||^2) + mask) v on SDPA, ||k||^2 carried in fp32 (two coordinates in
     half precision, see ops/kernels/sdpa.py)."""
     kf = k.to(at_least_fp32(k.dtype))
     key_sq = -(kf * kf).sum(-1, keepdim=True)
     qa, ka = augment(q, k, 2.0, key_sq)
-    return sdpa_attention(qa, ka, v, attn_mask, is_causal, scale, dropout_p)
+    return sdpa_attention(qa, ka, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
 
 
 def l2_augment(q, k):

@@ -15,7 +15,7 @@ from .kernels import relu_cpu
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
-                description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
+                gqa=True, description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
 blockwise.register("relu", relu_cpu)
 blockwise.register("relu", relu_cpu, name="torch", priority=9,
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")

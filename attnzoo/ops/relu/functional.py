@@ -4,6 +4,6 @@ from __future__ import annotations
 from ..variant import attend
 
 
-def relu(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None):
+def relu(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None, enable_gqa=False):
     """sum_j relu(s_ij) v_j / n_i (n_i = keys taking part in row i, Nk without a mask)."""
-    return attend("relu", q, k, v, attn_mask, is_causal, scale, dropout_p, backend)
+    return attend("relu", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa)

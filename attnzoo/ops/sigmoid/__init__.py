@@ -23,7 +23,7 @@ def _bias_reason(q, k, v, **kw):
 
 
 register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
-                description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
+                gqa=True, description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
 blockwise.register("sigmoid", sigmoid_cpu)
 blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9,

@@ -24,12 +24,31 @@ class SigmoidHook(LayerHook):
         super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
         if layer.bias_shift is None:
             return {"bias": layer.fixed_bias}
-        if layer.fixed_bias is None:
-            keep, _ = split_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
-            base = default_sigmoid_bias(key_counts(keep, k.shape[-2], q))
-        else:
-            base = torch.tensor(layer.fixed_bias, dtype=q.dtype, device=q.device)
-        return {"bias": base + layer.bias_shift.to(q.dtype).view(1, -1, 1, 1)}
+        shift = layer.bias_shift.to(q.dtype).view(1, -1, 1, 1)
+        if layer.fixed_bias is not None:  # a Python float added on the device: no host-to-device copy
+            return {"bias": shift + layer.fixed_bias}
+        return {"bias": shift + default_bias_rows(attn_mask, is_causal, q, k)}
 
     def describe(self, layer) -> dict:
         return {"bias": layer.fixed_bias, "learnable_bias": layer.bias_shift is not None}
+
+
+_DEFAULT_ROWS: dict = {}
+
+
+def default_bias_rows(attn_mask, is_causal, q, k):
+    """-log n_i as a (Nq|1, 1) tensor (or (..., Nq, 1) with a mask). Without a mask n_i depends only on
+    the shape and causality, so it is made once per (device, dtype, Nq, Nk, is_causal) in eager mode
+    and reused; a mask's counts are read on every call."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    cacheable = attn_mask is None and not torch.compiler.is_compiling()
+    key = (q.device, q.dtype, nq, nk, bool(is_causal))
+    if cacheable and key in _DEFAULT_ROWS:
+        return _DEFAULT_ROWS[key]
+    keep, _ = split_mask(attn_mask, is_causal, nq, nk, q.device)
+    rows = default_sigmoid_bias(key_counts(keep, nk, q))
+    if cacheable:
+        if len(_DEFAULT_ROWS) >= 256:
+            _DEFAULT_ROWS.clear()
+        _DEFAULT_ROWS[key] = rows
+    return rows

@@ -95,7 +95,7 @@ register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled")
                  description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
 register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"),
                  all_of(_cpu_supports, _implicit_reason),
-                 priority=1, auto_devices=(),
+                 priority=1, auto_devices=(), reads_values=True,
                  description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
 if HAVE_TRITON:
     register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
@@ -104,7 +104,7 @@ if HAVE_TRITON:
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
                      _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
-                     all_of(_triton_supports, _implicit_reason), priority=2, auto_devices=(),
+                     all_of(_triton_supports, _implicit_reason), priority=2, auto_devices=(), reads_values=True,
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
 
 

@@ -16,9 +16,9 @@ from .functional import softmax
 from .kernels import softmax_cpu, softmax_torch
 from .reference import softmax_attention
 
-sdpa.register("softmax", softmax_torch, priority=25)
+sdpa.register("softmax", softmax_torch, priority=25, gqa=True)
 blockwise.register("softmax", softmax_cpu)
-register_triton("softmax", flash.softmax_attention,
+register_triton("softmax", flash.softmax_attention, gqa=True,
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
 
 RECORD = declare(Variant(

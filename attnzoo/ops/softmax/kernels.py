@@ -5,8 +5,8 @@ from ..kernels.blockwise import blockwise_attention, split_attn_mask
 from ..kernels.sdpa import sdpa_attention
 
 
-def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    return sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p)
+def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
+    return sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
 
 
 def softmax_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):

@@ -23,6 +23,7 @@ same keep-mask from it; ``dropout_p == 0`` launches the kernels without any drop
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,12 +33,13 @@ from ... import validate as V
 from ...triton_dropout import call_seed, dropout_flag
 from ... import triton_tuning as tuning
 from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
-                            kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
+                            kernel_op, launcher, mask_shape, reduce_to_shape, stand_in, tracing_only)
 
 if HAVE_TRITON:
     import triton
 
-    from .triton_kernels import softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel, softmax_fwd_kernel
+    from .triton_kernels import (softmax_bwd_delta_kernel, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
+                                 softmax_fwd_kernel)
 
     # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
     TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "L2", "MASK_KIND", "MASK_SHAPE", "HAS_PREF", "HAS_T5", "CAUSAL",
@@ -49,46 +51,56 @@ if HAVE_TRITON:
                                           tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
 
 
-def _dummy(device, dtype):
-    """A stand-in pointer for an absent optional input (the kernel never reads it)."""
-    return torch.zeros(1, dtype=dtype, device=device)
-
-
 def _prepare(q, k, mask, pref, table, lut):
     """Everything the three kernels share: broadcast views, stand-ins and their strides."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    dev = q.device
     m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
     if m is None:
-        m = _dummy(dev, torch.uint8)
+        m = stand_in(q, torch.uint8)
     p = broadcast_rows(pref, B, H, Nk)
     pref_strides = tuple(p.stride()) if p is not None else (0, 0, 0)
     if p is None:
-        p = _dummy(dev, torch.float32)
+        p = stand_in(q, torch.float32)
     has_t5 = table is not None
     if has_t5:
         table = table.contiguous()
         table_strides = tuple(table.stride())
     else:
-        table, table_strides, lut = _dummy(dev, torch.float32), (0, 0), _dummy(dev, torch.int32)
+        table, table_strides, lut = stand_in(q, torch.float32), (0, 0), stand_in(q, torch.int32)
     flags = dict(MASK_KIND=mask_kind, MASK_SHAPE=mask_shape(mask_strides), HAS_PREF=pref is not None, HAS_T5=has_t5)
     return m, mask_strides, p, pref_strides, table, table_strides, lut, flags
 
 
-def _launch_flags(q, k, v, is_causal, l2, dropout):
-    """The constexprs every launch of a call shares (tiles come from ops/triton_tuning.py)."""
-    D, DV = q.shape[-1], v.shape[-1]
+@functools.lru_cache(maxsize=1024)
+def _launch_flags(D, DV, is_causal, l2, dropout, dtype, allow_tf32):
+    """The constexprs every launch of a call shares (tiles come from ops/triton_tuning.py), decided once
+    per head dims and flavour."""
     bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     return dict(BLOCK_D=bd, BLOCK_DV=bdv, L2=bool(l2), CAUSAL=bool(is_causal), HEAD_MASK=(bd != D or bdv != DV),
-                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), DROPOUT=bool(dropout))
+                UPCAST=INTERPRETED, PRECISION=dot_precision(dtype), DROPOUT=bool(dropout))
+
+
+def _flags(q, v, is_causal, l2, dropout):
+    return _launch_flags(q.shape[-1], v.shape[-1], bool(is_causal), bool(l2), bool(dropout), q.dtype,
+                         torch.backends.cuda.matmul.allow_tf32)
 
 
 def _sizes(q, k, v):
-    """H, Nq, Nk, D, DV and the autotuning key's length buckets, in the kernels' argument order."""
+    """H, Nq, Nk, D, DV, the query heads per key/value head, and the autotuning key's length buckets,
+    in the kernels' argument order."""
     _, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
-    return H, Nq, Nk, D, DV, tuning.n_bucket(Nq), tuning.n_bucket(Nk)
+    return H, Nq, Nk, D, DV, H // k.shape[1], tuning.n_bucket(Nq), tuning.n_bucket(Nk)
+
+
+def _shape_key(meta, flags, sizes):
+    """What the autotuner keys on for these launches (ops/triton_tuning.TunedKernel.run freezes it)."""
+    return (sizes[3], sizes[4], sizes[6], sizes[7], meta["L2"], meta["CAUSAL"], meta["PRECISION"],
+            flags["MASK_KIND"], flags["MASK_SHAPE"], flags["HAS_PREF"], flags["HAS_T5"])
+
+
+DELTA_ROWS = 64  # rows of dO . O per program of the backward's first launch
 
 
 if HAVE_TRITON:
@@ -99,21 +111,23 @@ if HAVE_TRITON:
         """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32 in base 2: log2 sum_j exp(l_ij), the
         kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2, see
         triton_kernels.py); +inf for rows with no key. With dropout_p > 0, ``seed`` (1-element int64)
-        picks the keep-mask; lse is the undropped one."""
+        picks the keep-mask; lse is the undropped one. k and v may hold fewer heads than q (grouped-query
+        attention: query head h reads key/value head h // (H / H_kv)). One launch."""
         B, H, Nq, D = q.shape
-        Nk, DV = k.shape[2], v.shape[3]
+        DV = v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         dropout = dropout_flag(dropout_p, seed)
-        meta = _launch_flags(q, k, v, is_causal, l2, dropout)
+        meta = _flags(q, v, is_causal, l2, dropout)
         if tracing_only(q):
             return out, lse
-        kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
-            q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts,
-            *_sizes(q, k, v), scale, dropout_p, **meta, **flags, **tiles)
+        sizes = _sizes(q, k, v)
+        FORWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
+                    (q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
+                     *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p),
+                    {**meta, **flags}, dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
+                    dropout=dropout, shape_key=_shape_key(meta, flags, sizes))
         return out, lse
 
     @kernel_op("attnzoo::softmax_family_bwd", mutates_args=())
@@ -122,36 +136,43 @@ if HAVE_TRITON:
                            lut: Optional[Tensor], scale: float, is_causal: bool, l2: bool,
                            dropout_p: float = 0.0,
                            seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty)."""
+        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty). Three launches:
+        delta = rowsum(dO * O), then dK/dV (one program per key block of a key/value head, walking the
+        query heads that share it), then dQ."""
         B, H, Nq, D = q.shape
-        Nk, DV = k.shape[2], v.shape[3]
-        # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
-        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+        H_kv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
+        delta = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
         dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=q.device)
-        dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=q.device)
-        dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
+        dk = torch.empty((B, H_kv, Nk, D), dtype=k.dtype, device=q.device)
+        dv = torch.empty((B, H_kv, Nk, DV), dtype=v.dtype, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         dpref = (torch.empty((B, H, Nk), dtype=torch.float32, device=q.device) if flags["HAS_PREF"]
                  else torch.empty(0, dtype=torch.float32, device=q.device))
         dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
         dropout = dropout_flag(dropout_p, seed)
-        meta = _launch_flags(q, k, v, is_causal, l2, dropout)
+        meta = _flags(q, v, is_causal, l2, dropout)
         if tracing_only(q):
             return dq, dk, dv, dpref, dtable
+        # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
+        rows = 16 if INTERPRETED else DELTA_ROWS
+        launcher(softmax_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * H)](
+            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, Nq, DV,
+            BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"])
         seed_ptr = seed if dropout else lut
-        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *_sizes(q, k, v), scale,
-                  dropout_p)
+        sizes = _sizes(q, k, v)
+        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p)
+        shape_key = _shape_key(meta, flags, sizes)
+        tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], dropout=dropout)
         # the T5 table gradient accumulates with atomics: autotuning would rerun it on the same
         # output, so that flavour launches the default tiles
-        kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout,
-                                             tune=not flags["HAS_T5"])
-        launcher(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
-            q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
-            dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
-        kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common, **meta, **flags, **tiles)
+        KEYS_BACKWARD.run(lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H_kv),
+                          (q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
+                           dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common),
+                          {**meta, **flags}, tune=not flags["HAS_T5"], shape_key=shape_key, **tiles)
+        QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
+                             (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
+                             {**meta, **flags}, shape_key=shape_key, **tiles)
         return dq, dk, dv, dpref, dtable
 
     def _setup_context(ctx, inputs, output):
@@ -197,22 +218,23 @@ def key_preference(log_u, q, k):
     return lu[:, :, 0, :]
 
 
-def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+# The backends below are reached through the dispatcher, whose ``supports`` check (common_reason and
+# the variant's own) already accepted the call: they do not check again. enable_gqa: k and v may hold
+# fewer heads than q; the kernels index the shared head.
+
+def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
     """Backend ``triton`` of the ``softmax`` variant."""
-    _check_runnable(q, k, v, attn_mask, dropout_p)
     return _run(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p)
 
 
-def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
     """Backend ``triton`` of the ``l2`` variant: softmax_j(-scale ||q_i - k_j||^2 + mask) v_j."""
-    _check_runnable(q, k, v, attn_mask, dropout_p)
     return _run(q, k, v, attn_mask, is_causal, scale, l2=True, dropout_p=dropout_p)
 
 
 def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                      solve="first_order", dropout_p=0.0):
+                      solve="first_order", dropout_p=0.0, enable_gqa=False):
     """Backend ``triton`` of the ``fenchel`` variant, first order only: softmax(alpha s_ij + log u_j)."""
-    _check_runnable(q, k, v, attn_mask, dropout_p)
     if solve != "first_order":
         raise ValueError(f"the Triton kernel computes solve='first_order' only, got solve={solve!r}")
     pref = key_preference(log_u, q, k)
@@ -244,8 +266,7 @@ def bucket_bias_attention(q, k, v, table, lut, *, attn_mask=None, is_causal=Fals
     """softmax_j(scale q_i.k_j + table[lut[j - i + Nq - 1], h] + mask_ij) v_j: a per-head bias looked up
     by the query-key offset (``table`` (num_buckets, H) float, ``lut`` int32 (Nq + Nk - 1,)), added tile
     by tile; the gradient reaches ``table`` (summed per head and bucket). Arguments are checked by the
-    caller (ops/fenchel/t5.py builds T5's lut)."""
-    _check_runnable(q, k, v, attn_mask, dropout_p)
+    caller (ops/fenchel/t5.py builds T5's lut, t5.reason checked the call)."""
     return _run(q, k, v, attn_mask, is_causal, scale, table=table, lut=lut, dropout_p=dropout_p)
 
 

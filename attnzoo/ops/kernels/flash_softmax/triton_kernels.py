@@ -130,7 +130,7 @@ if HAVE_TRITON:
             Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
@@ -151,8 +151,8 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
+        K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
+        V += b * svb + (h // GROUP) * svh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
         TABLE += h * sth
@@ -245,73 +245,80 @@ if HAVE_TRITON:
             Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             DROPOUT: tl.constexpr):
+        # One program per key block of one key/value head; it walks the GROUP query heads that share the
+        # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
+        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
+        H_kv = H // GROUP
+        b = pid_bkv // H_kv
+        h_kv = pid_bkv % H_kv
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kj_at = tl.minimum(offs_n, Nk - 1)  # keys past Nk: any valid address (their gradients are not stored)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
-        DO += b * sdob + h * sdoh
-        MASK += b * smb + h * smh
-        PREF += b * spb + h * sph
-        TABLE += h * sth
-        DTABLE += h * sth
-        LSE += pid_bh * Nq
-        DELTA += pid_bh * Nq
-
+        K += b * skb + h_kv * skh
+        V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
         v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, True, HEAD_MASK)
-        # per-key logit terms, hoisted out of the query loop; -inf past Nk keeps those keys out of the
-        # T5 atomics (other flavours let them compute gradients that are never stored)
-        key_bias = key_terms(k, offs_n, Nk, PREF, spn, qk_scale, L2, HAS_PREF, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        ds_colsum = tl.zeros([BLOCK_N], tl.float32)
+        colsum = tl.zeros([BLOCK_N], tl.float32)  # sum of dS over every query of the group (L2's dK term)
         first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-        if CAUSAL:  # diagonal blocks: causal masking
-            dk, dv, ds_colsum = dkdv_stage(
-                dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
-                offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
+        for g in range(0, GROUP):
+            h = h_kv * GROUP + g
+            pid_bh = b * H + h
+            Qh = Q + b * sqb + h * sqh
+            DOh = DO + b * sdob + h * sdoh
+            MASKh = MASK + b * smb + h * smh
+            PREFh = PREF + b * spb + h * sph
+            TABLEh = TABLE + h * sth
+            DTABLEh = DTABLE + h * sth
+            LSEh = LSE + pid_bh * Nq
+            DELTAh = DELTA + pid_bh * Nq
+            # per-key logit terms, hoisted out of the query loop; -inf past Nk keeps those keys out of the
+            # T5 atomics (other flavours let them compute gradients that are never stored)
+            key_bias = key_terms(k, offs_n, Nk, PREFh, spn, qk_scale, L2, HAS_PREF, True)
+            ds_colsum = tl.zeros([BLOCK_N], tl.float32)
+            if CAUSAL:  # diagonal blocks: causal masking
+                dk, dv, ds_colsum = dkdv_stage(
+                    dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT,
+                    seed, pid_bh, dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST,
+                    PRECISION, DROPOUT, True, False)
+            dk, dv, ds_colsum = dkdv_stage(  # whole query blocks that see every key of the block
+                dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n, kj_at,
+                offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT, seed, pid_bh,
                 dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
-                DROPOUT, True, False)
-        dk, dv, ds_colsum = dkdv_stage(  # whole query blocks that see every key of the block
-            dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
-            offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
-            dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
-            False, False)
-        dk, dv, ds_colsum = dkdv_stage(  # the partial last query block
-            dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE, sqm, sqd, sdom, sdod, offs_n, kj_at,
-            offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh,
-            dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
-            CAUSAL, True)
+                DROPOUT, False, False)
+            dk, dv, ds_colsum = dkdv_stage(  # the partial last query block
+                dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n, kj_at,
+                offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT, seed, pid_bh,
+                dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
+                DROPOUT, CAUSAL, True)
+            if HAS_PREF:  # the preference is the query head's own: its gradient too
+                tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
+            colsum += ds_colsum
         if L2:
-            dk = 2.0 * scale * (dk - k.to(tl.float32) * ds_colsum[:, None])
+            dk = 2.0 * scale * (dk - k.to(tl.float32) * colsum[:, None])
         else:
             dk = scale * dk
-        # gradients are written contiguous (B, H, N, D)
-        DK += pid_bh * Nk * D
-        DV_OUT += pid_bh * Nk * DV
+        # gradients are written contiguous (B, H_kv, N, D)
+        DK += pid_bkv * Nk * D
+        DV_OUT += pid_bkv * Nk * DV
         tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
         tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
                  mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
-        if HAS_PREF:
-            tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
 
     @triton.jit
     def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
@@ -341,7 +348,7 @@ if HAVE_TRITON:
             Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, stb, sth,
-            H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
@@ -360,8 +367,8 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
+        K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
+        V += b * svb + (h // GROUP) * svh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
@@ -388,3 +395,19 @@ if HAVE_TRITON:
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
         tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+
+    @triton.jit
+    def softmax_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,
+                                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """DELTA (B, H, Nq) fp32 contiguous = sum_d dO * O per row: the backward's first launch (one
+        instead of the casts, product and row sum in eager ops)."""
+        pid_bh = tl.program_id(1).to(tl.int64)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_DV)
+        inside = (offs_m[:, None] < Nq) & (offs_d[None, :] < DV)
+        o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=inside, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=inside,
+                     other=0.0)
+        tl.store(DELTA + pid_bh * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)

@@ -11,6 +11,7 @@ same keep-mask regenerated in the backward; ``dropout_p == 0`` launches the kern
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,8 +19,8 @@ from torch import Tensor
 
 from ... import triton_tuning as tuning
 from ...triton_dropout import call_seed, dropout_flag
-from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
-                            kernel_op, launcher, mask_shape, reduce_to_shape, tracing_only)
+from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, dot_precision, kernel_mask, kernel_op,
+                            mask_shape, reduce_to_shape, stand_in, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR, SIGMOID_EXACT, SIGMOID_EXP2, SIGMOID_TANH
 
 if HAVE_TRITON:
@@ -54,24 +55,40 @@ def sigmoid_impl(dtype) -> int:
     return _SIGMOID_IMPLS[FAST_SIGMOID]
 
 
+@functools.lru_cache(maxsize=1024)
+def _launch_flags(D, DV, sigmoid, sigmoid_impl_, bias_mode, mask_kind, mask_shape_, is_causal, dropout, dtype,
+                  allow_tf32):
+    """The constexprs every launch of a call shares, decided once per head dims and flavour."""
+    bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
+    return dict(BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=sigmoid, SIGMOID_IMPL=sigmoid_impl_, BIAS_MODE=bias_mode,
+                MASK_KIND=mask_kind, MASK_SHAPE=mask_shape_, CAUSAL=is_causal, HEAD_MASK=(bd != D or bdv != DV),
+                UPCAST=INTERPRETED, PRECISION=dot_precision(dtype), DROPOUT=dropout)
+
+
 def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
     B, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
     m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
     if m is None:
-        m = torch.zeros(1, dtype=torch.uint8, device=q.device)
+        m = stand_in(q, torch.uint8)
     rows = broadcast_rows(bias, B, H, Nq)
     if rows is None:
-        rows, bias_strides = torch.zeros(1, dtype=torch.float32, device=q.device), (0, 0, 0)
+        rows, bias_strides = stand_in(q, torch.float32), (0, 0, 0)
     else:
         bias_strides = tuple(rows.stride())
-    bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
-    meta = dict(BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=bool(sigmoid), SIGMOID_IMPL=sigmoid_impl(q.dtype) if sigmoid else 0,
-                BIAS_MODE=int(bias_mode), MASK_KIND=mask_kind, MASK_SHAPE=mask_shape(mask_strides),
-                CAUSAL=bool(is_causal), HEAD_MASK=(bd != D or bdv != DV),
-                UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), DROPOUT=bool(dropout))
-    sizes = (H, Nq, Nk, D, DV, tuning.n_bucket(Nq), tuning.n_bucket(Nk))
+    meta = _launch_flags(D, DV, bool(sigmoid), sigmoid_impl(q.dtype) if sigmoid else 0, int(bias_mode), mask_kind,
+                         mask_shape(mask_strides), bool(is_causal), bool(dropout), q.dtype,
+                         torch.backends.cuda.matmul.allow_tf32)
+    # H_kv = k.shape[1] may be fewer than H: query head h reads key/value head h // (H / H_kv)
+    sizes = (H, Nq, Nk, D, DV, H // k.shape[1], tuning.n_bucket(Nq), tuning.n_bucket(Nk))
     return m, mask_strides, rows, bias_strides, meta, sizes
+
+
+def _run(tuned, grid, args, meta, sizes, dtype, dropout):
+    """Launch one of the three kernels with its configuration frozen per flavour and length buckets."""
+    shape_key = (sizes[3], sizes[4], sizes[6], sizes[7], tuple(meta.values()))
+    tuned.run(grid, args, meta, dtype=dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], dropout=dropout,
+              shape_key=shape_key)
 
 
 if HAVE_TRITON:
@@ -89,11 +106,10 @@ if HAVE_TRITON:
         m, ms, rows, bs, meta, sizes = _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout)
         if tracing_only(q):
             return out, n_rows
-        kernel, tiles = FORWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
-            q, k, v, out, n_rows, m, rows, seed if dropout else m,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs,
-            *sizes, scale, bias_scalar, dropout_p, **meta, **tiles)
+        _run(FORWARD, lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
+             (q, k, v, out, n_rows, m, rows, seed if dropout else m,
+              *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *bs, *sizes, scale, bias_scalar, dropout_p),
+             meta, sizes, q.dtype, dropout)
         return out, n_rows
 
     @kernel_op("attnzoo::pointwise_bwd", mutates_args=())
@@ -103,10 +119,10 @@ if HAVE_TRITON:
                       seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dbias (B, H, Nq) fp32, empty unless the bias is a tensor)."""
         B, H, Nq, D = q.shape
-        Nk, DV = k.shape[2], v.shape[3]
+        H_kv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
         dq = torch.empty((B, H, Nq, D), dtype=q.dtype, device=q.device)
-        dk = torch.empty((B, H, Nk, D), dtype=k.dtype, device=q.device)
-        dv = torch.empty((B, H, Nk, DV), dtype=v.dtype, device=q.device)
+        dk = torch.empty((B, H_kv, Nk, D), dtype=k.dtype, device=q.device)
+        dv = torch.empty((B, H_kv, Nk, DV), dtype=v.dtype, device=q.device)
         has_bias = bias_mode == BIAS_ROWS
         dbias = torch.empty((B, H, Nq) if has_bias else (0,), dtype=torch.float32, device=q.device)
         dropout = dropout_flag(dropout_p, seed)
@@ -116,13 +132,13 @@ if HAVE_TRITON:
         seed_ptr = seed if dropout else m
         strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *bs)
         scalars = (scale, bias_scalar, dropout_p)
-        kernel, tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        launcher(kernel)[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, *scalars, **meta, **tiles)
-        kernel, tiles = QUERIES_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout)
-        launcher(kernel)[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H)](
-            q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes,
-            *scalars, **meta, **tiles)
+        # dK/dV: one program per key block of a key/value head, walking the query heads that share it
+        _run(KEYS_BACKWARD, lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H_kv),
+             (q, k, v, grad_out, n_rows, m, rows, dk, dv, seed_ptr, *strides, *sizes, *scalars), meta, sizes,
+             q.dtype, dropout)
+        _run(QUERIES_BACKWARD, lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
+             (q, k, v, grad_out, n_rows, m, rows, dq, dbias if has_bias else rows, seed_ptr, *strides, *sizes,
+              *scalars), meta, sizes, q.dtype, dropout)
         return dq, dk, dv, dbias
 
     def _setup_context(ctx, inputs, output):
@@ -155,18 +171,13 @@ def bias_reason(bias, q):
     return None
 
 
-def _check(q, k, v, attn_mask, dropout_p):
-    why = common_reason(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-    if why is not None:
-        raise ValueError(f"the Triton pointwise kernel cannot run this call: {why}")
+# The backends below are reached through the dispatcher, whose ``supports`` check (common_reason,
+# bias_reason) already accepted the call: they do not check again. enable_gqa: k and v may hold fewer
+# heads than q; the kernels index the shared head.
 
-
-def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
+def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0,
+                      enable_gqa=False):
     """Backend ``triton`` of ``sigmoid``: sum_j sigmoid(s_ij + b) v_j (b = -log n_i by default)."""
-    _check(q, k, v, attn_mask, dropout_p)
-    why = bias_reason(bias, q)
-    if why is not None:
-        raise ValueError(why)
     if bias is None:
         rows, scalar, mode = None, 0.0, BIAS_DEFAULT
     elif isinstance(bias, Tensor):
@@ -178,9 +189,8 @@ def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=N
     return out
 
 
-def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
     """Backend ``triton`` of ``relu``: sum_j relu(s_ij) v_j / n_i."""
-    _check(q, k, v, attn_mask, dropout_p)
     out, _ = pointwise_fwd(q, k, v, attn_mask, None, 0.0, BIAS_DEFAULT, float(scale), bool(is_causal), False,
                            float(dropout_p), call_seed(q, dropout_p))
     return out

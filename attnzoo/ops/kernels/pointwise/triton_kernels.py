@@ -149,7 +149,8 @@ if HAVE_TRITON:
     def pointwise_fwd_kernel(
             Q, K, V, O, N_ROWS, MASK, BIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
@@ -170,8 +171,8 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
+        K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
+        V += b * svb + (h // GROUP) * svh
         MASK += b * smb + h * smh
 
         n = key_count(offs_m, Nq, Nk, MASK, smm, smn, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL),
@@ -230,50 +231,58 @@ if HAVE_TRITON:
     def pointwise_bwd_dkdv_kernel(
             Q, K, V, DO, N_ROWS, MASK, BIAS, DK, DV_OUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             DROPOUT: tl.constexpr):
+        # One program per key block of one key/value head; it walks the GROUP query heads that share the
+        # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
+        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
+        H_kv = H // GROUP
+        b = pid_bkv // H_kv
+        h_kv = pid_bkv % H_kv
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kj_at = tl.minimum(offs_n, Nk - 1)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
-        DO += b * sdob + h * sdoh
-        MASK += b * smb + h * smh
+        K += b * skb + h_kv * skh
+        V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
         v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, True, HEAD_MASK)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-        if CAUSAL:  # diagonal blocks: causal masking
-            dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, scale, MASK,
+        for g in range(0, GROUP):
+            h = h_kv * GROUP + g
+            pid_bh = b * H + h
+            Qh = Q + b * sqb + h * sqh
+            DOh = DO + b * sdob + h * sdoh
+            MASKh = MASK + b * smb + h * smh
+            if CAUSAL:  # diagonal blocks: causal masking
+                dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, scale,
+                                    MASKh, smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL,
+                                    BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True,
+                                    False)
+            dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, scale, MASKh,
                                 smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
-                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, False)
-        dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                            bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, scale, MASK, smm,
-                            smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
-                            MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False)
-        dk, dv = dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                            bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, scale, MASK, smm,
-                            smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
-                            MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True)
+                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False)
+            dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, scale, MASKh,
+                                smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
+                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True)
         dk = scale * dk
-        DK += pid_bh * Nk * D  # gradients are written contiguous (B, H, N, D)
-        DV_OUT += pid_bh * Nk * DV
+        DK += pid_bkv * Nk * D  # gradients are written contiguous (B, H_kv, N, D)
+        DV_OUT += pid_bkv * Nk * DV
         tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
         tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
@@ -305,7 +314,8 @@ if HAVE_TRITON:
     def pointwise_bwd_dq_kernel(
             Q, K, V, DO, N_ROWS, MASK, BIAS, DQ, DBIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, tune_nq, tune_nk, scale, bias_scalar, dropout_p,
+            smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
@@ -324,8 +334,8 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         Q += b * sqb + h * sqh
-        K += b * skb + h * skh
-        V += b * svb + h * svh
+        K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
+        V += b * svb + (h // GROUP) * svh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
         q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
