@@ -18,7 +18,9 @@ The mask transformers builds for these implementations is its SDPA mask with the
 a bool (B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is
 masked. In a causal module that mask holds causality AND padding; the kernel gets causality as
 ``is_causal=True`` and the padding as a (B, 1, 1, Nk) mask (``kernel.causal_and_rest``), so that
-Sinkhorn solves each prefix and no later token moves an earlier output.
+Sinkhorn solves each prefix and no later token moves an earlier output. Grouped key/value heads go
+to the kernel as they are, with ``enable_gqa=True``. Cached decoding (what a kernel reads about the
+earlier positions beyond HF's keys and values) is in ``hf_decode``.
 """
 from __future__ import annotations
 
@@ -94,14 +96,12 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
         query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens)
     elif causal_queries and kernel.couples_queries:
         query, mask = hf_decode.with_earlier_queries(kernel, module, query, mask)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     self_attention = query.shape[-2] == key.shape[-2] and not cross
+    # grouped-query attention (Llama & co.: fewer key/value heads than query heads) goes to the kernel
+    # as it is: enable_gqa=True, each key/value head serving H / H_kv query heads (SDPA's convention)
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
-                     scale=scaling, x=tokens,
+                     scale=scaling, x=tokens, enable_gqa=key.shape[1] != query.shape[1],
                      self_attention=self_attention, causal_queries=causal_queries, last_rows=new)
     return out.transpose(1, 2).contiguous(), None
 

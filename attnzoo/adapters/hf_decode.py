@@ -90,9 +90,9 @@ def _what(kernel: AttentionLayer, module) -> str:
     return f"attnzoo's {kernel.kind!r} in {type(module).__name__}"
 
 
-def _keeps_state() -> bool:
-    """Not in a training step with gradients on: the kept queries would hold its activations."""
-    return not torch.is_grad_enabled()
+def _may_keep(module) -> bool:
+    """Not a training step with gradients on: what is kept would hold that step's activations."""
+    return not (module.training and torch.is_grad_enabled())
 
 
 def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tokens):
@@ -109,7 +109,7 @@ def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tok
     if couples and mask is not None and per_key:
         keep = mask if mask.dtype == torch.bool else mask > -math.inf
         keep = keep.expand(query.shape[0], -1, 1, nk)[:, :, 0]  # (B, Hm, Nk): False = padding
-    remember = (per_key or not couples) and (_keeps_state() or not module.training)
+    remember = (per_key or not couples) and _may_keep(module)
     queries, tokens = decode_state.extend(module, ident=key, new=new, what=_what(kernel, module),
                                           queries=query if couples else None,
                                           tokens=tokens if kernel.needs_key_tokens else None,
@@ -138,7 +138,7 @@ def with_earlier_queries(kernel: AttentionLayer, module, query, mask):
                              f"position (padding); {decode_state.ADVICE}")
         mask = mask[..., :1, :]
     queries, _ = decode_state.extend(module, ident=ident, new=new, what=what, queries=query,
-                                     remember=_keeps_state() or not module.training)
+                                     remember=_may_keep(module))
     return queries, mask
 
 

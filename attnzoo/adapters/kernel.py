@@ -103,29 +103,34 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
                self_attention: bool = False, causal_queries: bool = False,
-               last_rows: Optional[int] = None, first_token_key: int = 0) -> torch.Tensor:
+               last_rows: Optional[int] = None, first_token_key: int = 0, enable_gqa: bool = False) -> torch.Tensor:
     """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``), with the host's
     logit ``scale`` (ignored by a variant without logits) and ``dropout_p``.
     ``self_attention``: q and k come from the same tokens (see drop_padded_queries).
     ``causal_queries``: the queries are a causal decoder's positions (see attend_each_prefix).
     ``last_rows``: only the last rows are wanted, (B, H, last_rows, Dv): a cached decode step of a
     variant that couples queries, where q also holds the earlier positions' queries (decode_state).
-    ``first_token_key``: keys before it are not tokens (see drop_padded_queries)."""
+    ``first_token_key``: keys before it are not tokens (see drop_padded_queries).
+    ``enable_gqa``: k and v may have fewer heads than q (grouped-query attention), passed on to the kernel."""
     nq = q.shape[-2]
     rows = nq if last_rows is None else last_rows
     if self_attention and layer.couples_queries:
         attn_mask = drop_padded_queries(attn_mask, nq, first_token_key)
     if layer.keys_are_queries:
-        if k.shape != q.shape:
+        if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
             raise ValueError(f"{type(layer).__name__} uses the queries as keys (l2's tie_qk=True), so it needs "
                              f"self-attention without a key cache; got q {tuple(q.shape)} and k {tuple(k.shape)}")
         k = q
+        if v.shape[1] != q.shape[1]:  # grouped values: one per query head now that the keys are the queries
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     if x is None:
         if layer.needs_key_tokens:
             raise ValueError(f"{type(layer).__name__} reads the key tokens x (fenchel's preference='context'), "
                              "which this host does not provide")
     call = {"dropout_p": float(dropout_p),
             "scale": float(scale) if scale is not None and layer.uses_logit_scale else None}
+    if enable_gqa:
+        call["enable_gqa"] = True
     if causal_queries and not is_causal and not self_attention and nq > 1 and layer.couples_queries:
         return attend_each_prefix(layer, q, k, v, attn_mask, x if x is not None else q, first=nq - rows, **call)
     if rows < nq:
