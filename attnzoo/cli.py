@@ -11,18 +11,21 @@ import importlib
 import pkgutil
 import sys
 
-from . import commands
+from . import __version__, commands
 from .commands import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description="attention variants behind one interface")
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
-        p = sub.add_parser(info.name.replace("_", "-"), help=mod.HELP, description=mod.HELP)
+        # argparse %-formats a subcommand's help= (for %(default)s and the like) but not its
+        # description: a literal % (e.g. "95% CI") must be doubled in the one and not the other
+        p = sub.add_parser(info.name.replace("_", "-"), help=mod.HELP.replace("%", "%%"), description=mod.HELP)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -11,7 +11,6 @@ the adapters read it instead of knowing the wrappers.
 """
 from __future__ import annotations
 
-import ast
 import difflib
 import inspect
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from .layers import variants
 from .layers.base import TIMM_EXTRA, AttentionLayer
 from .layers.masked import MASKED
 from .layers.multihead import MULTIHEAD
+from .layers.spec import split_kind, split_spec
 from .layers.wrapper import Wrapper
 from .ops import variant as catalog
 
@@ -102,29 +102,9 @@ def describe(name: str) -> dict:
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"sinkhorn(n_iters=5, eps=0.5)"`` -> ("sinkhorn", {"n_iters": 5, "eps": 0.5}); literals only."""
-    if not isinstance(spec, str):
-        raise TypeError(f"spec must be a string such as 'sinkhorn(n_iters=5)', got {type(spec).__name__}")
-    text = spec.strip()
-    try:
-        node = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        raise ValueError(f"spec {spec!r} is not of the form name or name(key=value, ...): {e.msg}") from None
-    if isinstance(node, ast.Name):
-        name, kwargs = node.id, {}
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-        name = node.func.id
-        kwargs = {}
-        for kw in node.keywords:
-            if kw.arg is None:
-                raise ValueError(f"spec {spec!r}: **kwargs are not allowed")
-            try:
-                kwargs[kw.arg] = ast.literal_eval(kw.value)
-            except ValueError:
-                raise ValueError(f"spec {spec!r}: the value of {kw.arg!r} must be a literal "
-                                 f"(number, string, bool, None, tuple/list/dict)") from None
-    else:
-        raise ValueError(f"spec {spec!r} is not of the form name or name(key=value, ...) (keyword arguments only)")
+    """``"sinkhorn(n_iters=5, eps=0.5)"`` -> ("sinkhorn", {"n_iters": 5, "eps": 0.5}); literals only,
+    and the name must be registered."""
+    name, kwargs = split_spec(spec)
     if name not in _REGISTRY:
         raise _unknown(name)
     return name, kwargs
@@ -157,7 +137,7 @@ def _unknown_layer_kwargs(cls: type, kwargs: dict) -> list[str]:
     if known is None:
         return []
     if issubclass(cls, AttentionLayer):
-        kind = kwargs.get("kind") or _default_kind(cls)
+        kind = split_kind(kwargs.get("kind"), {})[0] or _default_kind(cls)
         if catalog.is_declared(kind):
             known |= set(catalog.get(kind).hook.options())
     return [k for k in kwargs if k not in known]
@@ -257,7 +237,7 @@ def resolve(spec: str, **overrides) -> Resolved:
     kwargs = {**kwargs, **overrides}
     wrapper = _WRAPPERS.get(name)
     if wrapper is not None:
-        kind = kwargs.pop("kind", "softmax")
+        kind, kwargs = split_kind(kwargs.pop("kind", "softmax"), kwargs)  # kind="sinkhorn(n_iters=5)" too
         if not isinstance(kind, str) or not catalog.is_declared(kind):
             raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}")
     elif catalog.is_declared(name):

@@ -61,3 +61,17 @@ def test_available_matches_the_front_page():
     line = next(ln for ln in README.read_text().splitlines() if ln.startswith("attnzoo.available()"))
     shown = ast.literal_eval(line.split("#", 1)[1].strip())
     assert attnzoo.available() == shown
+
+
+def test_every_command_line_listing_names_every_subcommand():
+    # "`attnzoo list | bench | ...`": the README's list, and any other page's, is the CLI's own
+    import argparse
+
+    from attnzoo.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = set(sub.choices)
+    listings = {page: re.findall(r"`attnzoo ((?:[a-z-]+ \| )+[a-z-]+)`", page.read_text()) for page in PAGES}
+    assert listings[README], "the README lists no commands as `attnzoo a | b | ...`"
+    for page, found in listings.items():
+        for listing in found:
+            assert set(listing.split(" | ")) == commands, (str(page.relative_to(ROOT)), listing, sorted(commands))

@@ -272,7 +272,11 @@ def test_describe_available_and_list(capsys):
     assert d["name"] == NAME and d["class"] == "CosineAttention" and d["causal"] and d["cross"] and d["masks"]
     assert d["paper"] == "toy: cosine-similarity attention" and d["complexity"] == "O(Nq Nk D)"
     assert cli_main(["list", NAME]) == 0
-    assert re.search(r"│ cosine +│", capsys.readouterr().out)  # its row in the table (columns fold)
+    out = " ".join(capsys.readouterr().out.split())  # attnzoo list NAME: the variant in full
+    assert out.startswith("cosine ") and "tau=10.0" in out and "CosineAttention" in out
+    assert "cosine-similarity attention with temperature tau" in out and "reference" in out  # doc, backends
+    assert cli_main(["list"]) == 0
+    assert re.search(r"(│ cosine +│|^cosine$)", capsys.readouterr().out, re.M)  # its row or block in the list
 
 
 def test_layer_trains_and_reloads(cosine_variant):

@@ -26,6 +26,8 @@ import torch
 from .. import functional as AF
 from ..ops.sinkhorn.reference import sinkhorn_logits, sinkhorn_potential
 
+# the variants query_velocity has a field for (each its own formula below); every built-in variant
+# (tests/test_variant_lists.py), and not one declared later, whose field paper 002 does not write
 VARIANTS = ("softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "fenchel", "ot")
 SINKHORN_ITERS = 200
 

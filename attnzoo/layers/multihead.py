@@ -34,6 +34,7 @@ from ..ops import variant as catalog
 from ..ops.masking import causal_keep
 from ..ops.sizes import Shape
 from . import tracing
+from .spec import split_kind
 from .wrapper import Wrapper
 
 
@@ -60,6 +61,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
+        kind, kind_kwargs = split_kind(kind, kind_kwargs)  # kind="sinkhorn(n_iters=5)" as in attnzoo.create
         self.kind = V.check_choice("kind", kind, catalog.names())
         V.check_dropout(dropout, "dropout")
         self.kind_kwargs = _check_kind_kwargs(self.kind, kind_kwargs, embed_dim // num_heads)

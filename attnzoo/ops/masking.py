@@ -39,8 +39,11 @@ def split_mask(attn_mask, is_causal: bool, nq: int, nk: int, device=None):
             keep = attn_mask
         else:
             finite_or_pos = attn_mask > -math.inf
-            # eager: no keep when nothing is masked; traced: always keep (no data-dependent branch)
-            if torch.compiler.is_compiling() or not bool(finite_or_pos.all()):
+            # eager on CPU: no keep when nothing is masked; elsewhere always keep: on CUDA reading the
+            # answer would be a host sync on every call (and break CUDA-graph capture), and a traced
+            # graph takes no data-dependent branch
+            if (torch.compiler.is_compiling() or attn_mask.device.type != "cpu"
+                    or not bool(finite_or_pos.all())):
                 keep = finite_or_pos
             bias = torch.where(finite_or_pos, attn_mask, torch.zeros((), dtype=attn_mask.dtype,
                                                                       device=attn_mask.device))

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -118,7 +119,7 @@ class KernelOp:
         if not eager_call(args[0]):
             return self.op(*args)
         if self._function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                type(a) is torch.Tensor and a.requires_grad for a in args):
             return self._function.apply(*args)
         return self.host(*args)
 
@@ -126,14 +127,23 @@ class KernelOp:
 def _autograd_function(name: str, host, backward, setup_context) -> type:
     """The eager route's autograd link: the op's own backward and setup_context around its host function.
     Gradients of outputs nobody used arrive as None (the backward functions ignore them), so no zeros
-    are materialised for them."""
+    are materialised for them. The forward takes ctx itself (the older autograd.Function form): with a
+    separate setup_context, ``apply`` binds every call's arguments through ``inspect.signature``, which
+    cost more host time than the whole launch; the defaults of omitted trailing arguments are filled in
+    here instead."""
+    params = list(inspect.signature(host).parameters.values())
+    defaults = tuple(p.default for p in params)
 
-    def save(ctx, inputs, output):
+    def forward(ctx, *args):
+        if len(args) < len(defaults):
+            args = args + defaults[len(args):]
         ctx.set_materialize_grads(False)
-        setup_context(ctx, inputs, output)
+        output = host(*args)
+        setup_context(ctx, args, output)
+        return output
 
     return type(name.replace("::", "_"), (torch.autograd.Function,), {
-        "forward": staticmethod(host), "setup_context": staticmethod(save), "backward": staticmethod(backward)})
+        "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 def kernel_op(name: str, *, mutates_args=()):
@@ -168,8 +178,10 @@ def tracing_only(t: torch.Tensor) -> bool:
     """True for a fake (shape-only) tensor under the interpreter. On a GPU ``wrap_triton`` records the
     launch for torch.compile; the interpreter's kernels are plain Python that would try to read a fake
     tensor's memory, so the ops return their (shape-correct) outputs without launching."""
+    if not INTERPRETED or type(t) is torch.Tensor:  # a plain tensor is never fake: the eager calls' answer
+        return False
     from torch._subclasses.fake_tensor import is_fake
-    return INTERPRETED and is_fake(t)
+    return is_fake(t)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -188,7 +200,7 @@ def stand_in(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     reads it: its flavour flag is off). Made once per device and dtype in eager mode, so a call
     allocates and fills nothing for it; while torch.compile traces (or for a fake tensor) a fresh one,
     since a real tensor cannot enter a fake-tensor trace."""
-    if not eager_call(like):
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling():
         return torch.zeros(1, dtype=dtype, device=like.device)
     key = (like.device, dtype)
     t = _STAND_INS.get(key)

@@ -5,9 +5,23 @@ A variant is a folder ``ops/<variant>/`` whose ``__init__.py`` registers its bac
 "reference"), its public function, the layer hook (the constructor options, parameters and per-call
 keyword arguments it adds to the shared attention layer), the capabilities in which it differs from
 the others, and its cost formulas. The functional API, the layers, the registry and spec strings,
-``attnzoo.explain``, the benchmark harness and the model adapters all read these records; nothing
-else lists the variants. A variant declared from outside the package (``attnzoo.register_variant``)
-is a record like any other.
+``attnzoo.explain``, the benchmark harness and the model adapters all read these records. A variant
+declared from outside the package (``attnzoo.register_variant``) is a record like any other, and
+everything that reads the catalog picks it up.
+
+The built-in variants are also named by hand in a few places, on purpose; tests/test_variant_lists.py
+checks each against this catalog:
+
+- what ships and in which order: ops/builtin.py (imports the variant folders) and
+  ``registry.BUILTIN_ORDER`` (the order of ``attnzoo.available()``);
+- the public names, written out so that readers, grep and static tools find them: the classes in
+  layers/variants.py and the exports of attnzoo/__init__.py, attnzoo/layers/__init__.py and
+  attnzoo/functional.py;
+- what a tool covers, each a choice about its own math or defaults rather than a list of all the
+  variants: analysis/fields.py (the velocity field of each variant), analysis/gaussian.py and
+  analysis/particles.py (closed forms, fast kernel sums), the default ``--variants`` of
+  ``attnzoo analyze`` and ``attnzoo demo`` (commands/), and the variants the benchmark tries
+  FlexAttention for (bench/baselines.py).
 """
 from __future__ import annotations
 

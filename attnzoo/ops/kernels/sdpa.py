@@ -74,7 +74,9 @@ def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=F
     dv = v.shape[-1]
     q, k, v = _round_up_head_dims(q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                         scale=scale, enable_gqa=enable_gqa)[..., :dv]
+                                         scale=scale, enable_gqa=enable_gqa)
+    if out.shape[-1] != dv:  # v was padded to the common head dim
+        out = out[..., :dv]
     if has_key is not None:
         out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

@@ -82,16 +82,21 @@ def _launch_flags(D, DV, is_causal, l2, dropout, dtype, allow_tf32):
 
 
 def _flags(q, v, is_causal, l2, dropout):
-    return _launch_flags(q.shape[-1], v.shape[-1], bool(is_causal), bool(l2), bool(dropout), q.dtype,
-                         torch.backends.cuda.matmul.allow_tf32)
+    # TF32 (a global switch) matters for fp32 operands only: read it only for them
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return _launch_flags(q.shape[-1], v.shape[-1], bool(is_causal), bool(l2), bool(dropout), q.dtype, tf32)
 
 
 def _sizes(q, k, v):
     """H, Nq, Nk, D, DV, the query heads per key/value head, and the autotuning key's length buckets,
     in the kernels' argument order."""
     _, H, Nq, D = q.shape
-    Nk, DV = k.shape[2], v.shape[3]
-    return H, Nq, Nk, D, DV, H // k.shape[1], tuning.n_bucket(Nq), tuning.n_bucket(Nk)
+    return _sizes_of(H, k.shape[1], Nq, k.shape[2], D, v.shape[3])
+
+
+@functools.lru_cache(maxsize=1024)
+def _sizes_of(H, H_kv, Nq, Nk, D, DV):
+    return H, Nq, Nk, D, DV, H // H_kv, tuning.n_bucket(Nq), tuning.n_bucket(Nk)
 
 
 def _shape_key(meta, flags, sizes):

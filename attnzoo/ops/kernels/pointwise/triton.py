@@ -78,7 +78,7 @@ def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout):
         bias_strides = tuple(rows.stride())
     meta = _launch_flags(D, DV, bool(sigmoid), sigmoid_impl(q.dtype) if sigmoid else 0, int(bias_mode), mask_kind,
                          mask_shape(mask_strides), bool(is_causal), bool(dropout), q.dtype,
-                         torch.backends.cuda.matmul.allow_tf32)
+                         q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
     # H_kv = k.shape[1] may be fewer than H: query head h reads key/value head h // (H / H_kv)
     sizes = (H, Nq, Nk, D, DV, H // k.shape[1], tuning.n_bucket(Nq), tuning.n_bucket(Nk))
     return m, mask_strides, rows, bias_strides, meta, sizes

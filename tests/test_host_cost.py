@@ -1,0 +1,194 @@
+"""What one attention call costs the host, counted: kernel launches and their arguments, and the aten
+operations around them. Short sequences make a training step host-bound, so an extra launch or
+operation per call is a regression this file turns into a failure.
+
+Counts are taken two ways:
+- Triton paths (under the interpreter): launches are recorded instead of run (``launches`` fixture),
+  and the torch profiler lists the top-level aten operations of the host code around them. Outputs
+  are garbage then; only the counts matter.
+- CPU paths: a TorchDispatchMode counts every aten operation of a layer's forward and backward against
+  the same count for timm's own Attention (or F.scaled_dot_product_attention) in the same process.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnzoo
+import attnzoo.functional as AF
+from tests.common import needs_interpreter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every Triton launch as (kernel name, number of arguments), the kernels not run."""
+    from triton.runtime.interpreter import InterpretedFunction
+    seen = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, len(args) + len(kwargs)))
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    return seen
+
+
+def top_level_aten(fn) -> list[str]:
+    """The aten operations ``fn`` dispatches itself (not those inside another aten operation)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = []
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            names.append(event.name)
+    return names
+
+
+def _qkv(grad=True, h=2, h_kv=2):
+    q = torch.randn(1, h, 40, 16, requires_grad=grad)
+    k, v = (torch.randn(1, h_kv, 40, 16, requires_grad=grad) for _ in range(2))
+    return q, k, v
+
+
+# (variant, options): forward launches, backward launches. The softmax family: one forward kernel;
+# delta = rowsum(dO * O), dK/dV, dQ in the backward (FlashAttention-2's three). Pointwise kernels keep
+# no row statistics: no delta. Sinkhorn(n): a row-norm pass, 2n log-sum-exp passes and the weighted
+# output; its backward mirrors them. Causal linear: chunk states, then outputs; the backward rebuilds
+# the states, then the normaliser gradient, the reverse scan and the two gradient kernels.
+LAUNCHES = {
+    ("softmax", ()): (["softmax_fwd_kernel"],
+                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
+    ("l2", ()): (["softmax_fwd_kernel"],
+                 ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
+    ("fenchel", ()): (["softmax_fwd_kernel"],
+                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
+    ("sigmoid", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
+    ("relu", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
+    ("sinkhorn", (("n_iters", 3),)): (["_row_dot_kernel"] + ["_lse_kernel"] * 6 + ["_attend_kernel"],
+                                      ["_row_dot_kernel", "_grad_v_kernel"] + ["_wsum_kernel"] * 5
+                                      + ["_grad_qk_kernel"]),
+    ("linear", (("is_causal", True),)): (["_states_kernel", "_output_kernel"],
+                                         ["_states_kernel", "_normaliser_grad_kernel", "_reverse_states_kernel",
+                                          "_dv_kernel", "_dqk_kernel"]),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant,options", list(LAUNCHES), ids=[v for v, _ in LAUNCHES])
+def test_each_triton_call_issues_its_launches_and_no_more(variant, options, launches):
+    fn = getattr(AF, variant)
+    q, k, v = _qkv()
+    out = fn(q, k, v, backend="triton", **dict(options))
+    forward = [name for name, _ in launches]
+    launches.clear()
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    backward = [name for name, _ in launches]
+    assert (forward, backward) == LAUNCHES[(variant, options)]
+
+
+# The host code around the softmax-family and pointwise kernels allocates the outputs and nothing
+# else: no fills, casts or reductions (stand-ins for absent inputs are made once per device).
+ALLOCATIONS = {  # variant: (forward, backward) top-level aten ops
+    "softmax": (["aten::empty"] * 2, ["aten::empty"] * 6),   # out, lse | delta, dq, dk, dv, 2 empty grads
+    "l2": (["aten::empty"] * 2, ["aten::empty"] * 6),
+    "sigmoid": (["aten::empty"] * 2, ["aten::empty"] * 4),   # out, n | dq, dk, dv, empty dbias
+    "relu": (["aten::empty"] * 2, ["aten::empty"] * 4),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", list(ALLOCATIONS))
+def test_the_host_code_around_the_fused_kernels_only_allocates(variant, launches):
+    fn = getattr(AF, variant)
+    q, k, v = _qkv()
+    cot = torch.ones(1, 2, 40, 16)
+    fn(q, k, v, backend="triton")  # first call: the plan, stand-ins and frozen tiles are made
+    outs = []
+    forward = top_level_aten(lambda: outs.append(fn(q, k, v, backend="triton")))
+    backward = top_level_aten(lambda: torch.autograd.grad(outs[0], (q, k, v), cot))
+    assert (sorted(forward), sorted(backward)) == tuple(sorted(x) for x in ALLOCATIONS[variant])
+
+
+@needs_interpreter
+def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
+    """With enable_gqa the softmax family reads each shared key/value head in place: the same three
+    backward launches, and dK/dV allocated at the key/value heads' size (no expanded copy summed)."""
+    q, k, v = _qkv(h=4, h_kv=2)
+    out = AF.softmax(q, k, v, backend="triton", enable_gqa=True)
+    cot = torch.ones_like(out)
+    names = top_level_aten(lambda: torch.autograd.grad(out, (q, k, v), cot, retain_graph=True))
+    assert sorted(names) == ["aten::empty"] * 6
+    launches.clear()
+    torch.autograd.grad(out, (q, k, v), cot)
+    assert [n for n, _ in launches] == LAUNCHES[("softmax", ())][1]
+
+
+# Arguments per launch: each one is bound by Triton on every call (about 1.5-2 us per tensor argument,
+# triton#11880). These are the current signatures; a new argument must be worth its cost.
+MAX_ARGUMENTS = {"softmax_fwd_kernel": 60, "softmax_bwd_dkdv_kernel": 65, "softmax_bwd_dq_kernel": 62,
+                 "softmax_bwd_delta_kernel": 16, "pointwise_fwd_kernel": 57, "pointwise_bwd_dkdv_kernel": 59,
+                 "pointwise_bwd_dq_kernel": 59}
+
+
+@needs_interpreter
+def test_launch_arguments_stay_within_their_budget(launches):
+    q, k, v = _qkv()
+    for fn in (AF.softmax, AF.sigmoid):
+        out = fn(q, k, v, backend="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    counts = dict(launches)
+    for name, limit in MAX_ARGUMENTS.items():
+        assert counts[name] <= limit, f"{name} takes {counts[name]} arguments (budget {limit})"
+
+
+# --- CPU: a layer's aten operations against timm's own Attention -------------------------------------
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step) -> Counter:
+    step()  # the first call decides (plans, caches)
+    with CountOps() as mode:
+        step()
+    return mode.ops
+
+
+# What attnzoo's SDPA route adds on CPU: attnzoo's rule is that a NaN in a query reaches that query's
+# output row, and SDPA's fused CPU kernel hides it, so one sum over q (detached) is read per call.
+NAN_RULE = Counter({"aten.detach": 1, "aten.sum": 1, "aten._local_scalar_dense": 1})
+
+
+def test_functional_softmax_is_sdpa_plus_the_nan_rule():
+    q, k, v = _qkv()
+    sdpa = count_ops(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
+    ours = count_ops(lambda: AF.softmax(q, k, v).sum().backward())
+    assert ours - sdpa == NAN_RULE and not sdpa - ours
+
+
+@pytest.mark.parametrize("variant", ["softmax", "fenchel"])
+def test_a_softmax_layer_is_timms_attention_plus_the_nan_rule(variant):
+    from timm.layers import Attention
+    torch.manual_seed(0)
+    x = torch.randn(2, 17, 64)
+    timm_layer = Attention(64, num_heads=4)
+    ours = attnzoo.create(variant, 64, 4)
+    base = count_ops(lambda: timm_layer(x).sum().backward())
+    got = count_ops(lambda: ours(x).sum().backward())
+    assert got - base == NAN_RULE and not base - got, (got - base, base - got)
