@@ -8,7 +8,7 @@ kernels vs SDPA softmax against the cost model.
 
 --gpu (CUDA): bf16, batch * N = 16384 tokens, hidden 2048 (FlashAttention's benchmark shapes), per
 (D, N): SDPA softmax and ``AF.sinkhorn(q, k, v, n_iters=k, backend="triton")`` forward and forward +
-backward (median ms, triton.testing.do_bench), their ratio against the target k + 1, the extra peak
+backward (median ms, attnzoo.bench.timing: triton.testing.do_bench), their ratio against the target k + 1, the extra peak
 memory of each (vs SDPA's: target <= 1.5x), and one launch of each Sinkhorn pass (logsumexp pass,
 final attend, dv / last adjoint, adjoint weighted sum, dq / dk) in ms and as a fraction of SDPA's
 forward: the cost model says a logsumexp pass is about half of it. Writes
@@ -152,23 +152,22 @@ def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int
     """The --gpu measurement (see the module doc); one dict per (D, N)."""
     import torch
     import torch.nn.functional as F
-    import triton.testing
 
     import attnzoo.functional as AF
+    from attnzoo.bench.memory import peak_memory_bytes
+    from attnzoo.bench.timing import TimingRule, time_call
     from attnzoo.ops.sinkhorn import triton as sk
     from attnzoo.ops.sinkhorn.streaming import sinkhorn_potentials
 
     dev = torch.device(device)
-    bench = lambda fn, leaves=(): float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(leaves),
-                                                                 return_mode="median"))
+    # the harness's rule: do_bench medians (25 ms warm-up, 100 ms of samples) for calls under a second
+    rule = TimingRule(slow_call_seconds=1.0, once_above_seconds=1.0, do_bench_warmup_ms=25, do_bench_rep_ms=100)
+
+    def bench(fn, leaves=()):
+        return time_call(fn, dev, rule, grad_to_none=list(leaves) or None).stats.median * 1e3
 
     def peak_mb(fn):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        return peak_memory_bytes(fn, dev) / 2 ** 20
 
     rows = []
     for d in head_dims:

@@ -8,9 +8,10 @@
 # 0 skips the tests), ATTNZOO_TESTS (what pytest collects, default "tests"), ATTNZOO_SPEED_ARGS (more
 # gpu_speed.py arguments), ATTNZOO_RESULTS (results folder, default benchmarks/results/gpu/<device>),
 # ATTNZOO_SPEED_SLACK (seconds past its budget before the measurement is stopped, default 90).
-# Files in $OUT (the device tool returns at most eight): env.txt, speed.md, log.txt (the
-# measurement's progress), tests.log, results.tar.gz (the whole results folder: `tar xzf
-# results.tar.gz` in the repository root puts it in place).
+# Files in $OUT (the device tool returns at most eight): env.txt, log.txt and models.jsonl (written as
+# the measurement goes: a call stopped half-way still returns them), speed.md, models.md, tests.log,
+# results.tar.gz (the whole results folder: `tar xzf results.tar.gz` in the repository root puts it in
+# place).
 set -u
 OUT="${OUT:-$(mktemp -d -t attnzoo_gpu.XXXXXX)}"
 PY="${ATTNZOO_PYTHON:-python3}"
@@ -24,11 +25,12 @@ export PYTHONUNBUFFERED=1
 
 name=$("$PY" -c "import torch; from attnzoo.ops.measured import slug; print(slug(torch.cuda.get_device_name()))")
 results="${ATTNZOO_RESULTS:-benchmarks/results/gpu/$name}"
-# the measurement keeps its own deadlines; the outer limit only catches a hang
+mkdir -p "$results"
+# the measurement keeps its own deadlines (each phase, each model case); the outer limit only catches a hang
 # shellcheck disable=SC2086  # PHASES is a word list on purpose
 timeout -s INT -k 20 $((SPEED_SECONDS + ${ATTNZOO_SPEED_SLACK:-90})) "$PY" benchmarks/gpu_speed.py --budget-seconds "$SPEED_SECONDS" \
-  --out "$results" --phases $PHASES ${ATTNZOO_SPEED_ARGS:-} 2>&1 | tail -n 400 > "$OUT/speed_stdout.txt"
-cp "$results/speed.md" "$results/log.txt" "$OUT/" 2>/dev/null
+  --out "$results" --mirror "$OUT" --phases $PHASES ${ATTNZOO_SPEED_ARGS:-} 2>&1 | tail -n 400 > "$results/stdout.txt"
+cp "$results/speed.md" "$results/models.md" "$OUT/" 2>/dev/null
 
 if [ "$TESTS_SECONDS" -gt 0 ]; then
   workers=""
@@ -40,6 +42,7 @@ if [ "$TESTS_SECONDS" -gt 0 ]; then
   tail -n 25 "$OUT/tests.log"
 fi
 
-tar czf "$OUT/results.tar.gz" "$results" "$OUT/speed_stdout.txt" 2>/dev/null
+tar czf "$OUT/results.tar.gz" "$results" 2>/dev/null
 grep -A 20 "^## Summary" "$results/speed.md" 2>/dev/null | head -30
+grep -A 14 "^## Throughput" "$results/models.md" 2>/dev/null
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,21 +1,21 @@
-"""benchmarks/gpu_speed.py, the one GPU measurement, run on CPU with tiny shapes (its own code, not
-speed): rows for every case, the summary and full Markdown, the measured ranking table auto reads,
-extrapolated skips, and the device-call wrapper's syntax."""
+"""benchmarks/gpu_speed.py (attnzoo.bench.gpu.session), the one GPU measurement, run on CPU with tiny
+shapes and tiny models (its own code, not speed): rows for every case, the summary and full Markdown,
+the measured ranking table auto reads, extrapolated skips, the models phase and its mirror of the
+logs, and the device-call wrapper's syntax."""
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from attnzoo.bench import report
+from attnzoo.bench.gpu import cases as C
+from attnzoo.bench.ranking import measured_table
 
-from gpu import cases as C  # noqa: E402
-from gpu import report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,7 +24,7 @@ def _gpu_speed():
     import importlib.util
     spec = importlib.util.spec_from_file_location("gpu_speed", ROOT / "benchmarks" / "gpu_speed.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)   # the entry point's imports; main runs only as a script
     return module
 
 
@@ -33,7 +33,7 @@ def test_cpu_dry_run_writes_every_output(tmp_path):
     args = ["--device", "cpu", "--head-dims", "8", "--seq-lens", "16", "32", "--causal", "no", "--tokens", "64",
             "--hidden", "16", "--phases", "speed", "--budget-seconds", "120", "--out", str(tmp_path),
             "--only", "sdpa", "l2 / torch", "l2 / cpu", "fenchel+log_u / torch"]
-    assert gpu_speed.main(args) == 0
+    assert gpu_speed.main(args, extra=(gpu_speed.PAPER,)) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     assert {r["case"] for r in rows} == {"sdpa", "l2 / torch", "l2 / cpu", "fenchel+log_u / torch"}
     assert all(r.get("fwd", 0) > 0 and r.get("fwd+bwd", 0) > 0 for r in rows), rows
@@ -47,6 +47,27 @@ def test_cpu_dry_run_writes_every_output(tmp_path):
         [r["case"] for r in rows]  # every row flushed as it finished
 
 
+def test_cpu_dry_run_of_the_models_phase_writes_and_mirrors_every_case(tmp_path):
+    gpu_speed = _gpu_speed()
+    mirror = tmp_path / "out"
+    args = ["--device", "cpu", "--phases", "models", "--budget-seconds", "120", "--out", str(tmp_path / "results"),
+            "--mirror", str(mirror), "--models", "vit_s", "llama", "--model-variants", "l2",
+            "--model-modes", "eager", "cudagraphs"]
+    assert gpu_speed.main(args, extra=(gpu_speed.PAPER,)) == 0
+    result = json.loads((tmp_path / "results" / "models.json").read_text())
+    cases = [(r["model"], r["attention"], r["mode"], r["status"]) for r in result["results"]]
+    assert cases == [("vit_s", "own", "eager", "ok"), ("vit_s", "l2", "eager", "ok"),
+                     ("vit_s", "own", "cudagraphs", "skipped"), ("vit_s", "l2", "cudagraphs", "skipped"),
+                     ("llama", "own", "eager", "ok"), ("llama", "l2", "eager", "ok"),
+                     ("llama", "own", "cudagraphs", "skipped"), ("llama", "l2", "cudagraphs", "skipped")]
+    # the device call's $OUT gets the log and every case as it finishes, then the report
+    logged = (mirror / "models.jsonl").read_text().splitlines()
+    assert json.loads(logged[0])["schema"] == result["schema"] and len(logged) == 1 + len(cases)
+    assert "models vit_s" in (mirror / "log.txt").read_text()
+    assert "## Throughput" in (mirror / "models.md").read_text()
+    assert not (mirror / "rows.jsonl").exists()  # $OUT holds few files: the kernel rows go in the tarball
+
+
 def _row(case, n, fwd, bwd, variant=None, backend=None, causal=False):
     return {"case": case, "table_variant": variant, "flavour": "plain", "backend": backend or case, "batch": 1,
             "heads": 1, "n": n, "head_dim": 64, "causal": causal, "dtype": "bfloat16", "fwd": fwd, "fwd+bwd": bwd}
@@ -55,10 +76,10 @@ def _row(case, n, fwd, bwd, variant=None, backend=None, causal=False):
 def test_ranking_and_summary_from_rows():
     rows = [_row("sdpa", 4096, 1.0, 3.0), _row("l2 / torch", 4096, 1.25, 3.5, "l2", "torch"),
             _row("l2 / triton", 4096, 2.0, 3.0, "l2", "triton")]
-    table = report.measured_table(rows, {"name": "x", "capability": [9, 0], "torch": "t"})
+    table = measured_table(rows, {"name": "x", "capability": [9, 0], "torch": "t"})
     rank = {e["direction"]: e["ranking"] for e in table["entries"]}
     assert rank == {"fwd": ["torch", "triton"], "fwd+bwd": ["triton", "torch"]}
-    summary = report.summary_markdown(rows)
+    summary = report.speed_summary_markdown(rows)
     assert "| l2 | 0.80 (torch) | 1.00 (triton) |" in summary  # SDPA time / fastest attnzoo time
 
 

@@ -1,17 +1,29 @@
-"""attnzoo.bench: time, throughput and peak memory of every variant and backend, with baselines.
+"""attnzoo.bench: one benchmark harness (one timing module, one report module) for three questions.
 
-``run(BenchConfig(...))`` returns a JSON-ready dict (see ``schema.validate``); ``write_outputs``
-writes it as JSON, Markdown and PNG plots; ``compare`` diffs two runs; ``RowLog`` keeps a JSON-lines
-log of the rows as they finish and ``load_rowlog`` rebuilds a result from it (a killed run included). The ``attnzoo bench``
-command (attnzoo/commands/bench.py) is the front end; FLOP conventions are in ``flops``.
+- Kernels: time, throughput and peak memory of every variant and backend, with baselines.
+  ``run(BenchConfig(...))`` returns a JSON-ready dict (see ``schema.validate``); ``write_outputs``
+  writes it as JSON, Markdown and PNG plots; ``compare`` diffs two runs; ``RowLog`` keeps a JSON-lines
+  log of the rows as they finish and ``load_rowlog`` rebuilds a result from it (a killed run included).
+- Whole models: ``model_bench.run(ModelBenchConfig(...))``, training images/s or tokens/s of ViT-S,
+  BERT, GPT-2 and a Llama-style model with each variant swapped in, eager, compiled and in CUDA graphs,
+  with launches and host time per step (``write_models_outputs``).
+- Per-call overhead: ``overhead.run(OverheadConfig(...))``, microseconds per fwd+bwd call at tiny
+  shapes on the CPU against SDPA and timm's Attention (``write_overhead_outputs``).
+
+The GPU measurement's phases (``benchmarks/gpu_speed.py``) are ``attnzoo.bench.gpu``. The ``attnzoo
+bench`` command (attnzoo/commands/bench.py) is the front end; timing is ``timing``, every table
+``report``, FLOP conventions ``flops``.
 """
 from .compare import compare, markdown_compare, rich_compare
 from .flops import Shape, flops
-from .output import write_outputs
+from .model_bench import ModelBenchConfig
+from .output import write_models_outputs, write_outputs, write_overhead_outputs
+from .overhead import OverheadConfig
 from .report import markdown_report, rich_table
 from .rowlog import RowLog, load_rowlog
 from .runner import ALL_VARIANTS, BenchConfig, run
 from .schema import load, validate
 
-__all__ = ["ALL_VARIANTS", "BenchConfig", "RowLog", "Shape", "compare", "flops", "load", "load_rowlog",
-           "markdown_compare", "markdown_report", "rich_compare", "rich_table", "run", "validate", "write_outputs"]
+__all__ = ["ALL_VARIANTS", "BenchConfig", "ModelBenchConfig", "OverheadConfig", "RowLog", "Shape", "compare", "flops",
+           "load", "load_rowlog", "markdown_compare", "markdown_report", "rich_compare", "rich_table", "run", "validate",
+           "write_models_outputs", "write_outputs", "write_overhead_outputs"]

@@ -119,3 +119,25 @@ def slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for result folders)."""
     out = "".join(c.lower() if c.isalnum() else "-" for c in name)
     return "-".join(p for p in out.split("-") if p) or "device"
+
+
+def unusable_device(device) -> str | None:
+    """Why ``device`` cannot run a benchmark here, in one line, or None when it can: a CUDA device
+    asked for where none is visible (torch's own error is a traceback about drivers), an index past
+    the visible devices, or another device type torch cannot allocate on."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"no CUDA device is visible (torch.cuda.is_available() is False), so --device {device} cannot run"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"--device {device}: only {count} CUDA device{'s are' if count != 1 else ' is'} visible"
+        return None
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"--device {device} cannot be used here: {first}"
+    return None

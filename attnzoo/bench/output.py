@@ -1,12 +1,13 @@
-"""Writing one run to a folder: ``<name>.json`` (every measurement + environment), ``<name>.md``
-(Markdown tables) and ``<name>_time_*.png`` / ``<name>_memory_*.png`` (log-log plots)."""
+"""Writing one run to a folder. The kernel benchmark: ``<name>.json`` (every measurement + environment),
+``<name>.md`` (Markdown tables) and ``<name>_time_*.png`` / ``<name>_memory_*.png`` (log-log plots);
+the model and overhead benchmarks: ``<name>.json`` and ``<name>.md``."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from .plots import plot_results
-from .report import markdown_report
-from .schema import validate, write_json, write_text
+from .report import markdown_report, models_report, overhead_report
+from .schema import validate, validate_models, validate_overhead, write_json, write_text
 
 
 def write_outputs(result: dict, out_dir, name: str = "bench") -> dict:
@@ -21,3 +22,17 @@ def write_outputs(result: dict, out_dir, name: str = "bench") -> dict:
               flush=True)
         files["plots"] = []
     return files
+
+
+def write_models_outputs(result: dict, out_dir, name: str = "models") -> dict:
+    validate_models(result)
+    out_dir = Path(out_dir)
+    return {"json": write_json(result, out_dir / f"{name}.json"),
+            "markdown": write_text(models_report(result), out_dir / f"{name}.md")}
+
+
+def write_overhead_outputs(result: dict, out_dir, name: str = "overhead") -> dict:
+    validate_overhead(result)
+    out_dir = Path(out_dir)
+    return {"json": write_json(result, out_dir / f"{name}.json"),
+            "markdown": write_text(overhead_report(result), out_dir / f"{name}.md")}

@@ -1,4 +1,5 @@
-"""PNG plots: time and peak memory against N, log-log, one panel per variant, one line per backend."""
+"""PNG plots: time and peak memory against N, log-log, one panel per variant, one line per backend (the
+grid benchmark); the GPU kernel measurement's ratios to SDPA (``plot_speed``)."""
 from __future__ import annotations
 
 import math
@@ -6,8 +7,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .errors import OK
-
-from .report import fmt_bytes, fmt_time
+from .report import DIRECTIONS, best_per_variant, fmt_bytes, fmt_time, sdpa_ms
 
 # (y label, value, tick format, log base of the y ticks): bytes read best at powers of two
 METRICS = {"time": ("median time", lambda r: r["time_s"]["median"], fmt_time, 10),
@@ -97,3 +97,31 @@ def plot_results(result: dict, out_dir, prefix: str = "") -> list[Path]:
             plt.close(fig)
             written.append(path)
     return written
+
+
+def plot_speed(rows: list[dict], path) -> None:
+    """The GPU kernel measurement's bar chart: per shape and direction, SDPA's time over the fastest
+    attnzoo backend's, one bar per variant flavour (log scale; > 1 is faster than SDPA)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    base = sdpa_ms(rows)
+    best = best_per_variant(rows)
+    shapes = [s for s in sorted(base)]
+    variants = sorted({k[0] for k in best}, key=str)
+    fig, axes = plt.subplots(1, 2, figsize=(16, 5.5), sharey=True)
+    for ax, d in zip(axes, DIRECTIONS):
+        width = 0.8 / max(1, len(variants))
+        for i, var in enumerate(variants):
+            ys = [base[s][d] / best[(var, s, d)][0] if (var, s, d) in best and d in base[s] else 0 for s in shapes]
+            ax.bar([x + i * width for x in range(len(shapes))], ys, width,
+                   label=var[0] + ("" if var[1] == "plain" else "+" + var[1]))
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks([x + 0.4 for x in range(len(shapes))])
+        ax.set_xticklabels([f"D{h}\nN{n}{' c' if c else ''}" for h, n, c in shapes], fontsize=7)
+        ax.set_title(f"{d}: SDPA time / attnzoo time (fastest backend; > 1 is faster than SDPA)")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

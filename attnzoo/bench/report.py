@@ -1,7 +1,12 @@
-"""Benchmark results as a rich terminal table and as Markdown (a summary pivot per mode, then every row)."""
+"""Every report of the benchmark harness, one module: the grid benchmark's results (``attnzoo bench``)
+as a rich terminal table and as Markdown (a summary pivot per mode, then every row); the GPU kernel
+measurement's tables (``speed_report``: the fastest backend per variant against SDPA, the cost-model
+table, every row); the model benchmark's tables (``models_report``)."""
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, defaultdict
+from typing import Optional
 
 from .errors import OK
 
@@ -197,3 +202,305 @@ def markdown_report(result: dict) -> str:
              f"- {methods.get('auto', '')}", f"- {methods.get('ratios', '')}", "", "## Summary", "",
              markdown_summary(result["results"]), "## Every row", "", markdown_rows(result["results"]), ""]
     return "\n".join(parts)
+
+
+# -- the kernel speed measurement (attnzoo.bench.gpu: benchmarks/gpu_speed.py's speed.json rows) -------
+# A row: {"case": "l2 / triton", "table_variant", "flavour", "backend", batch, heads, n, head_dim,
+# causal, dtype, "fwd": ms, "fwd+bwd": ms, "mem_fwd_mb", "mem_fwd_bwd_mb", "first_call_s", ...}.
+
+DIRECTIONS = ("fwd", "fwd+bwd")
+SUMMARY_SHAPES = [(64, 4096, False), (128, 4096, False), (64, 16384, False), (64, 4096, True), (128, 16384, True),
+                  (64, 1024, False)]
+# the variants whose targets are written as "at most k times SDPA's time" (Sinkhorn, linear, OT)
+COST_MODEL_VARIANTS = ("sinkhorn", "linear", "ot")
+
+
+def shape_key(row) -> tuple:
+    return (row["head_dim"], row["n"], row["causal"])
+
+
+def _fixed(x, digits=2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    return f"{x:.{digits}f}"
+
+
+def sdpa_ms(rows) -> dict:
+    """(head_dim, n, causal) -> {direction: ms} of SDPA's default dispatch."""
+    return {shape_key(r): r for r in rows if r["case"] == "sdpa" and "fwd" in r}
+
+
+def best_per_variant(rows) -> dict:
+    """((table_variant, flavour), shape, direction) -> (ms, backend) of the fastest attnzoo backend."""
+    best = {}
+    for r in rows:
+        if not r.get("table_variant"):
+            continue
+        for d in DIRECTIONS:
+            if d not in r:
+                continue
+            key = ((r["table_variant"], r["flavour"]), shape_key(r), d)
+            if key not in best or r[d] < best[key][0]:
+                best[key] = (r[d], r["backend"])
+    return best
+
+
+def speed_summary_markdown(rows) -> str:
+    """The issues' table: the fastest attnzoo path per variant as a ratio to SDPA (higher is faster)."""
+    base = sdpa_ms(rows)
+    best = best_per_variant(rows)
+    shapes = [s for s in SUMMARY_SHAPES if s in base] or sorted(base)
+    head = "| path | " + " | ".join(f"D{d} N{n}{' causal' if c else ''} {x}" for d, n, c in shapes for x in DIRECTIONS) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(shapes))]
+    order = [x[0] for x in _ORDER]
+    variants = sorted({k[0] for k in best}, key=lambda v: (order.index(v[0]) if v[0] in order else 99, v[1] != "plain",
+                                                          v[1]))
+    for variant in [("sdpa-flash", "plain"), ("sdpa-cudnn", "plain"), ("flex", "plain")] + variants:
+        cells = []
+        for s in shapes:
+            for d in DIRECTIONS:
+                if variant[0].startswith(("sdpa-", "flex")):
+                    r = next((r for r in rows if r["case"] == variant[0] and shape_key(r) == s and d in r), None)
+                    cells.append(_fixed(base[s][d] / r[d]) if r else "")
+                else:
+                    hit = best.get((variant, s, d))
+                    cells.append(f"{_fixed(base[s][d] / hit[0])} ({hit[1]})" if hit else "")
+        name = variant[0] + ("" if variant[1] == "plain" else f" + {variant[1]}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_model_markdown(rows) -> str:
+    """Sinkhorn, linear and OT as multiples of SDPA's time (lower is faster) and their extra peak
+    memory next to SDPA's, per measured shape: the form their cost-model targets take."""
+    base = sdpa_ms(rows)
+    lines = ["| call | shape | fwd x SDPA | fwd+bwd x SDPA | extra MB fwd / fwd+bwd | SDPA's MB fwd / fwd+bwd |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r.get("table_variant") in COST_MODEL_VARIANTS and "fwd" in r),
+                    key=lambda r: (COST_MODEL_VARIANTS.index(r["table_variant"]), r["case"], r["head_dim"], r["n"],
+                                   r["causal"])):
+        b = base.get(shape_key(r))
+        if not b:
+            continue
+        ratio = [(_fixed(r[d] / b[d], 1) if d in r and d in b else "") for d in DIRECTIONS]
+        shape = f"D{r['head_dim']} N{r['n']}{' causal' if r['causal'] else ''} (B{r['batch']} H{r['heads']})"
+        lines.append(f"| {r['case']} | {shape} | {ratio[0]} | {ratio[1]} | {_fixed(r.get('mem_fwd_mb'), 0)} / "
+                     f"{_fixed(r.get('mem_fwd_bwd_mb'), 0)} | {_fixed(b.get('mem_fwd_mb'), 0)} / {_fixed(b.get('mem_fwd_bwd_mb'), 0)} |")
+    return "\n".join(lines)
+
+
+_ORDER = [("softmax",), ("l2",), ("fenchel",), ("fenchel_t5",), ("sigmoid",), ("relu",), ("sinkhorn",), ("linear",),
+          ("ot",)]
+
+
+def speed_rows_markdown(rows) -> str:
+    base = sdpa_ms(rows)
+    out = []
+    by_shape = defaultdict(list)
+    for r in rows:
+        by_shape[(r["head_dim"], r["causal"], r["n"])].append(r)
+    for (hd, causal, n), group in sorted(by_shape.items()):
+        b = base.get((hd, n, causal), {})
+        r0 = group[0]
+        out.append(f"\n### D{hd} N{n} {'causal' if causal else 'non-causal'} (B{r0['batch']} H{r0['heads']}, {r0['dtype']})\n")
+        out.append("| case | fwd ms | fwd+bwd ms | fwd vs SDPA | fwd+bwd vs SDPA | extra MB fwd / fwd+bwd | first call s | note |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for r in group:
+            ratio = [(_fixed(b[d] / r[d]) if d in r and d in b else "") for d in DIRECTIONS]
+            mem = f"{_fixed(r.get('mem_fwd_mb'), 0)} / {_fixed(r.get('mem_fwd_bwd_mb'), 0)}"
+            note = r.get("skipped") or r.get("error") or ""
+            out.append(f"| {r['case']} | {_fixed(r.get('fwd'), 3)} | {_fixed(r.get('fwd+bwd'), 3)} | {ratio[0]} | {ratio[1]} | "
+                       f"{mem} | {_fixed(r.get('first_call_s'), 1)} | {note[:120]} |")
+    return "\n".join(out)
+
+
+
+
+def speed_report(rows: list[dict], device: dict) -> str:
+    """speed.md: the summary (fastest attnzoo backend per variant against SDPA), the cost-model table
+    and every row; ``device``: {"name", "torch", "triton", ...}."""
+    return "\n".join([
+        f"# attnzoo on {device['name']} (torch {device['torch']}, triton {device.get('triton')})\n",
+        "Ratios are SDPA default time / path time (higher is faster; 1.0 = as fast as SDPA softmax), "
+        "measured side by side in one process by `benchmarks/gpu_speed.py`.\n",
+        "## Summary: the fastest attnzoo backend per variant\n", speed_summary_markdown(rows),
+        "\n## Sinkhorn, linear and OT as multiples of SDPA's time (lower is faster)\n", cost_model_markdown(rows),
+        "\n## Every row", speed_rows_markdown(rows)]) + "\n"
+
+
+# -- the model benchmark (attnzoo bench --models; model_bench.py's rows) -----------------------------
+
+_MODES = ("eager", "compile", "cudagraphs")
+_SHORT_MODE = {"eager": "eager", "compile": "compiled", "cudagraphs": "compiled + CUDA graphs"}
+
+
+def _attention_label(row: dict, result: dict) -> str:
+    if row["attention"] == "own":
+        return f"own ({result['models'].get(row['model'], {}).get('own', 'own')})"
+    return row["attention"]
+
+
+def _launches(row: dict) -> str:
+    if row.get("launches_per_step") is None:
+        return ""
+    text = f"{row['launches_per_step']:.0f}"
+    if row.get("graph_launches_per_step"):
+        text += f" + {row['graph_launches_per_step']:.0f} graphs"
+    return text
+
+
+def _model_cell(row: Optional[dict]) -> str:
+    """'4.6k (0.82x)' or the status."""
+    if row is None:
+        return ""
+    if row["status"] != OK:
+        return _SHORT_STATUS.get(row["status"], row["status"])
+    ratio = row.get("ratio_vs_own")
+    return fmt_rate(row["items_per_s"]) + ("" if ratio is None or row["attention"] == "own" else f" ({ratio:.2f}x)")
+
+
+MODEL_COLUMNS = ("attention", "mode", "throughput", "x own", "step", "host ms", "op host ms", "launches", "aten ops",
+                 "GPU ms", "warm-up", "note")
+
+
+def model_row_cells(row: dict, result: dict) -> list[str]:
+    ok = row["status"] == OK
+    step = row.get("step_s") or {}
+    return [_attention_label(row, result), row["mode"],
+            (fmt_rate(row["items_per_s"]) + " " + row["unit"]) if ok else _SHORT_STATUS.get(row["status"], row["status"]),
+            "" if row.get("ratio_vs_own") is None else f"{row['ratio_vs_own']:.3f}",
+            fmt_time(step.get("median")) if ok else "",
+            "" if row.get("host_ms_per_step") is None else f"{row['host_ms_per_step']:.3g}",
+            "" if row.get("op_host_ms_per_step") is None else f"{row['op_host_ms_per_step']:.3g}",
+            _launches(row), "" if row.get("aten_ops_per_step") is None else f"{row['aten_ops_per_step']:.0f}",
+            "" if row.get("device_ms_per_step") is None else f"{row['device_ms_per_step']:.3g}",
+            fmt_time(row.get("warmup_s")), row.get("reason") or ""]
+
+
+def models_summary_markdown(result: dict, modes=_MODES) -> str:
+    """One table: a row per attention, a column per (model, mode); each cell the throughput and its
+    ratio to the model's own attention in the same mode."""
+    rows = result["results"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    modes = [m for m in modes if any(r["mode"] == m for r in rows)]
+    columns = [(m, mode) for m in models for mode in modes
+               if any(r["model"] == m and r["mode"] == mode and r["status"] == OK for r in rows)]
+    if not columns:
+        return "_no case finished_"
+    attentions = list(dict.fromkeys(r["attention"] for r in rows))
+    by_key = {(r["model"], r["mode"], r["attention"]): r for r in rows}
+    lines = ["| attention | " + " | ".join(f"{m} {_SHORT_MODE[mode]}" for m, mode in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for attention in attentions:
+        cells = [_model_cell(by_key.get((m, mode, attention))) for m, mode in columns]
+        if any(cells):
+            label = "own attention" if attention == "own" else attention
+            lines.append(f"| {_md_escape(label)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def models_settings_line(result: dict) -> str:
+    s, env = result["settings"], result["environment"]
+    shapes = ", ".join(f"{name} batch {v['batch'] if s.get('batch') is None else s['batch']} x {v['seq']} tokens"
+                       for name, v in s.get("shapes", {}).items())
+    partial = (f"; stopped early, after {s.get('rows_logged')} of {s.get('planned_rows', '?')} cases"
+               if s.get("complete") is False else "")
+    return (f"{env.get('device_name')}, torch {env.get('torch')}, triton {env.get('triton')}; {s.get('size')} size: "
+            f"{shapes}; {s.get('warmup')} warm-up steps, {s.get('blocks')} blocks of {s.get('steps')} steps, "
+            f"{s.get('profile_steps')} profiled; run {result['created']}{partial}")
+
+
+def models_report(result: dict) -> str:
+    """models.md: the summary table, then per model every case with its host time and launches."""
+    methods = result.get("methods", {})
+    parts = [f"# attnzoo bench --models: {result['environment'].get('device_name')}", "", models_settings_line(result),
+             ""] + [f"- {k}: {v}" for k, v in methods.items()] + [
+        "", "## Throughput (x the model's own attention in the same mode)", "", models_summary_markdown(result), ""]
+    for name, info in result["models"].items():
+        rows = [r for r in result["results"] if r["model"] == name]
+        if not rows:
+            continue
+        parts += [f"## {name}: {info['title']}", "", "| " + " | ".join(MODEL_COLUMNS) + " |",
+                  "|" + "---|" * len(MODEL_COLUMNS)]
+        parts += ["| " + " | ".join(_md_escape(c) for c in model_row_cells(r, result)) + " |" for r in rows]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def rich_models_table(result: dict):
+    from rich.table import Table
+    table = Table(title=f"attnzoo bench --models - {result['environment'].get('device_name')}")
+    for col in ("model",) + MODEL_COLUMNS[:-1]:
+        table.add_column(col, justify="left" if col in ("model", "attention", "mode") else "right")
+    reasons: OrderedDict = OrderedDict()
+    for r in result["results"]:
+        cells = model_row_cells(r, result)[:-1]
+        if r.get("reason"):
+            cells[2] += f" [{reasons.setdefault(r['reason'], len(reasons) + 1)}]"
+        table.add_row(r["model"], *cells, style=None if r["status"] == OK else "dim")
+    table.caption = "\n".join(f"[{i}] {reason}" for reason, i in reasons.items())
+    return table
+
+
+def model_row_line(row: dict, elapsed: Optional[float] = None) -> str:
+    """One plain line per finished case, for logs."""
+    head = ("" if elapsed is None else f"[{elapsed:7.1f}s] ") + f"{row['model']:<6} {row['attention']:<22} {row['mode']:<10}"
+    if row["status"] != OK:
+        return f"{head} {row['status']}: {' '.join(str(row.get('reason')).split())[:200]}"
+    ratio = "" if row.get("ratio_vs_own") is None else f" ({row['ratio_vs_own']:.3f}x own)"
+    return (f"{head} {fmt_rate(row['items_per_s'])} {row['unit']}{ratio}, step {fmt_time(row['step_s']['median'])}, "
+            f"host {row['host_ms_per_step']:.3g} ms, launches {_launches(row) or '-'}, "
+            f"aten ops {row['aten_ops_per_step']:.0f}, warm-up {fmt_time(row['warmup_s'])}")
+
+
+# -- the per-call overhead benchmark (attnzoo bench --overhead; overhead.py's rows) -------------------
+
+def overhead_markdown(result: dict) -> str:
+    """Per group (functional, layer): each candidate's median microseconds per fwd+bwd call, the
+    reference's, the difference and the ratio (median of per-round ratios, with its p20-p80)."""
+    out = []
+    for group, title in (("functional", "`attnzoo.functional.<variant>` against `F.scaled_dot_product_attention`"),
+                         ("layer", "`attnzoo.create(name, 64, 2)` against timm's `Attention(64, 2)`")):
+        rows = [r for r in result["results"] if r["group"] == group and r["name"] != r["reference"]]
+        if not rows:
+            continue
+        out += [f"**{title}**", "", "| call | us per fwd+bwd | reference us | extra us | ratio (p20-p80) |",
+                "|---|---|---|---|---|"]
+        for r in rows:
+            if r["status"] != OK:
+                out.append(f"| {_md_escape(r['name'])} | {_SHORT_STATUS.get(r['status'], r['status'])}: "
+                           f"{_md_escape(r['reason'])} | | | |")
+                continue
+            ref = " (causal)" if r["reference"].endswith("(causal)") else ""
+            out.append(f"| {_md_escape(r['name'])} | {r['us']:.1f} | {r['reference_us']:.1f}{ref} | {r['extra_us']:+.1f} | "
+                       f"{r['ratio']:.2f} ({r['ratio_p20']:.2f}-{r['ratio_p80']:.2f}) |")
+        out.append("")
+    return "\n".join(out)
+
+
+def overhead_report(result: dict) -> str:
+    s, env = result["settings"], result["environment"]
+    load = env.get("load_average")
+    return "\n".join([
+        f"# attnzoo bench --overhead: {env.get('device_name')}", "",
+        f"{s['threads']} thread, q/k/v ({s['batch']}, {s['heads']}, {s['seq_len']}, {s['head_dim']}), layers "
+        f"({s['batch']}, {s['seq_len']}, {s['dim']}) with {s['layer_heads']} heads; {s['rounds']} interleaved rounds of "
+        f"{s['inner']} calls; torch {env.get('torch')}; load average {load[0] if load else '?'} at the end; "
+        f"run {result['created']}", ""] + [f"- {k}: {v}" for k, v in result.get("methods", {}).items()] + [
+        "", overhead_markdown(result)])
+
+
+def rich_overhead_table(result: dict):
+    from rich.table import Table
+    table = Table(title="attnzoo bench --overhead (CPU, fwd+bwd per call, interleaved medians)")
+    for col in ("call", "us", "reference", "ref us", "extra us", "ratio", "p20-p80"):
+        table.add_column(col, justify="left" if col in ("call", "reference") else "right")
+    for r in result["results"]:
+        if r["name"] == r["reference"]:
+            continue
+        if r["status"] != OK:
+            table.add_row(r["name"], r["status"], r["reference"], "", "", "", r.get("reason") or "", style="dim")
+            continue
+        table.add_row(r["name"], f"{r['us']:.1f}", r["reference"], f"{r['reference_us']:.1f}", f"{r['extra_us']:+.1f}",
+                      f"{r['ratio']:.2f}", f"{r['ratio_p20']:.2f}-{r['ratio_p80']:.2f}")
+    return table

@@ -4,7 +4,8 @@ Line 1 is the header (the result without its rows: schema, environment, settings
 conventions); every further line is one finished row, written and flushed as soon as it completes.
 A run killed half-way (device time ran out, OOM killer, Ctrl-C) leaves every finished row on disk;
 ``load_rowlog`` turns the file into a normal result (``schema.validate`` passes) that ``write_outputs``,
-``--compare`` and the docs renderer take like any other.
+``--compare`` and the docs renderer take like any other. The model benchmark (``--models``) keeps the
+same kind of log; its header's schema says which result the log rebuilds.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from .model_bench import finish as model_finish
 from .result import finish
-from .schema import validate
+from .schema import MODELS_SCHEMA, validate, validate_models
 
 
 class RowLog:
@@ -74,8 +76,9 @@ def load_rowlog(path, planned: Optional[int] = None) -> dict:
     if not objects or not isinstance(objects[0], dict) or "schema" not in objects[0]:
         raise ValueError(f"row log {str(path)!r} does not start with a benchmark header line")
     head, rows = objects[0], objects[1:]
-    result = finish(head, rows, refresh_environment=False)
+    models = head["schema"] == MODELS_SCHEMA
+    result = model_finish(head, rows) if models else finish(head, rows, refresh_environment=False)
     planned = planned if planned is not None else head["settings"].get("planned_rows")
     result["settings"] = {**result["settings"], "rebuilt_from_rowlog": path.name, "rows_logged": len(rows),
                           "complete": planned is not None and len(rows) >= planned}
-    return validate(result)
+    return validate_models(result) if models else validate(result)

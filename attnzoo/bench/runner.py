@@ -22,6 +22,7 @@ from .flops import MODES, Shape, flops
 from .guard import CallInterrupted, interrupt_after
 from .memory import estimate_reference_bytes, peak_memory_bytes, timed_peak_cpu
 from .problem import Problem
+from .progress import progress_bar
 from .result import anchor_key, finish, header, is_anchor, set_ratio
 from .targets import attnzoo_targets, parse_variant
 from .timing import CallTooSlow, Timing, TimingRule, summarize, time_call
@@ -356,31 +357,6 @@ class Runner:
         errors.free_cached_memory(self.device)
 
 
-def _progress_bar(enabled: bool):
-    """A rich progress bar, or a stand-in doing nothing (disabled, or rich not installed)."""
-    if enabled:
-        try:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        except ImportError:
-            enabled = False
-    if not enabled:
-        from contextlib import nullcontext
-
-        class _Silent:
-            def add_task(self, *a, **k):
-                return 0
-
-            def update(self, *a, **k):
-                pass
-
-            def advance(self, *a, **k):
-                pass
-        return nullcontext(_Silent())
-    columns = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}"))
-    return Progress(*columns, transient=True)
-
-
 def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[dict], None]] = None,
         on_start: Optional[Callable[[dict], None]] = None) -> dict:
     """Run the grid; returns the JSON-ready result (schema ``attnzoo.bench/1``).
@@ -397,7 +373,7 @@ def run(config: BenchConfig, progress: bool = True, on_row: Optional[Callable[[d
     anchors: dict[tuple, dict] = {}
     start = time.perf_counter()
     runner.start_clock(start)
-    with raised_recompile_limits(), _progress_bar(progress) as bar:
+    with raised_recompile_limits(), progress_bar(progress) as bar:
         task = bar.add_task("", total=len(todo))
         for problem, target in todo:
             bar.update(task, description=f"{target.variant} / {target.backend}  N={problem.shape.seq_q} "

@@ -1,4 +1,6 @@
-"""The JSON layout of a benchmark result, checked by hand (no jsonschema dependency), and atomic I/O."""
+"""The JSON layouts of the benchmarks' results, checked by hand (no jsonschema dependency), and atomic
+I/O: the kernel benchmark (``attnzoo bench``, ``validate``), the model benchmark (``--models``,
+``validate_models``) and the per-call overhead benchmark (``--overhead``, ``validate_overhead``)."""
 from __future__ import annotations
 
 import json
@@ -65,13 +67,14 @@ def validate(result: dict) -> dict:
 
 
 def write_json(result: dict, path) -> Path:
-    """Write atomically (temporary file in the same folder, then rename)."""
+    """Write atomically (temporary file in the same folder, then rename); values JSON cannot hold
+    (paths, dtypes) are written as their str()."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=False)
+            json.dump(result, f, indent=1, sort_keys=False, default=str)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -103,3 +106,81 @@ def load(path) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"benchmark result {str(path)!r} is not valid JSON: {e}") from None
     return validate(data)
+
+
+# -- the model benchmark (attnzoo bench --models) --------------------------------------------------
+MODELS_SCHEMA = "attnzoo.bench.models/1"
+MODELS_TOP_LEVEL = {"schema": str, "created": str, "environment": dict, "settings": dict, "methods": dict,
+                    "models": dict, "results": list}
+MODEL_ROW = {"model": str, "attention": str, "mode": str, "status": str, "unit": str, "batch": int, "seq_len": int,
+             "items_per_step": int}
+MODEL_ROW_OPTIONAL = {"reason": str, "items_per_s": float, "step_s": dict, "ratio_vs_own": float,
+                      "host_ms_per_step": float, "op_host_ms_per_step": float, "launches_per_step": float,
+                      "graph_launches_per_step": float,
+                      "aten_ops_per_step": float, "host_waits_per_step": float, "device_ms_per_step": float,
+                      "warmup_s": float, "parameters": int, "loss": float}
+
+
+def _check_fields(obj: dict, required: dict, optional: dict, where: str) -> None:
+    for key, typ in required.items():
+        if key not in obj or not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {obj.get(key)!r}")
+    for key, typ in optional.items():
+        if obj.get(key) is not None and not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {obj[key]!r}")
+
+
+def validate_models(result: dict) -> dict:
+    """Raise ValueError naming the first field of a model-benchmark result that does not match."""
+    if not isinstance(result, dict) or result.get("schema") != MODELS_SCHEMA:
+        raise ValueError(f"a model benchmark result must be a JSON object with schema {MODELS_SCHEMA!r}")
+    _check_fields(result, MODELS_TOP_LEVEL, {}, "model benchmark result")
+    for i, row in enumerate(result["results"]):
+        where = f"results[{i}]"
+        _check_fields(row, MODEL_ROW, MODEL_ROW_OPTIONAL, where)
+        if row["status"] not in STATUSES:
+            raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
+        if row["status"] == OK:
+            t = row.get("step_s")
+            if not isinstance(t, dict) or any(not _type_ok(t.get(f), float) for f in TIME_FIELDS):
+                raise ValueError(f"{where}.step_s must hold {TIME_FIELDS} for a row with status 'ok'")
+            if not _type_ok(row.get("items_per_s"), float) or row["items_per_s"] <= 0:
+                raise ValueError(f"{where}.items_per_s must be a number > 0 for a row with status 'ok'")
+        elif not row.get("reason"):
+            raise ValueError(f"{where}: a row with status {row['status']!r} must give a reason")
+    return result
+
+
+# -- the per-call overhead benchmark (attnzoo bench --overhead) ------------------------------------
+OVERHEAD_SCHEMA = "attnzoo.bench.overhead/1"
+OVERHEAD_ROW = {"group": str, "name": str, "reference": str, "status": str}
+OVERHEAD_ROW_OPTIONAL = {"reason": str, "us": float, "reference_us": float, "ratio": float, "extra_us": float,
+                         "p20_us": float, "p80_us": float, "ratio_p20": float, "ratio_p80": float, "rounds": int}
+
+
+def validate_overhead(result: dict) -> dict:
+    """Raise ValueError naming the first field of an overhead-benchmark result that does not match."""
+    if not isinstance(result, dict) or result.get("schema") != OVERHEAD_SCHEMA:
+        raise ValueError(f"an overhead benchmark result must be a JSON object with schema {OVERHEAD_SCHEMA!r}")
+    _check_fields(result, {"schema": str, "created": str, "environment": dict, "settings": dict, "methods": dict,
+                           "results": list}, {}, "overhead benchmark result")
+    for i, row in enumerate(result["results"]):
+        _check_fields(row, OVERHEAD_ROW, OVERHEAD_ROW_OPTIONAL, f"results[{i}]")
+        if row["status"] == OK and not _type_ok(row.get("us"), float):
+            raise ValueError(f"results[{i}].us must be a number for a row with status 'ok'")
+        if row["status"] != OK and not row.get("reason"):
+            raise ValueError(f"results[{i}]: a row with status {row['status']!r} must give a reason")
+    return result
+
+
+def load_any(path) -> dict:
+    """A saved result of any of the three benchmarks, checked against its own layout."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"benchmark result {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"benchmark result {str(path)!r} is not valid JSON: {e}") from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    return {MODELS_SCHEMA: validate_models, OVERHEAD_SCHEMA: validate_overhead}.get(schema, validate)(data)

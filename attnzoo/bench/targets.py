@@ -61,6 +61,19 @@ class VariantSpec:
         return kw
 
 
+# the layer built to check a spec's options (any size every built-in layer takes)
+CHECK_DIM, CHECK_HEADS = 64, 2
+
+
+def check_spec(spec: str) -> None:
+    """Refuse a spec that ``attnzoo.create`` refuses, with create's own message (ValueError or
+    TypeError): an unknown option (``"l2(foo=1)"``) or a bad value (``"sinkhorn(n_iters=-1)"``).
+    The benchmark runs a variant's functional with the spec's kernel options, which alone would drop
+    an unknown option (timing the defaults under the bad label) or fail on every row; building the
+    layer once runs the registry's and the variant's own checks before any work."""
+    registry.create(spec, CHECK_DIM, CHECK_HEADS)
+
+
 def parse_variant(spec: str) -> VariantSpec:
     try:
         resolved = registry.resolve(spec)
@@ -68,6 +81,7 @@ def parse_variant(spec: str) -> VariantSpec:
         if "not a variant" in str(e):
             raise ValueError(f"variant {registry.parse_spec(spec)[0]!r} has no functional kernel to benchmark") from None
         raise
+    check_spec(spec)
     return VariantSpec(spec.strip(), resolved)
 
 

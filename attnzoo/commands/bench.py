@@ -1,4 +1,6 @@
-"""attnzoo bench: time, throughput and peak memory of every variant and backend against torch SDPA."""
+"""attnzoo bench: time, throughput and peak memory of every variant and backend against torch SDPA;
+with --models, training throughput of whole models with each variant swapped in; with --overhead,
+the per-call cost of each functional and layer at tiny shapes on the CPU."""
 from __future__ import annotations
 
 import datetime
@@ -6,7 +8,8 @@ from pathlib import Path
 
 from . import UsageError
 
-HELP = "benchmark every attention variant and backend (time, TFLOP/s, tokens/s, peak memory) against SDPA"
+HELP = ("benchmark every attention variant and backend (time, TFLOP/s, tokens/s, peak memory) against SDPA; "
+        "--models: whole models' training throughput; --overhead: per-call cost")
 
 # CPU defaults are sized so the default run takes about a minute on a small machine; the GPU ones
 # follow FlashAttention's benchmarks (batch * N = 16k tokens, hidden 2048, bf16).
@@ -26,16 +29,20 @@ def _dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+MODEL_MODES = ("eager", "compile", "cudagraphs")
+
+
 def _names(text: str) -> list[str]:
     return [n for n in text.split(",") if n]
 
 
 def add_arguments(parser) -> None:
     from ..bench.flops import MODES
-    from ..bench.runner import DTYPES, all_variants
+    from ..bench.runner import DTYPES
     g = parser.add_argument_group("what to run")
-    g.add_argument("--variants", nargs="+", default=all_variants(), metavar="SPEC",
-                   help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: every registered variant and wrapper)")
+    g.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                   help="variant names or spec strings such as 'sinkhorn(n_iters=5)' (default: every registered variant "
+                        "and wrapper; with --models, each model's own list)")
     g.add_argument("--backends", nargs="+", default=None, metavar="NAME",
                    help="only these backends: attnzoo ones (reference, cpu, torch, triton, auto, ...) and baselines "
                         "(sdpa, sdpa-flash, sdpa-efficient, sdpa-cudnn, sdpa-math, torch-flex, flash-attn, fla, torch-mha). "
@@ -84,10 +91,37 @@ def add_arguments(parser) -> None:
                    help="CPU: skip eager-reference rows estimated above this (default: half the available memory)")
     t.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     t.add_argument("--seed", type=int, default=0)
+    m = parser.add_argument_group("whole models (--models) and per-call overhead (--overhead)")
+    m.add_argument("--models", nargs="*", default=None, metavar="MODEL",
+                   help="train whole models instead of timing kernels: vit_s, gpt2, llama, bert (no name: all four); "
+                        "each variant of --variants swapped in against the model's own attention")
+    m.add_argument("--model-modes", nargs="+", default=None, choices=MODEL_MODES, metavar="MODE",
+                   help="eager, compile (torch.compile), cudagraphs (mode='reduce-overhead', CUDA only) (default: all)")
+    m.add_argument("--model-size", choices=("full", "tiny"), default=None,
+                   help="full (ViT-S batch 128, BERT-base 128 tokens, GPT-2 / Llama 1024 tokens) or tiny (the same "
+                        "architectures at a few thousand parameters) (default: full on CUDA, tiny on CPU)")
+    m.add_argument("--model-batch", type=int, default=None, help="batch size for every model (default: the size's)")
+    m.add_argument("--model-warmup", type=int, default=None, help="warm-up steps per case (default 3 on CUDA, 1 on CPU)")
+    m.add_argument("--model-steps", type=int, default=None, help="steps per timed block (default 4 on CUDA, 2 on CPU)")
+    m.add_argument("--model-blocks", type=int, default=None, help="timed blocks per case (default 3)")
+    m.add_argument("--profile-steps", type=int, default=None,
+                   help="steps profiled for launches and aten ops per case (default 1)")
+    m.add_argument("--case-seconds", type=float, default=90.0, help="an eager model case is interrupted past this")
+    m.add_argument("--compile-case-seconds", type=float, default=240.0,
+                   help="a compiled model case (compile, cudagraphs) is interrupted past this")
+    m.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compile mode (default inductor; aot_eager checks the path quickly)")
+    m.add_argument("--overhead", action="store_true",
+                   help="per-call overhead on the CPU at B 1, H 2, N 16, D 8, one thread, fwd+bwd: each functional "
+                        "against F.scaled_dot_product_attention and each attnzoo.create(name, 64, 2) against timm's "
+                        "Attention, interleaved rounds, medians")
+    m.add_argument("--rounds", type=int, default=200, help="--overhead: interleaved rounds (default 200)")
+    m.add_argument("--inner", type=int, default=5, help="--overhead: calls per sample (default 5)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
                    help="folder for NAME.json, NAME.md and NAME_{time,memory}_*.png (default: runs/bench/<device>-<time>)")
-    o.add_argument("--name", default="bench", help="file stem of the outputs (default: bench)")
+    o.add_argument("--name", default=None,
+                   help="file stem of the outputs (default: bench; models with --models, overhead with --overhead)")
     o.add_argument("--from-jsonl", type=Path, default=None, metavar="JSONL",
                    help="rebuild the result of a run from its row log (NAME.jsonl, written as rows finish, kept even "
                         "if the run was killed) and write NAME.json, .md and plots to --out (default: its folder)")
@@ -99,16 +133,21 @@ def add_arguments(parser) -> None:
                    help="no progress bar (on a terminal) and no line per row (when output is not a terminal)")
 
 
+def _device(args) -> str:
+    from ..bench.runner import default_device
+    return args.device or ("cpu" if args.overhead else default_device())
+
+
 def _config(args):
     import torch
 
-    from ..bench.runner import BenchConfig, default_device
-    device = args.device or default_device()
+    from ..bench.runner import BenchConfig, all_variants
+    device = _device(args)
     defaults = GPU_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
     heads = args.heads or ([max(1, 2048 // args.head_dim)] if torch.device(device).type == "cuda" else [1])
     return BenchConfig(
-        variants=args.variants, backends=args.backends, seq_lens=args.seq_lens or defaults["seq_lens"],
-        dtypes=args.dtypes or defaults["dtypes"], modes=args.modes,
+        variants=args.variants or all_variants(), backends=args.backends,
+        seq_lens=args.seq_lens or defaults["seq_lens"], dtypes=args.dtypes or defaults["dtypes"], modes=args.modes,
         batch_tokens=args.batch_tokens or defaults["batch_tokens"],
         head_dim=args.head_dim, heads=heads, causal=args.causal, device=device, warmup=args.warmup,
         min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
@@ -120,23 +159,48 @@ def _config(args):
         measure_memory=not args.no_memory, seed=args.seed).validate()
 
 
+def _model_config(args):
+    from ..bench.model_bench import MODES, ModelBenchConfig
+    from ..bench.model_zoo import MODELS
+    return ModelBenchConfig(
+        models=args.models or list(MODELS), variants=args.variants, modes=args.model_modes or list(MODES),
+        size=args.model_size, batch=args.model_batch, device=_device(args), warmup=args.model_warmup,
+        steps=args.model_steps, blocks=args.model_blocks, profile_steps=args.profile_steps,
+        case_seconds=args.case_seconds, compile_case_seconds=args.compile_case_seconds,
+        budget_seconds=args.budget_seconds, compile_backend=args.compile_backend, seed=args.seed).validate()
+
+
+def _overhead_config(args):
+    from ..bench.overhead import OverheadConfig
+    return OverheadConfig(rounds=args.rounds, inner=args.inner, threads=args.threads or 1, seed=args.seed,
+                          variants=args.variants).validate()
+
+
+def _name(args, default: str) -> str:
+    return args.name or default
+
+
 def _compare_only(args, console, old, new) -> int:
     from ..bench import markdown_compare, rich_compare
     console.print(rich_compare(old, new, args.threshold))
     if args.out is not None:
         from ..bench.schema import write_text
-        path = write_text(markdown_compare(old, new, args.threshold), args.out / f"{args.name}_compare.md")
+        path = write_text(markdown_compare(old, new, args.threshold), args.out / f"{_name(args, 'bench')}_compare.md")
         console.print(f"wrote {path}")
     return 0
 
 
-def _print_table(console, result) -> None:
+def _print(console, table, markdown: str) -> None:
+    """A rich table, or its Markdown where rich is missing (a bare GPU box)."""
     try:
-        from ..bench import rich_table
-        console.print(rich_table(result))
-    except ImportError:  # rich missing (a bare GPU box): the Markdown table says the same
-        from ..bench.report import markdown_summary
-        print(markdown_summary(result["results"]))
+        console.print(table())
+    except ImportError:
+        print(markdown)
+
+
+def _print_table(console, result) -> None:
+    from ..bench.report import markdown_summary, rich_table
+    _print(console, lambda: rich_table(result), markdown_summary(result["results"]))
 
 
 def _console():
@@ -157,13 +221,19 @@ def _console():
 
 
 def _from_rowlog(args, console) -> int:
-    from ..bench import write_outputs
+    from ..bench import write_models_outputs, write_outputs
+    from ..bench.report import models_summary_markdown, rich_models_table
     from ..bench.rowlog import load_rowlog
+    from ..bench.schema import MODELS_SCHEMA
     result = load_rowlog(args.from_jsonl)
-    name = args.name if args.name != "bench" else args.from_jsonl.stem
+    name = _name(args, args.from_jsonl.stem)
     out = args.out or args.from_jsonl.parent
-    files = write_outputs(result, out, name)
-    _print_table(console, result)
+    if result["schema"] == MODELS_SCHEMA:
+        files = {**write_models_outputs(result, out, name), "plots": []}
+        _print(console, lambda: rich_models_table(result), models_summary_markdown(result))
+    else:
+        files = write_outputs(result, out, name)
+        _print_table(console, result)
     s = result["settings"]
     console.print(f"rebuilt {s['rows_logged']} rows ({'complete' if s['complete'] else 'partial'} run) from "
                   f"{args.from_jsonl}; wrote {files['json']}, {files['markdown']} and {len(files['plots'])} plots")
@@ -182,14 +252,35 @@ def known_backends() -> set[str]:
     return names
 
 
+def _check_variants(specs) -> None:
+    from ..bench.targets import parse_variant
+    for spec in specs or []:
+        try:
+            parse_variant(spec)
+        except (ValueError, TypeError) as e:  # attnzoo.create's own message, after the spec it is about
+            raise UsageError(f"--variants {spec!r}: {e}") from None
+
+
+def _check_mode(args) -> None:
+    """--models, --overhead, --compare OLD NEW and --from-jsonl each run something else: one at a time."""
+    chosen = [flag for flag, on in (("--models", args.models is not None), ("--overhead", args.overhead),
+                                    ("--from-jsonl", args.from_jsonl is not None)) if on]
+    if args.compare is not None and (args.models is not None or args.overhead):
+        chosen.append("--compare")
+    if len(chosen) > 1:
+        raise UsageError(f"{' and '.join(chosen)} do not combine: run one at a time")
+    if args.overhead and args.device not in (None, "cpu"):
+        raise UsageError(f"--overhead measures on the CPU (one thread, tiny shapes), not on --device {args.device}")
+
+
 def check_arguments(args):
     """Every argument checked before any work (UsageError); returns the loaded --compare results."""
     from ..bench import load
-    from ..bench.targets import parse_variant
     if args.compare is not None and len(args.compare) > 2:
         raise UsageError("--compare takes OLD.json, or OLD.json NEW.json")
     if args.compare is not None and args.from_jsonl is not None:
         raise UsageError("--compare and --from-jsonl do not combine: rebuild the run first, then compare its JSON")
+    _check_mode(args)
     for path in [*(args.compare or []), *([args.from_jsonl] if args.from_jsonl is not None else [])]:
         if not path.is_file():
             raise UsageError(f"{str(path)!r} does not exist")
@@ -199,11 +290,7 @@ def check_arguments(args):
         raise UsageError(f"--compare: {e}") from None
     if (args.compare is not None and len(args.compare) == 2) or args.from_jsonl is not None:
         return compared
-    for spec in args.variants:
-        try:
-            parse_variant(spec)
-        except (ValueError, TypeError) as e:
-            raise UsageError(f"--variants: {e}") from None
+    _check_variants(args.variants)
     known = known_backends()
     for option, names in (("--backends", args.backends or []),
                           ("--skip-backends", [n for group in args.skip_backends for n in group])):
@@ -212,11 +299,68 @@ def check_arguments(args):
             raise UsageError(f"{option}: unknown backend(s) {unknown}; known: {', '.join(sorted(known))}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    make = _model_config if args.models is not None else _overhead_config if args.overhead else _config
     try:
-        _config(args)
+        config = make(args)
     except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: torch.device on a bad --device
         raise UsageError(" ".join(str(e).split())) from None
+    check_device(getattr(config, "device", "cpu"))
     return compared
+
+
+def check_device(device) -> None:
+    """UsageError in one line when the device cannot run here (``--device cuda`` without a GPU)."""
+    from ..bench.environment import unusable_device
+    problem = unusable_device(device)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def _out_dir(args, device: str, what: str = "") -> Path:
+    if args.out is not None:
+        return Path(args.out)
+    from ..bench.environment import device_name, slug
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / "bench" / f"{what}{slug(device_name(device))}-{stamp}"
+
+
+def _run_models(args, console) -> int:
+    import sys
+    import time
+
+    from ..bench import model_bench, write_models_outputs
+    from ..bench.report import model_row_line, models_summary_markdown, rich_models_table
+    from ..bench.rowlog import RowLog
+    config = _model_config(args)
+    out, name = _out_dir(args, config.device, "models-"), _name(args, "models")
+    tty = sys.stdout.isatty()
+    start = time.perf_counter()
+
+    def on_row(row):
+        log.row(row)
+        if not tty and not args.quiet:
+            print(model_row_line(row, time.perf_counter() - start), flush=True)
+
+    with RowLog(out / f"{name}.jsonl") as log:
+        result = model_bench.run(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
+    _print(console, lambda: rich_models_table(result), models_summary_markdown(result))
+    files = write_models_outputs(result, out, name)
+    console.print(f"wrote {files['json']}, {files['markdown']} and {log.path.name} in {out}")
+    return 0
+
+
+def _run_overhead(args, console) -> int:
+    import sys
+
+    from ..bench import overhead, write_overhead_outputs
+    from ..bench.report import overhead_markdown, rich_overhead_table
+    config = _overhead_config(args)
+    result = overhead.run(config, progress=sys.stdout.isatty() and not args.quiet)
+    _print(console, lambda: rich_overhead_table(result), overhead_markdown(result))
+    out = _out_dir(args, "cpu", "overhead-")
+    files = write_overhead_outputs(result, out, _name(args, "overhead"))
+    console.print(f"wrote {files['json']} and {files['markdown']}")
+    return 0
 
 
 def run(args) -> int:
@@ -229,19 +373,19 @@ def run(args) -> int:
     if args.from_jsonl is not None:
         return _from_rowlog(args, console)
     import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.models is not None:
+        return _run_models(args, console)
+    if args.overhead:
+        return _run_overhead(args, console)
 
     from ..bench import markdown_compare, rich_compare, run as run_bench, write_outputs
-    from ..bench.environment import device_name, slug
     from ..bench.report import row_line
     from ..bench.rowlog import RowLog
     old = compared[0] if compared else None   # loaded before a long run, not after it
-    if args.threads:
-        torch.set_num_threads(args.threads)
     config = _config(args)
-    out = args.out
-    if out is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / "bench" / f"{slug(device_name(config.device))}-{stamp}"
+    out, name = _out_dir(args, config.device), _name(args, "bench")
     tty = sys.stdout.isatty()
     start = time.perf_counter()
 
@@ -250,13 +394,13 @@ def run(args) -> int:
         if not tty and not args.quiet:
             print(row_line(row, time.perf_counter() - start), flush=True)
 
-    with RowLog(Path(out) / f"{args.name}.jsonl") as log:
+    with RowLog(out / f"{name}.jsonl") as log:
         result = run_bench(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
     _print_table(console, result)
-    files = write_outputs(result, out, args.name)
+    files = write_outputs(result, out, name)
     console.print(f"wrote {files['json']}, {files['markdown']}, {log.path.name} and {len(files['plots'])} plots in {out}")
     if old is not None:
         console.print(rich_compare(old, result, args.threshold))
         from ..bench.schema import write_text
-        write_text(markdown_compare(old, result, args.threshold), Path(out) / f"{args.name}_compare.md")
+        write_text(markdown_compare(old, result, args.threshold), out / f"{name}_compare.md")
     return 0

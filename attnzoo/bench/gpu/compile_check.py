@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-import attnzoo
+from ... import registry
 
 NAMES = ["softmax", "l2", "fenchel(preference='t5')", "sigmoid", "relu", "sinkhorn", "linear", "ot", "masked",
          "multihead", "fenchel(preference='context')"]
@@ -22,7 +22,7 @@ def _step(model, x, name):
 
 def check(name, device, dim=128, heads=2, n=64) -> dict:
     torch.manual_seed(0)
-    cls = attnzoo.layer(name)
+    cls = registry.layer(name)
     layer = cls(dim, num_heads=heads) if name != "multihead" else cls(dim, heads, batch_first=True)
     layer = layer.to(device)
     x = torch.randn(2, n, dim, device=device)

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-import attnzoo.functional as AF
-from attnzoo.ops import dispatch
+from ... import functional as AF
+from ...ops import dispatch
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ def _sdpa_case(label: str, backend_name: Optional[str]) -> Case:
 def _flex_case(label: str, flavour: str) -> Case:
     """FlexAttention with the same math as an attnzoo flavour: plain softmax, T5 bias, per-key bias."""
     def build(shape, device, grad):
-        from attnzoo.ops.fenchel.t5_buckets import t5_offset_lut
-        from attnzoo.ops.kernels.flex import _causal_block_mask, compiled_flex_attention
+        from ...ops.fenchel.t5_buckets import t5_offset_lut
+        from ...ops.kernels.flex import _causal_block_mask, compiled_flex_attention
         q, k, v = qkv(shape, device, grad)
         leaves = [q, k, v]
         block_mask = _causal_block_mask(shape.n, shape.n, torch.device(device)) if shape.causal else None
@@ -148,7 +148,7 @@ def _sigmoid_evaluation(name: str) -> Callable:
     """Select how the pointwise kernels evaluate a half-precision sigmoid (FAST_SIGMOID, read at each
     forward and backward launch) for the case built next; no extra arguments."""
     def extra(shape, device, grad):
-        from attnzoo.ops.kernels.pointwise import triton as pointwise
+        from ...ops.kernels.pointwise import triton as pointwise
         pointwise.FAST_SIGMOID = name
         return {}, []
     return extra
@@ -163,8 +163,8 @@ def _templates(shape, device, grad):
 
 def _t5_build(backend: str):
     def build(shape, device, grad):
-        from attnzoo.ops.fenchel import t5
-        from attnzoo.ops.fenchel.t5_reference import t5_log_preference
+        from ...ops.fenchel import t5
+        from ...ops.fenchel.t5_reference import t5_log_preference
         q, k, v = qkv(shape, device, grad)
         table = torch.randn(32, shape.heads, device=device, requires_grad=grad)
         scale = shape.head_dim ** -0.5
