@@ -625,7 +625,8 @@ BAD_INPUTS = [  # (what the message must name, exception type, call)
     ("n_iter", TypeError, lambda q, k, v: _mha(kind="sinkhorn", n_iter=3)),
     ("n_iters", ValueError, lambda q, k, v: _mha(kind="sinkhorn", n_iters=-3)),
     ("dropout", ValueError, lambda q, k, v: _mha(dropout=1.5)),
-    ("add_bias_kv", NotImplementedError, lambda q, k, v: _mha(add_bias_kv=True)),
+    ("nested tensors", NotImplementedError, lambda q, k, v: _mha()(*[torch.nested.nested_tensor(
+        [torch.randn(3, 8), torch.randn(5, 8)])] * 3)),
 ]
 
 

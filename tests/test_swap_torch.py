@@ -146,18 +146,48 @@ def test_unswap_restores_module_outputs_and_fast_path():
         assert max_diff(model(x), before) <= 1e-6
 
 
-def test_unsupported_multihead_attention_is_reported():
-    holder = nn.ModuleDict({"plain": nn.MultiheadAttention(E, HEADS),
-                            "biased": nn.MultiheadAttention(E, HEADS, add_bias_kv=True)})
-    with pytest.warns(UserWarning, match="biased"):
+class CustomAttention(nn.Module):
+    """An attention-looking module no adapter converts."""
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+
+def test_unsupported_module_is_reported():
+    holder = nn.ModuleDict({"plain": nn.MultiheadAttention(E, HEADS), "custom": CustomAttention()})
+    with pytest.warns(UserWarning, match="custom"):
         attnzoo.swap(holder, "relu")
-    assert isinstance(holder["plain"], SwappedMultiheadAttention) and type(holder["biased"]) is nn.MultiheadAttention
-    assert holder.attnzoo_swap_report.unsupported == ["biased"]
-    fresh = nn.ModuleDict({"plain": nn.MultiheadAttention(E, HEADS),
-                           "biased": nn.MultiheadAttention(E, HEADS, add_bias_kv=True)})
-    with pytest.raises(ValueError, match="biased"):
+    assert isinstance(holder["plain"], SwappedMultiheadAttention) and type(holder["custom"]) is CustomAttention
+    assert holder.attnzoo_swap_report.unsupported == ["custom"]
+    fresh = nn.ModuleDict({"plain": nn.MultiheadAttention(E, HEADS), "custom": CustomAttention()})
+    with pytest.raises(ValueError, match="custom"):
         attnzoo.swap(fresh, "relu", strict=True)
     assert type(fresh["plain"]) is nn.MultiheadAttention
+
+
+@pytest.mark.parametrize("bias_kv,zero_attn", [(True, False), (False, True), (True, True)])
+def test_bias_kv_and_zero_attn_are_carried(bias_kv, zero_attn):
+    """nn.MultiheadAttention(add_bias_kv=, add_zero_attn=): the softmax swap keeps outputs and weights,
+    bias_k / bias_v move over as the same Parameters, and unswap gives torch's module back."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=True).eval()
+    holder = nn.ModuleDict({"mha": mha})
+    x = tokens()
+    before = mha(x, x, x, key_padding_mask=PAD)
+    ids = {n: id(p) for n, p in mha.named_parameters()}
+    attnzoo.swap(holder, "softmax")
+    swapped = holder["mha"]
+    assert isinstance(swapped, SwappedMultiheadAttention) and {n: id(p) for n, p in swapped.named_parameters()
+                                                              if not n.startswith("variant_layer")} == ids
+    after = swapped(x, x, x, key_padding_mask=PAD)
+    assert max_diff(after[0], before[0]) <= 1e-5 and max_diff(after[1], before[1]) <= 1e-6
+    attnzoo.swap(holder, "sinkhorn")
+    assert max_diff(holder["mha"](x, x, x, key_padding_mask=PAD)[0], before[0]) > 1e-3
+    attnzoo.unswap(holder)
+    assert type(holder["mha"]) is nn.MultiheadAttention
+    assert max_diff(holder["mha"](x, x, x, key_padding_mask=PAD)[0], before[0]) <= 1e-6
+    with pytest.raises(ValueError, match="add_bias_kv / add_zero_attn"):
+        attnzoo.swap(holder, "fenchel(preference='context')")
 
 
 def test_unknown_variant_and_dry_run_leave_the_model_alone():

@@ -3,7 +3,8 @@
 ``swap(model, spec, include=, exclude=, strict=)``, its dry run ``plan_swap`` (or ``swap(dry_run=True)``),
 ``unswap(model)``, and ``register_hf_attention()`` for transformers' ``attn_implementation=``.
 """
-from . import hf_hook
+from . import hf_hook, timm
+from .import_hooks import when_imported
 from .report import SwapEntry, SwapReport
 from .swap import plan_swap, swap, unswap
 
@@ -15,5 +16,6 @@ def register_hf_attention(spec=None, name=None):
 
 
 hf_hook.install()  # attnzoo_<variant> attention implementations appear when transformers loads
+when_imported("timm.layers", timm.register_fx_leaves)  # timm's FX tools treat attnzoo layers as leaves
 
 __all__ = ["swap", "unswap", "plan_swap", "register_hf_attention", "SwapReport", "SwapEntry"]

@@ -18,7 +18,9 @@ The mask transformers builds for these implementations is its SDPA mask with the
 a bool (B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is
 masked. In a causal module that mask holds causality AND padding; the kernel gets causality as
 ``is_causal=True`` and the padding as a (B, 1, 1, Nk) mask (``kernel.causal_and_rest``), so that
-Sinkhorn solves each prefix and no later token moves an earlier output.
+Sinkhorn solves each prefix and no later token moves an earlier output. Grouped key/value heads go
+to the kernel as they are, with ``enable_gqa=True``. Cached decoding (what a kernel reads about the
+earlier positions beyond HF's keys and values) is in ``hf_decode``.
 """
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ from torch import nn
 
 from .. import registry
 from ..layers.base import AttentionLayer
+from . import hf_decode
 from .common import Change, describe_new_parameters, param_names
 from .kernel import causal_and_rest, kernel_layer, run_kernel
 from .spec import Target, resolve
 
-KERNEL_CHILD = "attnzoo_kernel"
+KERNEL_CHILD = hf_decode.KERNEL_CHILD
 DISPATCH_NAME = "attnzoo"
-_HOOK = "_attnzoo_tokens_hook"
 # on a swapped module: the implementation its config had before attnzoo.swap set "attnzoo" (kept on the
 # module, not the config: save_pretrained would write a config attribute into config.json)
 _PREVIOUS_IMPLEMENTATION = "_attnzoo_previous_implementation"
@@ -73,10 +75,6 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
     if mask is not None and causal:
@@ -88,15 +86,23 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     # (BART & co.) marks a decoder's cross-attention as the decoder's module that is not causal
     cross = ("Cross" in type(module).__name__ or bool(getattr(module, "is_cross_attention", False))
              or (getattr(module, "is_decoder", False) is True and getattr(module, "is_causal", True) is False))
-    self_attention = query.shape[-2] == key.shape[-2] and not cross
     # a decoder's cross-attention: its queries are causal positions (they must not see each other's future)
     causal_queries = cross and (getattr(module, "is_decoder", False) is True
                                 or bool(getattr(module, "is_cross_attention", False))
                                 or bool(getattr(getattr(module, "config", None), "is_decoder", False)))
+    new = query.shape[-2]
+    # a cached step: what the kernel reads about the earlier positions beyond HF's keys and values
+    if causal and not cross and (kernel.couples_queries or kernel.needs_key_tokens):
+        query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens)
+    elif causal_queries and kernel.couples_queries:
+        query, mask = hf_decode.with_earlier_queries(kernel, module, query, mask)
+    self_attention = query.shape[-2] == key.shape[-2] and not cross
+    # grouped-query attention (Llama & co.: fewer key/value heads than query heads) goes to the kernel
+    # as it is: enable_gqa=True, each key/value head serving H / H_kv query heads (SDPA's convention)
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
-                     scale=scaling, x=tokens,
-                     self_attention=self_attention, causal_queries=causal_queries)
+                     scale=scaling, x=tokens, enable_gqa=key.shape[1] != query.shape[1],
+                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -236,12 +242,6 @@ def _heads(module: nn.Module) -> tuple[int, int, int]:
     return int(H), int(D), int(config.hidden_size)
 
 
-def _stash_tokens(module, args, kwargs):
-    kernel = getattr(module, KERNEL_CHILD, None)
-    if kernel is not None:
-        object.__setattr__(kernel, "_tokens", args[0] if args else kwargs.get("hidden_states"))
-
-
 def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Change:
     register_hf_attention()
     H, D, dim = _heads(module)
@@ -260,12 +260,11 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
         config = module.config
         if config._attn_implementation != DISPATCH_NAME:
             object.__setattr__(module, _PREVIOUS_IMPLEMENTATION, config._attn_implementation)
-        if getattr(module, _HOOK, None) is not None:
-            getattr(module, _HOOK).remove()
         module.add_module(KERNEL_CHILD, kernel)
         kernel.train(module.training)
-        if kernel.needs_key_tokens:  # e.g. Fenchel's context preference reads x
-            object.__setattr__(module, _HOOK, module.register_forward_pre_hook(_stash_tokens, with_kwargs=True))
+        hf_decode.unhook(module)
+        if kernel.needs_key_tokens or kernel.couples_queries:  # Fenchel's context tokens; a decoder's cache
+            hf_decode.hook(module)
         config._attn_implementation_internal = DISPATCH_NAME
     change.apply = apply
     return change
@@ -282,10 +281,7 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
 
     def apply() -> None:
         del module._modules[KERNEL_CHILD]
-        hook = getattr(module, _HOOK, None)
-        if hook is not None:
-            hook.remove()
-            object.__delattr__(module, _HOOK)
+        hf_decode.unhook(module)
     change.apply = apply
     return change
 

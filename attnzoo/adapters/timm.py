@@ -28,6 +28,16 @@ def _timm_attention():
     return Attention
 
 
+def register_fx_leaves() -> None:
+    """Tell timm's FX tools (``create_feature_extractor``, ``get_graph_node_names``) to treat attnzoo's
+    layers as leaves (layers/tracing.py); run when timm.layers loads (adapters/__init__.py)."""
+    from timm.layers import register_notrace_module
+
+    from ..layers.multihead import MultiheadAttention
+    register_notrace_module(AttentionLayer)       # and every subclass: timm passes the list to isinstance
+    register_notrace_module(MultiheadAttention)
+
+
 def recognises(module: nn.Module) -> bool:
     timm_attention = _timm_attention()
     return (isinstance(module, AttentionLayer) or (timm_attention is not None and type(module) is timm_attention)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import tracing
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -41,6 +43,10 @@ class EvaLayout:
         return q, k, v
 
     def forward(self, x, rope: Optional[torch.Tensor] = None, attn_mask=None, is_causal: bool = False):
+        proxy = tracing.fx_proxy(x, rope, attn_mask)
+        if proxy is not None:  # torch.fx symbolic tracing: one call of the graph, rope included
+            return tracing.record_as_one_call(self, proxy, (x,), dict(rope=rope, attn_mask=attn_mask,
+                                                                     is_causal=is_causal))
         self._rope = rope
         try:
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)

@@ -5,10 +5,10 @@ The projections (in_proj_weight / q,k,v_proj_weight, in_proj_bias, out_proj) are
 Parameter objects. The variant runs through a bare attnzoo layer (``variant_layer``) so variants with
 extra parameters (sigmoid's bias shift, Fenchel's preference, L2's tied keys) work here too.
 
-Fast paths: attnzoo.MultiheadAttention reports ``_qkv_same_embed_dim = False``, which turns off
-nn.TransformerEncoderLayer's fused eval kernel; nn.TransformerEncoder's nested-tensor path (decided
-once, at construction) is switched off here for every encoder whose layers were swapped, and
-switched back on by unswap.
+Fast paths: attnzoo.MultiheadAttention carries a no-op forward hook, which turns off
+nn.TransformerEncoderLayer's fused eval kernel (layers/multihead.py); nn.TransformerEncoder's
+nested-tensor path (decided once, at construction) is switched off here for every encoder whose
+layers were swapped, and switched back on by unswap.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..layers.multihead import MultiheadAttention, is_causal_mask
+from ..layers import tracing
+from ..layers.multihead import MultiheadAttention, is_causal_mask, refuse_nested
 from .common import Change, describe_new_parameters, exchange, get_origin, param_names, set_origin
 from .kernel import kernel_layer, run_kernel
 from .spec import Target
 
 CAUSAL_QUERIES = "_attnzoo_causal_queries"  # set per call on a decoder layer's cross-attention
 _DECODER_HOOK = "_attnzoo_decoder_hook"
-_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+_PROJ = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")
 
 
 class SwappedMultiheadAttention(MultiheadAttention):
@@ -36,11 +37,21 @@ class SwappedMultiheadAttention(MultiheadAttention):
         self.variant_layer = kernel_layer(target, self.kdim, num_heads, self.head_dim,
                                           device=self.out_proj.weight.device, dtype=self.out_proj.weight.dtype)
         self.kind = self.variant_layer.kind
+        if (self.bias_k is not None or self.add_zero_attn) and (self.variant_layer.needs_key_tokens
+                                                               or self.variant_layer.keys_are_queries):
+            raise ValueError(f"{target.spec!r} reads each key's token or ties keys to queries, and the keys "
+                             "add_bias_kv / add_zero_attn add have neither")
         self._key_tokens: Optional[torch.Tensor] = None
         self._self_attention = False
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False):
+        kwargs = dict(key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                      average_attn_weights=average_attn_weights, is_causal=is_causal)
+        proxy = tracing.fx_proxy(query, key, value, key_padding_mask, attn_mask)
+        if proxy is not None:  # torch.fx symbolic tracing: one call of the graph
+            return tracing.record_as_one_call(self, proxy, (query, key, value), kwargs)
+        refuse_nested(self, query, key, value)
         # Fenchel's context preference reads the key tokens, batch-first
         tokens = key if key.dim() == 2 else (key if self.batch_first else key.transpose(0, 1))
         self._key_tokens = tokens.unsqueeze(0) if key.dim() == 2 else tokens
@@ -57,10 +68,11 @@ class SwappedMultiheadAttention(MultiheadAttention):
         finally:
             self._key_tokens = None
 
-    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
+    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p, extra_keys: int = 0):
         return run_kernel(self.variant_layer, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                           dropout_p=dropout_p, x=self._key_tokens, self_attention=self._self_attention,
-                          causal_queries=getattr(self, CAUSAL_QUERIES, False) and not self._self_attention)
+                          causal_queries=getattr(self, CAUSAL_QUERIES, False) and not self._self_attention,
+                          first_token_key=extra_keys)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}, embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}"
@@ -71,16 +83,14 @@ def recognises(module: nn.Module) -> bool:
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
-    if isinstance(module, nn.MultiheadAttention):
-        if module.bias_k is not None or module.add_zero_attn:
-            return "add_bias_kv / add_zero_attn are not supported by attnzoo.MultiheadAttention"
     return None
 
 
 def _constructor_kwargs(m: nn.Module) -> dict:
     ref = m.out_proj.weight
-    return dict(dropout=m.dropout, bias=m.in_proj_bias is not None, kdim=m.kdim, vdim=m.vdim,
-                batch_first=m.batch_first, device=ref.device, dtype=ref.dtype)
+    return dict(dropout=m.dropout, bias=m.in_proj_bias is not None, add_bias_kv=m.bias_k is not None,
+                add_zero_attn=m.add_zero_attn, kdim=m.kdim, vdim=m.vdim, batch_first=m.batch_first,
+                device=ref.device, dtype=ref.dtype)
 
 
 def _move(src: nn.Module, dst: nn.Module) -> list[str]:

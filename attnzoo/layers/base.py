@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import variant as catalog
+from . import tracing
 
 # keyword arguments timm's Block / create_model may pass to an attention layer; accepted silently
 TIMM_EXTRA = {"depth", "fused_attn", "rope", "attn_type", "qk_norm_layer", "rotate_half"}
@@ -142,6 +143,10 @@ class AttentionLayer(nn.Module):
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 **extra) -> torch.Tensor:
+        proxy = tracing.fx_proxy(x, attn_mask)
+        if proxy is not None:  # torch.fx symbolic tracing: this layer is one call of the graph (tracing.py)
+            return tracing.record_as_one_call(self, proxy, (x,), {"attn_mask": attn_mask, "is_causal": is_causal},
+                                              extra)
         self._check_input(x)
         B, N, _ = x.shape
         attn_mask = _heads_mask(attn_mask)
@@ -152,6 +157,9 @@ class AttentionLayer(nn.Module):
         if self.gate is not None:
             out = out * self.gate(x).sigmoid()
         return self.proj_drop(self.proj(out))
+
+    def __prepare_scriptable__(self):
+        tracing.refuse_torchscript(self)
 
     def _check_input(self, x) -> None:
         """x must be (B, N, dim) in the weights' dtype (any dtype under autocast) and on their device:

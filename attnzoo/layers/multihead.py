@@ -1,10 +1,24 @@
-"""attnzoo.MultiheadAttention: torch.nn.MultiheadAttention's constructor, forward and parameter
-names (in_proj_weight, in_proj_bias, out_proj; q/k/v_proj_weight when kdim/vdim differ), with the
-kernel chosen by ``kind``. It loads nn.MultiheadAttention state_dicts unchanged and works inside
-nn.TransformerEncoderLayer / nn.TransformerDecoderLayer.
+"""attnzoo.MultiheadAttention: a torch.nn.MultiheadAttention whose kernel is chosen by ``kind``.
+
+It subclasses torch's module, built by torch's own constructor: ``isinstance(m, nn.MultiheadAttention)``
+holds, and every attribute torch's module has is there with torch's meaning (``in_proj_weight`` or
+``q/k/v_proj_weight``, ``in_proj_bias``, ``out_proj``, ``bias_k``, ``bias_v``, ``add_zero_attn``,
+``_qkv_same_embed_dim``, ``dropout``, ``batch_first``, ``head_dim``, ``kdim``, ``vdim``), so
+nn.MultiheadAttention state_dicts load unchanged and code that reads those attributes reads the truth.
+Only ``forward`` differs: it runs the kind's kernel. Subclassing has one risk, torch code that sees an
+nn.MultiheadAttention and runs torch's fused softmax kernel on its weights without calling forward:
+nn.TransformerEncoderLayer's inference fast path (and nn.TransformerEncoder's nested tensors, which
+only that path reads). torch skips that path while any submodule has a forward hook, so the module
+registers a no-op forward pre-hook (``_no_fused_fast_path``); nested-tensor inputs are refused with
+a message.
 
 Masks follow torch's MHA convention (the opposite of SDPA's): a bool ``attn_mask`` or
 ``key_padding_mask`` marks with True the positions that must NOT take part; float masks are added.
+``add_bias_kv`` / ``add_zero_attn`` add a learned / zero key and value that every query sees, as in
+torch; the kernel gets them before the real keys (so that bottom-right causality and relative
+positions of the real keys are unchanged) and the weights are returned in torch's column order (real
+keys, bias, zero). In training with dropout, the returned weights are the ones after dropout and the
+output is computed from them, as torch does.
 """
 from __future__ import annotations
 
@@ -19,81 +33,71 @@ from ..ops import validate as V
 from ..ops import variant as catalog
 from ..ops.masking import causal_keep
 from ..ops.sizes import Shape
+from . import tracing
 from .spec import split_kind
 from .wrapper import Wrapper
 
 
-class MultiheadAttention(nn.Module):
+def _no_fused_fast_path(module, args):
+    """A forward pre-hook that does nothing: nn.TransformerEncoderLayer skips its fused softmax fast
+    path (which reads nn.MultiheadAttention's weights without calling forward) while any submodule
+    has a hook, so every call goes through attnzoo's kernel."""
+    return None
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """torch.nn.MultiheadAttention (a subclass: same constructor, attributes, parameters and forward)
+    running the ``kind`` variant's kernel; see the module docstring for why it subclasses."""
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None,
                  kind: str = "softmax", backend: Optional[str] = None, **kind_kwargs) -> None:
-        super().__init__()
-        if add_bias_kv or add_zero_attn:
-            raise NotImplementedError("add_bias_kv and add_zero_attn are not supported by attnzoo.MultiheadAttention")
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        # torch's constructor: its parameters, attributes and initialisation exactly
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                         add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                         device=device, dtype=dtype)
         kind, kind_kwargs = split_kind(kind, kind_kwargs)  # kind="sinkhorn(n_iters=5)" as in attnzoo.create
         self.kind = V.check_choice("kind", kind, catalog.names())
         V.check_dropout(dropout, "dropout")
         self.kind_kwargs = _check_kind_kwargs(self.kind, kind_kwargs, embed_dim // num_heads)
         self.backend = backend
-        dd = {"device": device, "dtype": dtype}
-        self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self.same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.dropout = dropout
-        self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
-        if self.same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **dd))
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-        else:
-            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **dd))
-            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **dd))
-            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **dd))
-            self.register_parameter("in_proj_weight", None)
-        if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **dd))
-        else:
-            self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **dd)
-        self._reset_parameters()
+        self.register_forward_pre_hook(_no_fused_fast_path)
 
-    # torch's TransformerEncoderLayer runs its own fused kernel on nn.MultiheadAttention's weights in
-    # eval mode unless this flag is False; reporting False keeps every forward going through attnzoo.
-    @property
-    def _qkv_same_embed_dim(self) -> bool:
-        return False
-
-    def _reset_parameters(self):
-        if self.same_embed_dim:
-            nn.init.xavier_uniform_(self.in_proj_weight)
-        else:
-            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
-                nn.init.xavier_uniform_(w)
-        if self.in_proj_bias is not None:
-            nn.init.zeros_(self.in_proj_bias)
-            nn.init.zeros_(self.out_proj.bias)
+    def __prepare_scriptable__(self):
+        tracing.refuse_torchscript(self)
 
     def _project(self, query, key, value):
         E = self.embed_dim
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else b.split(E)
-        if self.same_embed_dim:
+        if self._qkv_same_embed_dim:
             wq, wk, wv = self.in_proj_weight.split(E)
         else:
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
-    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p):
-        """The kernel call on (B, H, N, hd) tensors; attnzoo.swap overrides it to run a layer's variant."""
+    def _extra_keys(self, B: int, dtype, device):
+        """(keys, values) of add_bias_kv / add_zero_attn, (B, H, e, hd) each in that order, or None."""
+        ks, vs = [], []
+        if self.bias_k is not None:
+            ks.append(self.bias_k.to(dtype).expand(B, 1, self.embed_dim))
+            vs.append(self.bias_v.to(dtype).expand(B, 1, self.embed_dim))
+        if self.add_zero_attn:
+            zero = torch.zeros(B, 1, self.embed_dim, dtype=dtype, device=device)
+            ks.append(zero)
+            vs.append(zero)
+        if not ks:
+            return None
+        return tuple(torch.cat(t, 1).reshape(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for t in (ks, vs))
+
+    def _attend(self, q, k, v, attn_mask, is_causal, dropout_p, extra_keys: int = 0):
+        """The kernel call on (B, H, N, hd) tensors; attnzoo.swap overrides it to run a layer's variant.
+        ``extra_keys``: how many of the first keys are add_bias_kv / add_zero_attn's, not tokens."""
         fn = catalog.get(self.kind).functional
         return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, backend=self.backend,
                   **self.kind_kwargs)
@@ -117,6 +121,12 @@ class MultiheadAttention(nn.Module):
         exactly the causal mask, the kernel runs with ``is_causal=True`` (Sinkhorn then solves each
         prefix, as causality requires, instead of normalising columns over the masked square);
         otherwise the mask is applied as given. ``is_causal`` alone (torch requires the mask) is causal."""
+        proxy = tracing.fx_proxy(query, key, value, key_padding_mask, attn_mask)
+        if proxy is not None:  # torch.fx symbolic tracing: this module is one call of the graph (tracing.py)
+            return tracing.record_as_one_call(self, proxy, (query, key, value), dict(
+                key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights, is_causal=is_causal))
+        refuse_nested(self, query, key, value)
         self._check_inputs(query, key, value)
         batched = query.dim() == 3
         if not batched:  # (L, E) -> (L, 1, E): sequence first, batch of one
@@ -136,7 +146,24 @@ class MultiheadAttention(nn.Module):
         q, k, v = self._project(query, key, value)
         q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
         mask = _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
-        out = self._attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
+        extra = self._extra_keys(B, k.dtype, k.device)
+        e = 0
+        if extra is not None:  # first: the real keys keep their bottom-right causality and positions
+            e = extra[0].shape[2]
+            k, v = torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2)
+            if mask is not None:  # every query sees them
+                mask = F.pad(mask, (e, 0), value=True if mask.dtype == torch.bool else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            # every variant is linear in v: running it on v = I gives its weight matrix exactly, after
+            # dropout when dropout is on (torch's weights; the output is then computed from them)
+            eye = torch.eye(S + e, dtype=q.dtype, device=q.device).expand(B, H, S + e, S + e)
+            weights = self._attend(q, k, eye, mask, is_causal, dropout_p, extra_keys=e)
+        if weights is not None and dropout_p > 0:
+            out = weights @ v
+        else:
+            out = self._attend(q, k, v, mask, is_causal, dropout_p, extra_keys=e)
         out = out.permute(2, 0, 1, 3).reshape(L, B, self.embed_dim)
         out = self.out_proj(out)
         if batched and self.batch_first:
@@ -145,14 +172,21 @@ class MultiheadAttention(nn.Module):
             out = out.squeeze(1)
         if not need_weights:
             return out, None
-        # every variant is linear in v: running it on v = I_S gives its weight matrix exactly
-        eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, H, S, S)
-        weights = self._attend(q, k, eye, mask, is_causal, 0.0)
+        if e:  # torch's column order: the real keys, then bias_k, then the zero key
+            weights = torch.cat([weights[..., e:], weights[..., :e]], -1)
         if average_attn_weights:
             weights = weights.mean(1)
         if not batched:
             weights = weights.squeeze(0)
         return out, weights
+
+
+def refuse_nested(module, *tensors) -> None:
+    if any(t.is_nested for t in tensors):
+        raise NotImplementedError(
+            f"{type(module).__name__} does not take nested tensors (torch's fast-path input format): pass padded "
+            "tensors with a key_padding_mask, and build nn.TransformerEncoder with enable_nested_tensor=False "
+            "(attnzoo.swap turns it off for the encoders it swaps)")
 
 
 def _check_kind_kwargs(kind: str, kind_kwargs: dict, head_dim: int) -> dict:
