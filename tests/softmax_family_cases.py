@@ -16,7 +16,7 @@ import attnzoo.functional as AF
 from attnzoo.ops.fenchel.t5 import t5_bias_attention
 from attnzoo.ops.kernels.flash_softmax import triton as fused
 from tests.common import bool_mask, extreme_mask, float_mask, leaves, padding_mask, qkv
-from tests.flash_rule import assert_flash_rule
+from tests.flash_rule import assert_flash_rule, yardstick_dtype
 from tests.formulas import t5_bucket
 
 NUM_BUCKETS, MAX_DISTANCE = 8, 20  # no T5 bucket boundary falls on an integer offset below 40 (see t5_bucket)
@@ -199,9 +199,11 @@ def check_case(case: Case, device="cpu", dtype=torch.float32):
     empty = ref.detach().abs().amax(-1) == 0
     assert (out.detach()[empty] == 0).all(), f"{case.name}: a row with no key is not exactly zero"
     ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad_out.double())
-    # FlashAttention's rule: the kernel's error is at most ~2x that of the same math run in `dtype`
-    # (that covers logits of 1e4, where fp32 itself keeps only ~1e-3 of s), plus a small floor
-    low, low_leaves = expected(case, inp, dtype)
-    low_grads = torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out)
+    # FlashAttention's rule: the kernel's error is at most ~2x that of the same math run as the eager
+    # reference runs it for `dtype` (fp32 arithmetic for bf16 / fp16, stored in `dtype`; fp32 itself keeps
+    # only ~1e-3 of s at logits of 1e4: the floor's logit_size term), plus a small floor
+    low, low_leaves = expected(case, inp, yardstick_dtype(dtype))
+    low_grads = [g.to(dtype) for g in torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out.to(low.dtype))]
+    low = low.to(dtype)
     assert_flash_rule(case.name, dtype, case.logit_size,
                       [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)))
