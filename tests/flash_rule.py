@@ -171,7 +171,7 @@ def autocast_triples(module, args, kwargs=None, *, device, tested=None, loss=Non
     reference, truth = on_reference(module), on_reference(module).double()
     want = run(truth, truth, torch.float64, False)
     low = run(reference, reference, torch.float32, True)
-    got = run(tested or module, module, torch.float32, True)
+    got = run(module if tested is None else tested, module, torch.float32, True)
     names = ["out"] + [n for n, _ in module.named_parameters()] + \
         [f"input {i}" for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
     return list(zip(names, got, low, want))

@@ -18,7 +18,7 @@ from attnzoo.ops import dispatch
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
 from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
                           needs_kernels, needs_triton, padding_mask, qkv, seeded)
-from tests.flash_rule import LOW_PRECISION, assert_flash_rule, scale_grad
+from tests.flash_rule import LOW_PRECISION, assert_flash_rule, autocast_triples, scale_grad
 from tests.memory_probe import LargestAllocation
 
 if HAVE_TRITON:
@@ -519,20 +519,24 @@ def test_gpu_implicit_gradient_matches_unrolled_near_the_fixed_point():
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
 def test_gpu_layer_compiles_fullgraph(autocast):
     """torch.compile(fullgraph=True) of the layer: the forward and the unrolled backward are custom
-    ops torch.compile traces through; no data-dependent Python on the way (a graph break would fail)."""
+    ops torch.compile traces through; no data-dependent Python on the way (a graph break would fail).
+    fp32: compiled equals eager; bf16 autocast: FlashAttention's rule against the float64 layer."""
     import attnzoo
     torch.manual_seed(0)
     layer = attnzoo.SinkhornAttention(64, num_heads=2).cuda()
     layer.backend = "triton"
     x = torch.randn(2, 37, 64, device="cuda", requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True)
+    if autocast:  # the compiled layer by FlashAttention's rule against the float64 layer (tests/flash_rule.py)
+        assert_flash_rule("compiled sinkhorn layer under bf16 autocast", torch.bfloat16, 1.0,
+                          autocast_triples(layer, (x,), device="cuda", tested=compiled))
+        return
     results = []
     for fn in (layer, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = fn(x)
+        out = fn(x)
         grads = torch.autograd.grad(out.float().square().sum(), [x] + list(layer.parameters()))
         results.append((out.float(), grads))
-    tol = 3e-2 if autocast else 2e-4
+    tol = 2e-4
     (out_e, g_e), (out_c, g_c) = results
     assert (out_e - out_c).abs().max() <= tol * max(1.0, float(out_e.abs().max()))
     for a, b in zip(g_e, g_c):
