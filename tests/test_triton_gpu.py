@@ -58,7 +58,9 @@ def _check_against_float64(label, fn, q, k, v, **kw):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", softmax_family_cases.CASES, ids=lambda c: c.name)
-def test_softmax_family_on_gpu(case, dtype):
+def test_softmax_family_on_gpu(case, dtype, request):
+    if (case.name, dtype) in softmax_family_cases.KNOWN_FAILURES:  # measured under the interpreter only
+        request.applymarker(pytest.mark.xfail(reason=softmax_family_cases.KNOWN_FAILURES[case.name, dtype]))
     softmax_family_cases.check_case(case, device="cuda", dtype=dtype)
 
 
