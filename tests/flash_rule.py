@@ -6,9 +6,13 @@ precision against that float64 result, plus a floor:
 
     max |got - want|  <=  2 max |low - want|  +  floor
 
-``low`` is attnzoo's reference backend on the same low-precision inputs (or under the same autocast),
-or, where the tested path is that reference itself, ``rounded(want, dtype)``: the float64 result stored
-in the dtype, the least error any result in that dtype can have.
+``low`` is attnzoo's reference backend on the same low-precision inputs (or under the same autocast:
+``autocast_triples``); or a test's own formula run as that reference runs it (fp32 arithmetic on the
+half inputs, the result stored in the dtype: ``yardstick_dtype``); or, where the tested path is the
+reference itself, ``rounded(want, dtype)`` (``reference_or_rounded``): the float64 result stored in the
+dtype, the least error any result in that dtype can have. (FlashAttention's own tests run their
+reference entirely in bf16; attnzoo's reference computes in fp32, so its bar is tighter, and a pure-bf16
+formula would be too loose to see a 5% error at logits of 1e4.)
 
 The floor, for a tensor whose largest float64 entry is ``scale``:
 - bf16 / fp16: ``FLOOR_ULPS`` ulps of the dtype at that scale. Storing the result costs up to half an ulp
