@@ -63,12 +63,13 @@ def _tiny(dtype) -> float:
     return torch.finfo(dtype).tiny if dtype in LOW_PRECISION else 0.0
 
 
-def reference_or_rounded(got, low, want, dtype) -> list:
+def reference_or_rounded(got, low, want, dtype, formula=None) -> list:
     """The rule's ``low`` for each tensor: the reference's results, or, where the tested path returned
     exactly those bits (it is the reference, e.g. ``auto`` chose it, and comparing it with itself would
-    prove nothing), the float64 results stored in ``dtype``."""
+    prove nothing), ``formula()`` (a test's own formula run as the reference runs it, see
+    ``yardstick_dtype``) or else the float64 results stored in ``dtype``."""
     if all(torch.equal(g, lo) for g, lo in zip(got, low)):
-        return [rounded(w, dtype) for w in want]
+        return list(formula()) if formula else [rounded(w, dtype) for w in want]
     return list(low)
 
 
