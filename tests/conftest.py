@@ -6,6 +6,10 @@ import torch
 # The suite runs on CPU; two threads match CI's machine and keep timings stable.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreted kernels round to bf16 as a GPU does
+    from tests.interpreter_rounding import install
+    install()
+
 
 @pytest.fixture(autouse=True)
 def _seed():

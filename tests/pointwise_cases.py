@@ -15,7 +15,7 @@ import torch
 
 import attnzoo.functional as AF
 from tests.common import HAVE_TRITON, bool_mask, extreme_mask, float_mask, leaves, padding_mask, qkv
-from tests.flash_rule import assert_flash_rule
+from tests.flash_rule import assert_flash_rule, yardstick_dtype
 
 
 @dataclass
@@ -133,9 +133,11 @@ def check_case(case: Case, device="cpu", dtype=torch.float32):
         assert torch.isfinite(t).all(), f"{case.name}: {name} has NaN/Inf"
     ref, leaves = expected(case, inp)
     ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad_out.double())
-    # FlashAttention's rule: at most ~2x the error of the same math run in `dtype`, plus a small floor
-    low, low_leaves = expected(case, inp, dtype)
-    low_grads = torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out)
+    # FlashAttention's rule: at most ~2x the error of the same math run as the eager reference runs it for
+    # `dtype` (fp32 arithmetic for bf16 / fp16, stored in `dtype`), plus a small floor
+    low, low_leaves = expected(case, inp, yardstick_dtype(dtype))
+    low_grads = [g.to(dtype) for g in torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out.to(low.dtype))]
+    low = low.to(dtype)
     assert_flash_rule(case.name, dtype, case.logit_size,
                       [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)))
 

@@ -16,7 +16,7 @@ import attnzoo.functional as AF
 from attnzoo.ops.fenchel.t5 import t5_bias_attention
 from attnzoo.ops.kernels.flash_softmax import triton as fused
 from tests.common import bool_mask, extreme_mask, float_mask, leaves, padding_mask, qkv
-from tests.flash_rule import assert_flash_rule
+from tests.flash_rule import assert_flash_rule, yardstick_dtype
 from tests.formulas import t5_bucket
 
 NUM_BUCKETS, MAX_DISTANCE = 8, 20  # no T5 bucket boundary falls on an integer offset below 40 (see t5_bucket)
@@ -69,7 +69,18 @@ LOW_PRECISION = [
     ("softmax-causal-33", torch.bfloat16), ("softmax-cross-7x33-causal-bool", torch.float16),
     ("softmax-extreme-1e4", torch.bfloat16), ("l2-cross-33x20", torch.bfloat16),
     ("fenchel-pref-batch-causal", torch.float16), ("t5-bidirectional-33", torch.bfloat16),
+    ("softmax-large-logits", torch.bfloat16), ("t5-33x7-padding", torch.float16),
 ]
+# Measured failures of FlashAttention's rule (interpreter, rounding to bf16 as a GPU does; issue 23: the
+# old floor, eps(dtype) * logit_size, was 23 for the first case and let anything pass). The kernels round
+# P and dS to the input dtype before the tile products: where the true dq is small against them (saturated
+# rows at logits ~3e3) or the T5 table sums dS over many positions per bucket, that rounding shows.
+KNOWN_FAILURES = {
+    ("softmax-large-logits", torch.bfloat16): "dq 29x the reference's error (0.0013 on a scale of 0.026)",
+    ("softmax-large-logits", torch.float16): "dq 196x the reference's error (6.3e-4 on a scale of 0.013)",
+    ("t5-33x7-padding", torch.bfloat16): "T5 table gradient 10x the reference's error (2% of its scale)",
+    ("t5-33x7-padding", torch.float16): "T5 table gradient 16x the reference's error (0.5% of its scale)",
+}
 BY_NAME = {c.name: c for c in CASES}
 
 
@@ -199,9 +210,11 @@ def check_case(case: Case, device="cpu", dtype=torch.float32):
     empty = ref.detach().abs().amax(-1) == 0
     assert (out.detach()[empty] == 0).all(), f"{case.name}: a row with no key is not exactly zero"
     ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad_out.double())
-    # FlashAttention's rule: the kernel's error is at most ~2x that of the same math run in `dtype`
-    # (that covers logits of 1e4, where fp32 itself keeps only ~1e-3 of s), plus a small floor
-    low, low_leaves = expected(case, inp, dtype)
-    low_grads = torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out)
+    # FlashAttention's rule: the kernel's error is at most ~2x that of the same math run as the eager
+    # reference runs it for `dtype` (fp32 arithmetic for bf16 / fp16, stored in `dtype`; fp32 itself keeps
+    # only ~1e-3 of s at logits of 1e4: the floor's logit_size term), plus a small floor
+    low, low_leaves = expected(case, inp, yardstick_dtype(dtype))
+    low_grads = [g.to(dtype) for g in torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out.to(low.dtype))]
+    low = low.to(dtype)
     assert_flash_rule(case.name, dtype, case.logit_size,
                       [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)))

@@ -1,4 +1,5 @@
-"""Every layer in the registry runs under torch.compile (inductor, CPU) and under bf16 autocast.
+"""Every layer in the registry runs under torch.compile (inductor, CPU) and under bf16 autocast (within
+FlashAttention's rule of float64).
 
 One tiny model holds every registered layer (plus the blockwise "cpu" backend's custom op, reached
 through layers that name it), so torch.compile runs once; the compiled model must match eager,
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import attnzoo
+from tests.flash_rule import assert_flash_rule, autocast_triples, flash_rule_failures, scale_grad
 
 DIM, HEADS = 16, 2
 # (registry name, constructor kwargs): all ten names, then layers that force the blockwise custom op
@@ -98,17 +100,29 @@ def test_no_graph_breaks():
     assert explanation.graph_break_count == 0, [str(r.reason)[:200] for r in explanation.break_reasons]
 
 
-@pytest.mark.parametrize("name,kw", LAYERS,
-                         ids=[n + ("-" + kw["backend"] if "backend" in kw else "") for n, kw in LAYERS])
-def test_autocast_bf16_no_nan(name, kw):
+def _autocast_triples(layers, tested=None):
+    """FlashAttention's rule under CPU bf16 autocast for a Zoo of ``layers``: the output and every
+    parameter gradient against the float64 Zoo, with the Zoo on the reference backend under the same
+    autocast as the bar (tests/flash_rule.py). Where a layer's backend resolves to the reference itself
+    the comparison reduces to finiteness."""
     torch.manual_seed(1)
-    model = Zoo([(name, kw)])
+    model = Zoo(layers)
     x = torch.randn(2, 9, DIM)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, grads = _run(model, x)
-    assert torch.isfinite(out).all()
-    for g in grads:
-        assert torch.isfinite(g).all()
+    weights = torch.linspace(-1, 1, len(layers) * x.numel(), dtype=torch.float64)
+    return autocast_triples(model, (x,), device="cpu", tested=tested(model) if tested else None,
+                            loss=lambda out: (out.double() * weights.view(out.shape)).sum())
+
+
+def _layer_id(name, kw):
+    return name + ("-" + kw["backend"] if "backend" in kw else "")
+
+
+@pytest.mark.parametrize("name,kw", LAYERS, ids=[_layer_id(n, kw) for n, kw in LAYERS])
+def test_autocast_bf16_meets_the_flash_rule(name, kw):
+    triples = _autocast_triples([(name, kw)])
+    for part, got, _, _ in triples:
+        assert torch.isfinite(got).all(), part
+    assert_flash_rule(_layer_id(name, kw), torch.bfloat16, 1.0, triples)
 
 
 # The Triton backends under the interpreter: an interpreted launch cannot be traced, so their ops are
@@ -127,3 +141,19 @@ TRITON_LAYERS = [("softmax", {"backend": "triton"}), ("l2", {"backend": "triton"
                     reason="CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (make test sets it)")
 def test_triton_backends_compile_and_match_eager_under_the_interpreter():
     _compiled_matches_eager(TRITON_LAYERS, "aot_eager", fullgraph=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (make test sets it)")
+@pytest.mark.parametrize("name,kw", TRITON_LAYERS, ids=[_layer_id(n, kw) for n, kw in TRITON_LAYERS])
+def test_triton_layers_under_bf16_autocast_meet_the_flash_rule(name, kw):
+    """Autocast hands the kernels bf16 q, k, v beside fp32 parameters (T5 table, sigmoid bias)."""
+    assert_flash_rule(_layer_id(name, kw), torch.bfloat16, 1.0, _autocast_triples([(name, kw)]))
+
+
+@pytest.mark.parametrize("perturb,what", [
+    (lambda model: (lambda x: model(x) * 0.95), "out error"),
+    (lambda model: (lambda x: scale_grad(model(x), 0.95)), "layers.0.qkv.weight error")], ids=["out", "grads"])
+def test_autocast_check_sees_a_scaled_output_or_gradient(perturb, what):
+    triples = _autocast_triples([("softmax", {"backend": "cpu"})], tested=perturb)
+    assert any(what in f for f in flash_rule_failures("softmax-cpu", torch.bfloat16, 1.0, triples))

@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+import attnzoo
 import attnzoo.functional as AF
 from tests import formulas as R
 from tests.common import bool_mask, float_mask, padding_mask, qkv
+from tests.flash_rule import assert_flash_rule, flash_rule_failures, reference_or_rounded, scale_grad
 
 B, H, D, DV = 2, 2, 4, 3
 SHAPES = {"self": (5, 5), "cross_more_keys": (4, 7), "cross_fewer_keys": (6, 3)}
@@ -28,8 +30,9 @@ def make_mask(kind, nq, nk, g):
 
 # name -> (call(q, k, v, mask, causal), reference(q, k, v, allow, add, scale, user_allow, causal))
 def _fenchel_log_u(nq, nk):
+    # values bf16 holds exactly: test_bf16_inputs hands the same log u to the kernel and the float64 formula
     g = torch.Generator().manual_seed(3)
-    return torch.randn(1, H, nq, nk, generator=g, dtype=torch.float64)
+    return torch.randn(1, H, nq, nk, generator=g, dtype=torch.float64).bfloat16().double()
 
 
 def _ot_log_u(nk):
@@ -141,16 +144,43 @@ def test_ot_large_inputs():
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
 
 
-@pytest.mark.parametrize("variant", ["softmax", "l2", "sigmoid", "relu", "linear_elu", "fenchel", "sinkhorn", "ot"])
-def test_bf16_inputs(variant):
+def bf16_triples(variant, perturb=None):
+    """(name, the auto backend on bf16 inputs, the reference backend on the same inputs (or the float64
+    result rounded to bf16 where auto chose the reference), the float64 formula on those inputs) for the
+    output and dq, dk, dv. ``perturb``: (q, k, v) -> (q, k, v), to make the tested path wrong on purpose."""
     call, ref = VARIANTS[variant]
-    q, k = (torch.randn(B, H, 9, D, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(B, H, 9, DV, dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(B, H, 9, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, 9, DV, generator=g, dtype=torch.float64)
+    cot = torch.randn(B, H, 9, DV, generator=g, dtype=torch.float64)
     # round the inputs to bf16 first, so the comparison measures the kernel, not the input rounding
     q, k, v = (t.bfloat16().double() for t in (q, k, v))
-    out = call(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, False)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     allow, add = R.allow_and_add(None, False, B, H, 9, 9)
-    expected = ref(q, k, v, allow, add, 1 / math.sqrt(D), allow, False)
-    # computed in float32 and rounded once to bf16 (8 bits of mantissa): relative error ~ 2^-8
-    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+    def run(fn, dtype, tested=False):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*(perturb(*leaves) if tested and perturb else leaves))
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves))
+
+    want = run(lambda q, k, v: ref(q, k, v, allow, add, 1 / math.sqrt(D), allow, False), torch.float64)
+    got = run(lambda q, k, v: call(q, k, v, None, False), torch.bfloat16, tested=True)
+    with attnzoo.use_backend("reference"):
+        low = run(lambda q, k, v: call(q, k, v, None, False), torch.bfloat16)
+    return list(zip(("out", "dq", "dk", "dv"), got, reference_or_rounded(got, low, want, torch.bfloat16), want))
+
+
+@pytest.mark.parametrize("variant", ["softmax", "l2", "sigmoid", "relu", "linear_elu", "fenchel", "sinkhorn", "ot"])
+def test_bf16_inputs(variant):
+    """bf16 in, bf16 out, finite; the output and every gradient within FlashAttention's rule of float64."""
+    triples = bf16_triples(variant)
+    assert triples[0][1].dtype == torch.bfloat16
+    assert all(torch.isfinite(got).all() for _, got, _, _ in triples)
+    assert_flash_rule(variant, torch.bfloat16, 1.0, triples)
+
+
+@pytest.mark.parametrize("variant,what,factor", [("softmax", "dq", 0.85), ("sinkhorn", "dq", 0.95),
+                                                 ("fenchel", "dk", 0.95), ("linear_elu", "dv", 1.05)])
+def test_bf16_check_sees_a_scaled_gradient(variant, what, factor):
+    i = "qkv".index(what[1])
+    triples = bf16_triples(variant, lambda *qkv: [scale_grad(t, factor) if j == i else t for j, t in enumerate(qkv)])
+    assert any(f"{what} error" in f for f in flash_rule_failures(variant, torch.bfloat16, 1.0, triples))

@@ -15,6 +15,8 @@ import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.kernels import blockwise
 from tests.common import bool_mask, float_mask, padding_mask, qkv
+from tests.flash_rule import (assert_flash_rule, flash_rule_failures, reference_or_rounded, scale_grad,
+                              yardstick_dtype)
 from tests.memory_probe import LargestOutput
 
 # --- float64 ground truth, straight from the formulas ---------------------------------------------
@@ -58,10 +60,10 @@ def expected(variant, q, k, v, case, mask, scale, log_u=None, bias=None, alpha=1
     elif variant == "fenchel":  # softmax(alpha s_ij + log u_ij), -inf in log u drops the key
         lu = torch.zeros(()) if log_u is None else log_u
         keep = keep & (lu > -math.inf)
-        lu = torch.where(lu > -math.inf, lu, torch.zeros((), dtype=torch.float64))
+        lu = torch.where(lu > -math.inf, lu, torch.zeros((), dtype=dot.dtype))
         w = _softmax_rows(alpha * dot + lu + add, keep)
     else:
-        n = keep.expand(dot.shape).sum(-1, keepdim=True).to(torch.float64)
+        n = keep.expand(dot.shape).sum(-1, keepdim=True).to(dot.dtype)
         s = dot + add
         if variant == "sigmoid":
             b = -torch.log(n.clamp_min(1)) if bias is None else bias
@@ -163,7 +165,7 @@ def test_matches_float64_formula(backend, variant, case, small_blocks):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-# --- low precision: no NaN, error at most ~2x the reference's own low-precision error ----------------
+# --- low precision: FlashAttention's rule for the output and every gradient -----------------------
 
 # bf16 on four cases, fp16 on two (fp16 is left out of logits_1e4 on purpose: there the true
 # gradients, ~1e7, exceed fp16's range).
@@ -172,32 +174,104 @@ LOW_CASES = [(_BY_ID[i], torch.bfloat16) for i in ("causal_nq>nk_empty_rows", "b
             [(_BY_ID[i], torch.float16) for i in ("bool_empty_rows", "float_mask_inf")]
 
 
-@pytest.mark.parametrize("case,dtype", LOW_CASES, ids=[f"{c['id']}-{str(d)[6:]}" for c, d in LOW_CASES])
-@pytest.mark.parametrize("backend,variant", BACKENDS, ids=[f"{b}-{v}" for b, v in BACKENDS])
-def test_low_precision_no_nan(backend, variant, case, dtype, small_blocks):
+@torch.no_grad()
+def _logit_size(variant, q, k, scale):
+    """About the largest |logit| (the rule's logit_size: fp32 rounds logits of size s by ~eps32 s)."""
+    if variant == "l2":
+        return float(scale * (q[..., :, None, :] - k[..., None, :, :]).square().sum(-1).max())
+    return float(scale * (q @ k.mT).abs().max())
+
+
+def low_precision_triples(backend, variant, case, dtype, perturb=None):
+    """(name, ``backend`` on half inputs, the reference backend on the same inputs (or, where ``backend``
+    gave exactly the reference's bits, the formula below in fp32 stored in ``dtype``), the float64 formula
+    on those inputs) for the output and the gradient of q, k, v, log u / sigmoid bias; and the logit
+    size. ``perturb``: leaves -> leaves, to make the tested path wrong on purpose."""
     g = torch.Generator().manual_seed(7)
     qkv64 = _inputs(case, g)
     mask = _make_mask(case, g)
     mask = None if mask is None else mask.detach()
-    kw64 = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in _variant_kwargs(variant, case, g).items()}
+    kw64 = _variant_kwargs(variant, case, g)
+    # the half inputs the backends get; the float64 truth is computed from exactly these numbers
+    half = [t.detach().to(dtype) for t in qkv64]
+    half_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    half_kw = {n: (x.detach().to(dtype) if isinstance(x, torch.Tensor) else x) for n, x in kw64.items()}
     scale = case.get("scale", 0.35)
-    want = expected(variant, *qkv64, case, mask, scale, **kw64)
-    low = [t.detach().to(dtype).requires_grad_() for t in qkv64]
-    low_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
-    low_kw = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in kw64.items()}
+    tensor_names = [n for n, x in half_kw.items() if isinstance(x, torch.Tensor)]
+    cot = torch.randn(B, H, case["nq"], case["d"] + 1, generator=g, dtype=torch.float64)
+
+    def run(call, to, tested=False):
+        leaves = [t.to(to).requires_grad_() for t in half]
+        kw = {n: (x.to(to).requires_grad_() if isinstance(x, torch.Tensor) else x) for n, x in half_kw.items()}
+        m = half_mask if half_mask is None or half_mask.dtype == torch.bool else half_mask.to(to)
+        args = perturb(leaves) if tested and perturb else leaves
+        out = call(*args, m, kw)
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves + [kw[n] for n in tensor_names]))
+
     fn = AF.VARIANT_FUNCTIONS[variant]
-    got = fn(*low, attn_mask=low_mask, is_causal=case["causal"], scale=scale, backend=backend, **low_kw)
-    assert got.dtype == dtype
-    got.float().square().sum().backward()
-    assert torch.isfinite(got).all()
-    for t in low:
-        assert torch.isfinite(t.grad).all()
-    # the eager reference run in the same precision sets the bar (the FlashAttention test rule)
-    ref = fn(*[t.detach() for t in low], attn_mask=low_mask, is_causal=case["causal"], scale=scale,
-             backend="reference", **low_kw)
-    err = (got.double() - want).abs().max().item()
-    ref_err = (ref.double() - want).abs().max().item()
-    assert err <= 2 * ref_err + 1e-2 * want.abs().max().item() + 1e-6, (err, ref_err)
+    want = run(lambda q, k, v, m, kw: expected(variant, q, k, v, case, m, scale, **kw), torch.float64)
+    low = run(lambda q, k, v, m, kw: fn(q, k, v, attn_mask=m, is_causal=case["causal"], scale=scale,
+                                        backend="reference", **kw), dtype)
+    got = run(lambda q, k, v, m, kw: fn(q, k, v, attn_mask=m, is_causal=case["causal"], scale=scale,
+                                        backend=backend, **kw), dtype, tested=True)
+    assert got[0].dtype == dtype
+    names = ["out", "dq", "dk", "dv"] + [f"d{n}" for n in tensor_names]
+    def formula_as_the_reference_runs_it():  # fp32 arithmetic (logits of 1e4 lose ~1e-3 there), stored in dtype
+        return [t.to(dtype) for t in run(lambda q, k, v, m, kw: expected(variant, q, k, v, case, m, scale, **kw),
+                                         yardstick_dtype(dtype))]
+    low = reference_or_rounded(got, low, want, dtype, formula_as_the_reference_runs_it)
+    return list(zip(names, got, low, want)), _logit_size(variant, half[0].double(), half[1].double(), scale)
+
+
+# Measured failures of the rule (issue 23: the old check compared outputs only, with a 1% floor). At
+# logits ~1e4 the softmax is saturated: the float64 dq and dk are ~1e-48 (l2) or ~0.03 (softmax).
+LOW_FAILURES = {
+    ("cpu", "l2", "logits_1e4", torch.bfloat16):
+        "cpu l2, bf16, logits ~1e4: dq, dk errors 3.5e-4 / 4.1e-4 where the float64 gradient and the "
+        "reference backend's are ~1e-48 (fp32 cancellation in the blockwise backward, amplified by scale 2e3)",
+    ("torch", "softmax", "logits_1e4", torch.bfloat16):
+        "torch (SDPA) softmax, bf16, logits ~1e4: dq, dk errors 0.016 / 0.032 on a scale of 0.024 / 0.032, "
+        "128x / 131x the reference backend's error (the rule allows 2x)",
+    ("cpu", "sigmoid", "logits_1e4", torch.bfloat16):
+        "cpu sigmoid (bit for bit the reference backend), bf16, logits ~1e4: dq, dk errors 3.1e-6 / 4.4e-6 on a "
+        "scale of 1.8e-4 / 2.2e-4, 8.9x / 7.6x those of this file's formula run in fp32 and stored in bf16",
+}
+
+
+@pytest.mark.parametrize("case,dtype", LOW_CASES, ids=[f"{c['id']}-{str(d)[6:]}" for c, d in LOW_CASES])
+@pytest.mark.parametrize("backend,variant", BACKENDS, ids=[f"{b}-{v}" for b, v in BACKENDS])
+def test_low_precision_flash_rule(backend, variant, case, dtype, small_blocks, request):
+    """bf16 / fp16 inputs: finite, and the output and every gradient within FlashAttention's rule (at most
+    ~2x the reference backend's error on the same inputs against float64, tests/flash_rule.py)."""
+    failure = LOW_FAILURES.get((backend, variant, case["id"], dtype))
+    if failure:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=failure))
+    triples, logit_size = low_precision_triples(backend, variant, case, dtype)
+    for name, got, _, _ in triples:
+        assert torch.isfinite(got).all(), name
+    assert_flash_rule(f"{backend}-{variant}-{case['id']}", dtype, logit_size, triples)
+
+
+LOW_MUTATIONS = [("cpu", "softmax", "bool_empty_rows", torch.bfloat16, "dq", 0.95),
+                 ("cpu", "sigmoid", "float_mask_inf", torch.float16, "dk", 0.95),
+                 ("torch", "l2", "causal_nq>nk_empty_rows", torch.bfloat16, "dv", 1.05),
+                 ("torch", "fenchel", "float_mask_inf", torch.bfloat16, "out", 0.95),
+                 ("cpu", "relu", "logits_1e4", torch.bfloat16, "dq", 0.85)]
+
+
+@pytest.mark.parametrize("backend,variant,case_id,dtype,what,factor", LOW_MUTATIONS, ids=lambda x: str(x))
+def test_low_precision_rule_sees_a_scaled_output_or_gradient(backend, variant, case_id, dtype, what, factor,
+                                                              small_blocks):
+    """The check above fails when one output or gradient is off by 5% (15% for issue 23's dq)."""
+    def perturb(leaves):
+        if what == "out":
+            return leaves
+        i = "qkv".index(what[1])
+        return leaves[:i] + [scale_grad(leaves[i], factor)] + leaves[i + 1:]
+    triples, logit_size = low_precision_triples(backend, variant, _BY_ID[case_id], dtype, perturb)
+    if what == "out":
+        triples = [(n, got * factor if n == "out" else got, low, want) for n, got, low, want in triples]
+    assert any(f"{what} error" in f for f in flash_rule_failures("mutated", dtype, logit_size, triples))
 
 
 # --- backends refuse what they cannot do, with a sentence -----------------------------------------

@@ -25,6 +25,7 @@ import attnzoo.functional as AF
 from attnzoo.ops import dispatch
 from tests import formulas as R
 from tests.common import INTERPRET, KERNEL_DEVICE, ON_GPU, seeded
+from tests.flash_rule import assert_flash_rule, flash_rule_failures, reference_or_rounded, scale_grad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -551,20 +552,47 @@ HALF_CASES = [(var, be, dt) for var in VARIANT_OPTS for be in backends_of(var)
               if not is_triton(be) and not be.endswith("_implicit") for dt in (torch.bfloat16, torch.float16)]
 
 
-@pytest.mark.parametrize("variant,backend,dtype", HALF_CASES, ids=[f"{v}-{b}-{str(d)[6:]}" for v, b, d in HALF_CASES])
-def test_half_precision_inputs(variant, backend, dtype):
-    """Half inputs: fp32 accumulation, output in the input dtype, error vs float64 within FlashAttention's
-    rule against the same formula evaluated on the rounded inputs."""
+def half_triples(variant, backend, dtype, perturb=None):
+    """(name, ``backend`` on half inputs, the reference backend on the same inputs (or the float64
+    result stored in ``dtype`` where ``backend`` runs the reference itself), the float64 formula on
+    those inputs) for the output and dq, dk, dv. ``perturb``: (q, k, v) -> (q, k, v), made wrong on purpose."""
     g = seeded(8)
     q, k, v = (torch.randn(B, H, n, w, generator=g, dtype=torch.float64) for n, w in ((5, D), (7, D), (7, DV)))
+    cot = torch.randn(B, H, 5, DV, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))  # the half inputs, as float64 for the formula
     mask = torch.tensor([True] * 6 + [False])  # a key-padding mask every backend takes
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    out = getattr(AF, variant)(q, k, v, attn_mask=mask, is_causal=True, backend=backend, **VARIANT_OPTS[variant])
-    assert out.dtype == dtype
-    want = expected(variant, q.double(), k.double(), v.double(), mask, True, None, VARIANT_OPTS[variant])
-    err = (out.double() - want).abs().max().item()
-    rounding = (want.to(dtype).double() - want).abs().max().item()  # the output's own rounding
-    assert err <= 2 * rounding + 4 * torch.finfo(dtype).eps, (err, rounding)
+    opts = VARIANT_OPTS[variant]
+
+    def run(fn, to, tested=False):
+        leaves = [t.to(to).requires_grad_() for t in (q, k, v)]
+        out = fn(*(perturb(*leaves) if tested and perturb else leaves))
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves))
+
+    want = run(lambda *qkv: expected(variant, *qkv, mask, True, None, opts), torch.float64)
+    got = run(lambda *qkv: getattr(AF, variant)(*qkv, attn_mask=mask, is_causal=True, backend=backend, **opts),
+              dtype, tested=True)
+    low = run(lambda *qkv: getattr(AF, variant)(*qkv, attn_mask=mask, is_causal=True, backend="reference", **opts),
+              dtype)
+    return list(zip(("out", "dq", "dk", "dv"), got, reference_or_rounded(got, low, want, dtype), want))
+
+
+@pytest.mark.parametrize("variant,backend,dtype", HALF_CASES, ids=[f"{v}-{b}-{str(d)[6:]}" for v, b, d in HALF_CASES])
+def test_half_precision_inputs(variant, backend, dtype):
+    """Half inputs: fp32 accumulation, output in the input dtype, the output and every gradient within
+    FlashAttention's rule (tests/flash_rule.py) against the same formula evaluated on the rounded inputs."""
+    triples = half_triples(variant, backend, dtype)
+    assert triples[0][1].dtype == dtype
+    assert_flash_rule(f"{variant} {backend}", dtype, 1.0, triples)
+
+
+@pytest.mark.parametrize("variant,backend,dtype,what,factor", [
+    ("softmax", "torch", torch.bfloat16, "dq", 0.85), ("sinkhorn", "cpu", torch.float16, "dk", 0.95),
+    ("ot", "reference", torch.bfloat16, "dv", 1.05), ("linear", "auto", torch.float16, "dq", 0.95)])
+def test_half_precision_check_sees_a_scaled_gradient(variant, backend, dtype, what, factor):
+    i = "qkv".index(what[1])
+    triples = half_triples(variant, backend, dtype,
+                           lambda *qkv: [scale_grad(t, factor) if j == i else t for j, t in enumerate(qkv)])
+    assert any(f"{what} error" in f for f in flash_rule_failures(variant, dtype, 1.0, triples))
 
 
 try:

@@ -19,7 +19,8 @@ from attnzoo.ops.linear import cpu as lin_cpu
 from . import formulas as FM
 from tests.common import (INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, float_mask, needs_gpu, needs_kernels,
                           qkv)
-from tests.flash_rule import assert_flash_rule
+from tests.flash_rule import (assert_flash_rule, autocast_triples, flash_rule_failures, reference_or_rounded,
+                              scale_grad)
 from tests.memory_probe import LargestOutput
 
 # (feature_map, is_causal, nq, nk, mask kind): odd lengths that do not fill the last chunk,
@@ -129,11 +130,26 @@ def _check_kernel(fm, causal, nq, nk, mask_kind, dtype, B=2, H=2, D=5, Dv=3, sca
                       + [(f"d{n}", g, lo, w) for n, g, lo, w in zip("qkv", got_g, low_g, want_g)])
 
 
+# A measured failure of FlashAttention's rule (interpreter, rounding to bf16 as a GPU does; the GPU runs
+# of the table were checked with a floor of one bf16 ulp of max(1, scale), 5% of this dq's scale).
+ELU_37_BF16 = ("Triton linear, causal elu 37 x 37, bf16: dq error 10.6x the reference backend's (1.7% of its "
+               "scale; the rule allows 2x plus one ulp). The chunk states are kept in the input dtype "
+               "(ops/linear/triton.py, state_dtype), the likely cause")
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("fm,causal,nq,nk,mask", TRITON_CASES)
-def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
+def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype, request):
+    if dtype == torch.bfloat16 and (fm, causal, nq, nk, mask) == TRITON_CASES[0]:  # GPU only: not yet measured there
+        request.applymarker(pytest.mark.xfail(reason=ELU_37_BF16))
     _check_kernel(fm, causal, nq, nk, mask, dtype)
+
+
+@needs_kernels
+@pytest.mark.xfail(strict=True, reason=ELU_37_BF16)
+def test_triton_bf16_causal_elu_meets_the_flash_rule():
+    _check_kernel(*TRITON_CASES[0], torch.bfloat16)
 
 
 # fp64 inputs run fp64 kernels (fp64 state and products): agreement with the float64 formula is then
@@ -191,12 +207,9 @@ def test_triton_fp16_states_do_not_overflow_on_gpu():
     # v with a mean of 20 over 4096 keys: the summed state reaches ~1e5 > fp16's 65504; stored as means
     # (MEAN_STATE_DTYPES) it stays finite and the output matches the float64 formula
     q, k, v = qkv(1, 2, 4096, 4096, 64, device="cuda")
-    q, k, v = (t.half().requires_grad_() for t in (q, k, v + 20.0))
-    out = AF.linear(q, k, v, is_causal=True, scale=0.125, backend="triton")
-    ref = _expected(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), None, True, "elu", 0.125)
-    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-2, atol=1e-2)
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    assert all(torch.isfinite(g).all() for g in grads)
+    triples = _half_triples("triton", q.half(), k.half(), (v + 20.0).half(), scale=0.125)
+    assert all(torch.isfinite(got).all() for _, got, _, _ in triples)
+    assert_flash_rule("linear fp16 states", torch.float16, 1.0, triples)
 
 
 @pytest.mark.gpu
@@ -234,36 +247,49 @@ def test_triton_widest_head_dims_on_gpu():
     _check_kernel("relu", True, 70, 70, None, torch.float32, B=1, H=2, D=256, Dv=255, scale=1 / 16)
 
 
+class _ProjectedLinear(torch.nn.Module):
+    """One projection whose output, under autocast a bf16 tensor, reaches the kernels as three strided
+    (B, H, N, head_dim) views (the kernels take row strides, no copies); queries from ``first_query`` on,
+    so Nk > Nq adds the host's prefix state (an fp32 matmul inside the autocast region)."""
+
+    def __init__(self, dim, heads, first_query, device):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, 3 * dim, device=device)
+        self.heads, self.first_query, self.backend = heads, first_query, "triton"
+
+    def forward(self, x):
+        B, N, E = x.shape
+        q, k, v = self.proj(x).view(B, N, 3, self.heads, E // self.heads).permute(2, 0, 3, 1, 4)
+        return AF.linear(q[..., self.first_query:, :], k, v, is_causal=True, backend=self.backend)
+
+
+def _check_under_autocast(device, B, N, E, heads, first_query, perturb=None):
+    """bf16 autocast: the output and the projection's gradients by FlashAttention's rule against the
+    float64 module, with the reference backend under the same autocast as the bar."""
+    torch.manual_seed(0)
+    module = _ProjectedLinear(E, heads, first_query, device)
+    x = torch.randn(B, N, E, device=device)
+    triples = autocast_triples(module, (x,), device=device, tested=perturb(module) if perturb else None)
+    assert triples[0][1].dtype == torch.bfloat16
+    assert_flash_rule("linear under bf16 autocast", torch.bfloat16, 1.0, triples)
+
+
 @needs_kernels
 def test_triton_under_autocast():
-    # q, k, v from an autocast matmul are bf16 strided views (the kernels take row strides, no copies);
-    # Nk > Nq adds the host's prefix state, an fp32 matmul inside the autocast region
-    x = torch.randn(1, 40, 16, device=KERNEL_DEVICE)
-    proj = torch.nn.Linear(16, 3 * 16, device=KERNEL_DEVICE)
-    with torch.autocast(KERNEL_DEVICE, dtype=torch.bfloat16):
-        q, k, v = proj(x).view(1, 40, 3, 2, 8).permute(2, 0, 3, 1, 4)   # three (B, H, N, 8) views
-        out = AF.linear(q[..., 19:, :], k, v, is_causal=True, backend="triton")
-    assert out.dtype == torch.bfloat16
-    ref = _expected(q[..., 19:, :].detach().cpu(), k.detach().cpu(), v.detach().cpu(), None, True, "elu", 1.0)
-    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2)
-    out.float().sum().backward()
-    assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
+    _check_under_autocast(KERNEL_DEVICE, 1, 40, 16, 2, 19)
+
+
+@needs_kernels
+def test_autocast_check_sees_a_scaled_output():
+    with pytest.raises(AssertionError, match="out error"):
+        _check_under_autocast(KERNEL_DEVICE, 1, 40, 16, 2, 19, perturb=lambda m: (lambda x: m(x) * 0.95))
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_triton_under_autocast_on_gpu():
     # bf16 q, k, v from an autocast matmul as strided views; the host's prefix state stays fp32
-    x = torch.randn(2, 300, 64, device="cuda")
-    proj = torch.nn.Linear(64, 3 * 64, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        q, k, v = proj(x).view(2, 300, 3, 2, 32).permute(2, 0, 3, 1, 4)   # three (B, H, N, 32) views
-        out = AF.linear(q[..., 100:, :], k, v, is_causal=True, backend="triton")
-    assert out.dtype == torch.bfloat16
-    ref = _expected(q[..., 100:, :].detach(), k.detach(), v.detach(), None, True, "elu", 1.0)
-    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
-    out.float().sum().backward()
-    assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
+    _check_under_autocast("cuda", 2, 300, 64, 2, 100)
 
 
 @pytest.mark.gpu
@@ -326,9 +352,35 @@ def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
     out = AF.linear(q.to(dev), k.to(dev), v.to(dev), is_causal=True, backend=backend).cpu()
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
-    if mag == 1.0:   # bf16 inputs, fp32 math inside: only the rounding of inputs/outputs remains
-        ref = _expected(q, k, v, None, True, "elu", 1.0)
-        torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    if mag == 1.0:   # bf16 inputs, fp32 math inside: FlashAttention's rule for out and every gradient
+        assert_flash_rule(f"linear {backend} bf16", dtype, 1.0, _half_triples(backend, q, k, v))
+
+
+def _half_triples(backend, q, k, v, scale=1.0, perturb=None):
+    """(name, ``backend`` on the half inputs, the reference backend on them, the float64 formula on them)
+    for out, dq, dk, dv of causal elu linear attention; the formula runs on the CPU."""
+    dev = _device(backend)
+    cot = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def run(call, dtype, device, tested=False):
+        leaves = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]
+        out = call(*(perturb(*leaves) if tested and perturb else leaves))
+        grads = torch.autograd.grad((out.double() * cot.to(device)).sum(), leaves)
+        return [out.cpu()] + [g.cpu() for g in grads]
+
+    want = run(lambda *qkv: _expected(*qkv, None, True, "elu", scale), torch.float64, "cpu")
+    got = run(lambda *qkv: AF.linear(*qkv, is_causal=True, scale=scale, backend=backend), q.dtype, dev, tested=True)
+    low = run(lambda *qkv: AF.linear(*qkv, is_causal=True, scale=scale, backend="reference"), q.dtype, dev)
+    return list(zip(("out", "dq", "dk", "dv"), got, reference_or_rounded(got, low, want, q.dtype), want))
+
+
+@pytest.mark.parametrize("backend,what", [(b, "dq" if b == "cpu" else "dv") for b in BACKENDS])
+def test_half_check_sees_a_scaled_gradient(backend, what):
+    q, k, v = (t.detach().bfloat16() for t in _inputs(40, 40, torch.float32))
+    i = "qkv".index(what[1])
+    triples = _half_triples(backend, q, k, v,
+                            perturb=lambda *qkv: [scale_grad(t, 0.95) if j == i else t for j, t in enumerate(qkv)])
+    assert any(f"{what} error" in f for f in flash_rule_failures("linear", torch.bfloat16, 1.0, triples))
 
 
 

@@ -12,7 +12,6 @@ loops of tests/formulas.py).
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -35,7 +34,8 @@ from attnzoo.ops.ot.factorised import ot_terms
 from . import formulas as FM
 from tests.common import (INTERPRET, KERNEL_DEVICE, ON_GPU, TRITON_DTYPES, broadcast_shapes, float_mask,
                           needs_gpu, needs_kernels, needs_triton, padding_mask, qkv)
-from tests.flash_rule import assert_flash_rule
+from tests.flash_rule import (assert_flash_rule, autocast_triples, flash_rule_failures, reference_or_rounded,
+                              scale_grad)
 from tests.memory_probe import LargestOutput
 
 B, H, D, DV = 2, 2, 6, 3
@@ -341,14 +341,15 @@ def test_timm_vit_with_ot_trains_under_bf16_autocast_on_gpu():
     model = _tiny_timm_vit("cuda")
     x, y = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
     params = list(model.parameters())
-    want = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+    # the logits and every parameter gradient: FlashAttention's rule against the float64 model, with the
+    # model on the reference backend under the same autocast as the bar
+    triples = autocast_triples(model, (x,), device="cuda",
+                               loss=lambda out: torch.nn.functional.cross_entropy(out.double(), y))
+    assert_flash_rule("timm ViT with OT under bf16 autocast", torch.bfloat16, 1.0, triples)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = torch.nn.functional.cross_entropy(model(x), y)
     got = torch.autograd.grad(loss, params)
     assert torch.isfinite(loss)
-    num = sum(float((a.float() - b).square().sum()) for a, b in zip(got, want)) ** 0.5
-    den = sum(float(b.square().sum()) for b in want) ** 0.5
-    assert num <= 0.05 * den, (num, den)
     with torch.no_grad():
         for p, g in zip(params, got):
             p -= 0.05 * g
@@ -364,16 +365,18 @@ def test_layer_and_timm_vit_compile_fullgraph_on_gpu(autocast):
     """torch.compile(fullgraph=True) with inductor on CUDA: the OT layer (with templates) and the small
     timm ViT trace as one graph each (the Triton launches are triton_ops) and equal eager forward and
     backward; under bf16 autocast too."""
-    import contextlib
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    tol = 2e-2 if autocast else 1e-4
     layer = _ot_layer(None, dim=64, heads=2, device="cuda")
     x, t = torch.randn(2, 40, 64, device="cuda"), torch.randn(2, 12, 64, device="cuda")
     model = _tiny_timm_vit("cuda")
     img = torch.randn(4, 3, 32, 32, device="cuda")
-    for module, inputs in ((lambda_module(layer, templates=t), (x,)), (model, (img,))):
-        with ctx:
-            _compiled_equals_eager(module, *inputs, tol=tol, backend="inductor")
+    for module, inputs, kwargs in ((layer, (x,), dict(templates=t)), (model, (img,), {})):
+        if autocast:  # the compiled module by FlashAttention's rule against the float64 module
+            torch._dynamo.reset()
+            compiled = torch.compile(module, fullgraph=True, backend="inductor")
+            assert_flash_rule("compiled under bf16 autocast", torch.bfloat16, 1.0,
+                              autocast_triples(module, inputs, kwargs, device="cuda", tested=compiled))
+        else:
+            _compiled_equals_eager(lambda_module(module, **kwargs), *inputs, tol=1e-4, backend="inductor")
 
 
 @pytest.mark.gpu
@@ -413,9 +416,39 @@ def test_extreme_and_half_inputs_stay_finite(backend, dtype, mag):
     out = AF.ot(dq, dk, dv, is_causal=True, templates_k=dtk, templates_v=dtv, backend=backend).cpu()
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.float().sum(), (q, k, v, tk, tv)))
-    if mag == 1.0:   # bf16 inputs, fp32 math inside: only the rounding of inputs/outputs remains
-        ref = _expected(q, k, v, tk, tv, None, None, True, 1 / math.sqrt(D), 1.0)
-        torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    if mag == 1.0:   # bf16 inputs, fp32 math inside: FlashAttention's rule for out and every gradient
+        assert_flash_rule(f"ot {backend} bf16", dtype, 1.0, _half_triples(backend, q, k, v, tk, tv))
+
+
+def _half_triples(backend, q, k, v, tk, tv, perturb=None):
+    """(name, ``backend`` on the half inputs, the reference backend on them (or the float64 result stored
+    in their dtype where ``backend`` gave exactly the reference's bits), eq (22) in float64 on them) for
+    out and the gradients of q, k, v and the templates; causal, default scale and alpha."""
+    dtype = q.dtype
+    cot = torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def run(call, to, device, tested=False):
+        leaves = [x.detach().to(device, to).requires_grad_() for x in (q, k, v, tk, tv)]
+        out = call(*(perturb(*leaves) if tested and perturb else leaves))
+        grads = torch.autograd.grad((out.double() * cot.to(device)).sum(), leaves)
+        return [out.cpu()] + [g.cpu() for g in grads]
+
+    def ot(backend):
+        return lambda q, k, v, tk, tv: AF.ot(q, k, v, is_causal=True, templates_k=tk, templates_v=tv, backend=backend)
+    want = run(lambda q, k, v, tk, tv: _expected(q, k, v, tk, tv, None, None, True, 1 / math.sqrt(D), 1.0),
+               torch.float64, "cpu")
+    dev = _on(backend, q)[0].device
+    got = run(ot(backend), dtype, dev, tested=True)
+    low = run(ot("reference"), dtype, dev)
+    names = ("out", "dq", "dk", "dv", "dtemplates_k", "dtemplates_v")
+    return list(zip(names, got, reference_or_rounded(got, low, want, dtype), want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_check_sees_a_scaled_gradient(backend):
+    q, k, v, tk, tv, _ = (None if x is None else x.detach().bfloat16() for x in _inputs(6, 5, 2, False, torch.float32))
+    triples = _half_triples(backend, q, k, v, tk, tv, perturb=lambda q, k, v, tk, tv: (q, k, v, scale_grad(tk, 0.95), tv))
+    assert any("dtemplates_k error" in f for f in flash_rule_failures("ot", torch.bfloat16, 1.0, triples))
 
 
 
@@ -575,21 +608,9 @@ def test_layer_under_bf16_autocast_matches_float32(backend):
     dev = KERNEL_DEVICE if backend == "triton" else "cpu"
     layer = _ot_layer(backend, device=dev)
     x, t = torch.randn(2, 9, 16, device=dev), torch.randn(2, 4, 16, device=dev)
-
-    def run(module, autocast, dtype=torch.float32):
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
-            out = module(x.to(dtype), templates=t.to(dtype))
-        return out, torch.autograd.grad(out.to(dtype).square().sum(), list(module.parameters()))
-
-    reference = copy.deepcopy(layer)
-    reference.backend = "reference"
-    low, low_g = run(reference, True)
-    want, want_g = run(reference.double(), False, torch.float64)
-    got, got_g = run(layer, True)
-    assert got.dtype == torch.bfloat16
-    names = [n for n, _ in layer.named_parameters()]
-    assert_flash_rule(f"ot layer {backend}", torch.bfloat16, 1.0,
-                      [("out", got, low, want)] + list(zip(names, got_g, low_g, want_g)))
+    triples = autocast_triples(layer, (x,), dict(templates=t), device=dev)
+    assert triples[0][1].dtype == torch.bfloat16
+    assert_flash_rule(f"ot layer {backend}", torch.bfloat16, 1.0, triples)
 
 
 def _compiled_equals_eager(module, *inputs, tol=1e-5, backend="aot_eager"):

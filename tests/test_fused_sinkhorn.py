@@ -18,6 +18,7 @@ from attnzoo.ops import dispatch
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
 from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
                           needs_kernels, needs_triton, padding_mask, qkv, seeded)
+from tests.flash_rule import LOW_PRECISION, assert_flash_rule, autocast_triples, reference_or_rounded, scale_grad
 from tests.memory_probe import LargestAllocation
 
 if HAVE_TRITON:
@@ -96,9 +97,21 @@ def make_mask(kind, B, nq, nk, gen):
 
 
 def case(name, nq=7, nk=9, mask=None, causal=False, n_iters=3, eps=1.0, cost="l2", dtype=torch.float32,
-         B=2, H=2, D=5, DV=3, big=1.0):
+         B=2, H=2, D=5, DV=3, big=1.0, marks=()):
     return pytest.param(dict(nq=nq, nk=nk, mask=mask, causal=causal, n_iters=n_iters, eps=eps, cost=cost,
-                             dtype=dtype, B=B, H=H, D=D, DV=DV, big=big), id=name)
+                             dtype=dtype, B=B, H=H, D=D, DV=DV, big=big), id=name, marks=marks)
+
+
+# Issue 23: the old 20% gradient tolerance hid this. The kernels round the plan tile P and the logit
+# adjoint dL to the input dtype before each tile product (tensor-core operands); at eps = 0.05 the
+# logits are ~45 and dq, dk are sums of large terms that cancel, so that rounding costs bf16 dq 2.2%
+# and dk 3.6% of their scale: 4.9x and 14x the reference backend's error on the same inputs (fp16:
+# 7.8x and 8.7x). At eps = 1 the ratios stay under 2.3 and within the rule. Strict: the cases pass
+# once the kernels are fixed. (Measured with the interpreter rounding to bf16 as a GPU does,
+# tests/interpreter_rounding.py.)
+TRITON_HALF_SMALL_EPS = pytest.mark.xfail(strict=True, reason=(
+    "Triton Sinkhorn, eps=0.05, dot cost: dq / dk error 4.9x / 14x the reference's in bf16, 7.8x / 8.7x "
+    "in fp16 (FlashAttention's rule allows 2x): P and dL are rounded to the input dtype before the tile products"))
 
 
 CPU_CASES = [
@@ -124,15 +137,19 @@ TRITON_CASES = [
     case("t-f32-float-mask-cross", nq=17, nk=5, mask="float", cost="dot", H=1),
     case("t-f32-pad-odd", nq=19, nk=23, mask="pad", D=20, DV=17, H=1),
     case("t-f32-eps0.05", eps=0.05, H=1),
-    case("t-bf16-eps0.05-dot", eps=0.05, cost="dot", dtype=torch.bfloat16, H=1),
+    case("t-bf16-eps0.05-dot", eps=0.05, cost="dot", dtype=torch.bfloat16, H=1, marks=TRITON_HALF_SMALL_EPS),
+    case("t-bf16-pad", mask="pad", dtype=torch.bfloat16, H=1),
+    case("t-f16-eps0.05-dot", eps=0.05, cost="dot", dtype=torch.float16, H=1, marks=TRITON_HALF_SMALL_EPS),
     case("t-f16-bool", mask="bool", dtype=torch.float16, H=1),
     case("t-f32-causal", nq=3, nk=4, B=1, causal=True, H=1),
     case("t-f32-query-mask-dot", nq=18, nk=7, mask="query", cost="dot", H=1),
     # logits in the hundreds: reduced potentials and the one-exponential adjoint terms far from 1
     case("t-f32-eps0.05-big-iters1", nq=19, nk=23, eps=0.05, big=2.0, n_iters=1, H=1),
 ]
-# tolerance on max|err| / max|expected| per input dtype (outputs are returned in the input dtype)
-TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+# float64 / float32: tolerance on max|err| / max|expected| (x5 for the gradients). bf16 / fp16 inputs get
+# FlashAttention's rule instead (tests/flash_rule.py): at most ~2x the error of the reference backend
+# on the same half inputs, a bar a 5% error of the output or of any gradient cannot pass.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
 
 
 def make_inputs(c, seed=0):
@@ -160,12 +177,22 @@ def check_against_math(c, run):
     got = run(q, k, v, attn_mask=attn_mask, is_causal=c["causal"], **kw)
     assert got.dtype == q.dtype and got.shape == want.shape
     got_grads = torch.autograd.grad((got.double() * w).sum(), (q, k, v))
-    tol = TOL[c["dtype"]]
     assert torch.isfinite(got).all() and all(torch.isfinite(g).all() for g in got_grads)
-    assert rel_err(got, want) < tol, ("out", rel_err(got, want))
-    for name, g, gw in zip("qkv", got_grads, want_grads):
+    for g in got_grads:
         assert g.dtype == c["dtype"]
-        assert rel_err(g, gw) < tol * 5, (f"d{name}", rel_err(g, gw))
+    if c["dtype"] in LOW_PRECISION:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        low = AF.sinkhorn(*leaves, attn_mask=attn_mask, is_causal=c["causal"], backend="reference", **kw)
+        low_grads = torch.autograd.grad((low.double() * w).sum(), leaves)
+        got_all, want_all = (got,) + got_grads, (want,) + want_grads
+        assert_flash_rule(f"sinkhorn {c['cost']} eps={c['eps']} mask={c['mask']}", c["dtype"], 1.0,
+                          zip(("out", "dq", "dk", "dv"), got_all,
+                              reference_or_rounded(got_all, (low,) + low_grads, want_all, c["dtype"]), want_all))
+    else:
+        tol = TOL[c["dtype"]]
+        assert rel_err(got, want) < tol, ("out", rel_err(got, want))
+        for name, g, gw in zip("qkv", got_grads, want_grads):
+            assert rel_err(g, gw) < tol * 5, (f"d{name}", rel_err(g, gw))
     if c["mask"] in ("bool", "query"):  # query 0 sees no key: a zero row, and no gradient flows from it
         assert (got[..., 0, :] == 0).all()
 
@@ -207,6 +234,46 @@ def test_triton_matches_math(c):
         return out.cpu()
 
     check_against_math(c, run)
+
+
+# ---------------------------------------------------------------- the half-precision checks can fail
+def _perturbed(run, what, factor):
+    """``run`` with its output, or the gradient of one input (dq, dk, dv), scaled by ``factor``."""
+    def go(q, k, v, **kw):
+        if what == "out":
+            return run(q, k, v, **kw) * factor
+        q, k, v = (scale_grad(t, factor) if what == f"d{n}" else t for n, t in zip("qkv", (q, k, v)))
+        return run(q, k, v, **kw)
+    return go
+
+
+def _cpu_run(*a, **kw):
+    return sk_cpu.sinkhorn_attention(*a, block_q=4, block_k=4, **kw)
+
+
+def _triton_run(q, k, v, attn_mask=None, **kw):
+    dev = KERNEL_DEVICE
+    return AF.sinkhorn(q.to(dev), k.to(dev), v.to(dev), attn_mask=None if attn_mask is None else attn_mask.to(dev),
+                       backend="triton", **kw).cpu()
+
+
+_BY_ID = {p.id: p.values[0] for p in CPU_CASES + TRITON_CASES}
+MUTATIONS = [  # (engine, case, what is scaled, factor): issue 23's 15% dq error, and 5% of each of the rest
+    ("cpu", "bf16-eps0.05", "dq", 0.85), ("cpu", "bf16-eps0.05", "dq", 0.95), ("cpu", "bf16-pad", "dk", 0.95),
+    ("cpu", "bf16-pad", "dv", 1.05), ("cpu", "bf16-eps0.05", "out", 0.95),
+]
+if INTERPRET or HAVE_TRITON and KERNEL_DEVICE == "cuda":
+    MUTATIONS += [("triton", "t-bf16-pad", "dq", 0.95), ("triton", "t-f16-bool", "dk", 0.95),
+                  ("triton", "t-f16-bool", "out", 1.05)]
+
+
+@pytest.mark.parametrize("engine,case_id,what,factor", MUTATIONS, ids=lambda x: str(x))
+def test_half_precision_check_sees_a_scaled_output_or_gradient(engine, case_id, what, factor):
+    """The bf16 / fp16 cases above fail when one output or gradient is off by 5% (issue 23: a 20%
+    tolerance let dq * 0.85 pass); the unperturbed run passes (test_*_matches_math)."""
+    run = _perturbed(_cpu_run if engine == "cpu" else _triton_run, what, factor)
+    with pytest.raises(AssertionError, match=f"{what} error"):
+        check_against_math(_BY_ID[case_id], run)
 
 
 # ---------------------------------------------------------------- properties
@@ -334,20 +401,26 @@ if INTERPRET:
 @pytest.mark.parametrize("cost", ["l2", "dot"])
 def test_eps_0_05_with_large_logits_stays_finite(fn, dtype, cost):
     """|L| in the thousands (exp would overflow outside the log domain), a fully masked row and a
-    fully masked key: finite output and gradients, zero row where no key takes part, rows sum to 1."""
+    fully masked key: finite output and gradients, zero row where no key takes part, and the plan
+    itself (v = I) within FlashAttention's rule of the float64 plan (bf16: at most ~2x the reference
+    backend's error on the same inputs). The float64 gradients of this saturated plan are ~1e-14 (and
+    NaN through the formula's masked row for l2): only their finiteness is checked."""
     q, k, _ = qkv(1, 2, 5, 7, 8, generator=seeded(4))
     q, k = (t.mul(6).to(dtype).requires_grad_() for t in (q, k))
     keep = torch.ones(1, 1, 5, 7, dtype=torch.bool)
     keep[..., 2, :] = False
     keep[..., :, 4] = False
     v = torch.eye(7, dtype=dtype)[None, None].expand(1, 2, 7, 7).clone().requires_grad_()
-    P = fn(q, k, v, attn_mask=keep, scale=1.0, eps=0.05, cost=cost, n_iters=3)
+    kw = dict(attn_mask=keep, scale=1.0, eps=0.05, cost=cost, n_iters=3)
+    P = fn(q, k, v, **kw)
     P.float().pow(2).sum().backward()
     assert torch.isfinite(P).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert (P[..., 2, :] == 0).all() and (P[..., 4] == 0).all()
-    rows = P.float().sum(-1)
-    rows[..., 2] += 1
-    assert torch.allclose(rows, torch.ones_like(rows), atol=2e-2)
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    want = math_sinkhorn(q64, k64, v64, keep, None, causal=False, **{n: kw[n] for n in ("scale", "eps", "cost", "n_iters")})
+    low = AF.sinkhorn(q.detach(), k.detach(), v.detach(), backend="reference", **kw)
+    logits = (k64.unsqueeze(-3) - q64.unsqueeze(-2)).square().sum(-1) / 0.1 if cost == "l2" else q64 @ k64.mT / 0.05
+    assert_flash_rule(f"sinkhorn |L| ~ 1e3 {cost}", dtype, float(logits.abs().max()), [("out (the plan)", P, low, want)])
 
 
 @needs_triton
@@ -386,7 +459,6 @@ GPU_SHAPES = {  # (B, H, Nq, Nk, D, Dv, cost, mask)
 
 def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="cuda"):
     from attnzoo.ops.sinkhorn import reference
-    from tests.flash_rule import assert_flash_rule
     B, H, nq, nk, D, DV, cost, mask_kind = shape
     gen = seeded(7)
     q, k, v = qkv(B, H, nq, nk, D, DV, generator=gen)
@@ -449,20 +521,24 @@ def test_gpu_implicit_gradient_matches_unrolled_near_the_fixed_point():
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
 def test_gpu_layer_compiles_fullgraph(autocast):
     """torch.compile(fullgraph=True) of the layer: the forward and the unrolled backward are custom
-    ops torch.compile traces through; no data-dependent Python on the way (a graph break would fail)."""
+    ops torch.compile traces through; no data-dependent Python on the way (a graph break would fail).
+    fp32: compiled equals eager; bf16 autocast: FlashAttention's rule against the float64 layer."""
     import attnzoo
     torch.manual_seed(0)
     layer = attnzoo.SinkhornAttention(64, num_heads=2).cuda()
     layer.backend = "triton"
     x = torch.randn(2, 37, 64, device="cuda", requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True)
+    if autocast:  # the compiled layer by FlashAttention's rule against the float64 layer (tests/flash_rule.py)
+        assert_flash_rule("compiled sinkhorn layer under bf16 autocast", torch.bfloat16, 1.0,
+                          autocast_triples(layer, (x,), device="cuda", tested=compiled))
+        return
     results = []
     for fn in (layer, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = fn(x)
+        out = fn(x)
         grads = torch.autograd.grad(out.float().square().sum(), [x] + list(layer.parameters()))
         results.append((out.float(), grads))
-    tol = 3e-2 if autocast else 2e-4
+    tol = 2e-4
     (out_e, g_e), (out_c, g_c) = results
     assert (out_e - out_c).abs().max() <= tol * max(1.0, float(out_e.abs().max()))
     for a, b in zip(g_e, g_c):

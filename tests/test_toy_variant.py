@@ -24,6 +24,7 @@ from torch import nn
 import attnzoo
 from attnzoo.cli import main as cli_main
 
+from .flash_rule import assert_flash_rule, flash_rule_failures, rounded, scale_grad
 from .train_helpers import no_system_datasets, tiny_config  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,9 +220,33 @@ def test_functional_option_default_and_errors():
         fn(q, k, v, temperature=2.0)
     with pytest.raises(ValueError, match="attn_mask"):
         fn(q, k, v, attn_mask=torch.full((NQ, NK), math.nan))
-    half = fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), tau=2.0)
-    assert half.dtype == torch.bfloat16
-    assert max_diff(half, expected_cosine(q, k, v, 2.0)) < 3e-2
+
+
+def _bf16_triples(perturb=None):
+    """(name, the variant on bf16 inputs, the float64 result stored in bf16, the float64 formula on the
+    same inputs) for the output and dq, dk, dv. The variant's only backend is its reference, so the bar
+    is the rounding of the exact result (FlashAttention's rule with the reference as the tested path)."""
+    q, k, v = (t.bfloat16() for t in (rand(1, 2, NQ, D, seed=1), rand(1, 2, NK, D, seed=2), rand(1, 2, NK, D, seed=3)))
+    cot = rand(1, 2, NQ, D, seed=4).double()
+    fn = attnzoo.functional.VARIANT_FUNCTIONS[NAME]
+
+    def run(call, dtype, tested=False):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = call(*(perturb(*leaves) if tested and perturb else leaves))
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves))
+
+    want = run(lambda q, k, v: expected_cosine(q, k, v, 2.0, KEY_MASK), torch.float64)
+    got = run(lambda q, k, v: fn(q, k, v, attn_mask=KEY_MASK, tau=2.0), torch.bfloat16, tested=True)
+    return list(zip(("out", "dq", "dk", "dv"), got, [rounded(w, torch.bfloat16) for w in want], want))
+
+
+def test_functional_bf16_meets_the_flash_rule():
+    triples = _bf16_triples()
+    assert triples[0][1].dtype == torch.bfloat16
+    assert_flash_rule(NAME, torch.bfloat16, 2.0, triples)
+    # and the check sees a gradient 5% off
+    wrong = _bf16_triples(lambda q, k, v: (q, scale_grad(k, 0.95), v))
+    assert any("dk error" in f for f in flash_rule_failures(NAME, torch.bfloat16, 2.0, wrong))
 
 
 def test_functional_gradients():

@@ -23,7 +23,7 @@ from attnzoo.ops.fenchel.t5 import t5_bias_attention
 from attnzoo.ops.kernels.flash_softmax import triton as fused
 from attnzoo.ops.triton_dropout import draw_seed, dropout_keep_mask
 from tests.common import INTERPRET, bool_mask, leaves, needs_gpu, needs_interpreter, needs_kernels, padding_mask, qkv
-from tests.flash_rule import assert_flash_rule, max_error
+from tests.flash_rule import assert_flash_rule, max_error, yardstick_dtype
 from tests.formulas import t5_bucket
 
 NUM_BUCKETS, MAX_DISTANCE = 8, 20
@@ -182,8 +182,10 @@ def check_case(case: Case, device, dtype):
         assert torch.isfinite(t).all(), f"{case.name}: {name} has NaN/Inf"
     ref, leaves = dropped_attention(case, inp, keep, case.p)
     ref_grads = torch.autograd.grad(ref, [leaves[n] for n in names], grad_out.double())
-    low, low_leaves = dropped_attention(case, inp, keep, case.p, dtype)
-    low_grads = torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out)
+    # the same math as the eager reference runs it for `dtype` (fp32 for bf16 / fp16), stored in `dtype`
+    low, low_leaves = dropped_attention(case, inp, keep, case.p, yardstick_dtype(dtype))
+    low_grads = [g.to(dtype) for g in torch.autograd.grad(low, [low_leaves[n] for n in names], grad_out.to(low.dtype))]
+    low = low.to(dtype)
     assert_flash_rule(case.name, dtype, 1.0, [("out", out, low, ref)] + list(zip(names, grads, low_grads, ref_grads)))
     if case.mask == "bool":  # row 3 has no key: exact zeros (its gradients: finite and the formula's, above)
         assert (out.detach()[:, :, 3] == 0).all()

@@ -19,7 +19,7 @@ import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops import triton_tuning as tuning
 from tests.common import needs_gpu, qkv
-from tests.flash_rule import assert_flash_rule, max_error
+from tests.flash_rule import assert_flash_rule, autocast_triples, max_error
 
 from tests import pointwise_cases, softmax_family_cases
 
@@ -58,7 +58,9 @@ def _check_against_float64(label, fn, q, k, v, **kw):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", softmax_family_cases.CASES, ids=lambda c: c.name)
-def test_softmax_family_on_gpu(case, dtype):
+def test_softmax_family_on_gpu(case, dtype, request):
+    if (case.name, dtype) in softmax_family_cases.KNOWN_FAILURES:  # measured under the interpreter only
+        request.applymarker(pytest.mark.xfail(reason=softmax_family_cases.KNOWN_FAILURES[case.name, dtype]))
     softmax_family_cases.check_case(case, device="cuda", dtype=dtype)
 
 
@@ -70,14 +72,12 @@ def test_pointwise_on_gpu(case, dtype):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_head_dims_and_long_sequences(head_dim):
-    """FlashAttention-sized tiles (64 x 64) with partial blocks, in bf16, against the fp32 reference."""
-    q, k, v = (torch.randn(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16) for n in (333, 517, 517))
+    """FlashAttention-sized tiles (64 x 64) with partial blocks, in bf16: the output and dq, dk, dv by
+    FlashAttention's rule against float64."""
+    q, k, v = _leaves((2, 4, 333, head_dim), (2, 4, 517, head_dim), torch.bfloat16, seed=2)
     for variant in ("softmax", "l2", "sigmoid", "relu"):
-        fn = getattr(attnzoo.functional, variant)
-        got = fn(q, k, v, is_causal=True, backend="triton").float()
-        want = fn(q.float(), k.float(), v.float(), is_causal=True, backend="reference")
-        low = fn(q, k, v, is_causal=True, backend="reference").float()
-        assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-2, variant
+        _check_against_float64(f"{variant} D={head_dim}", getattr(attnzoo.functional, variant), q, k, v,
+                               is_causal=True)
 
 
 LAYERS = {
@@ -104,13 +104,16 @@ def test_layers_compile_without_graph_breaks(name, autocast, monkeypatch):
         torch.nn.init.normal_(layer.relative_bias.weight)
     x = torch.randn(2, 37, 64, device="cuda", requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True)  # fullgraph: a graph break is an error
+    if autocast:  # the compiled layer by FlashAttention's rule against the float64 layer (tests/flash_rule.py)
+        assert_flash_rule(f"compiled {name} under bf16 autocast", torch.bfloat16, 1.0,
+                          autocast_triples(layer, (x,), dict(is_causal=True), device="cuda", tested=compiled))
+        return
     results = []
     for fn in (layer, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = fn(x, is_causal=True)
+        out = fn(x, is_causal=True)
         grads = torch.autograd.grad(out.float().square().sum(), [x] + [p for p in layer.parameters()])
         results.append((out.float(), grads))
-    tol = 3e-2 if autocast else 2e-4
+    tol = 2e-4
     (out_e, g_e), (out_c, g_c) = results
     assert (out_e - out_c).abs().max() <= tol * max(1.0, float(out_e.abs().max()))
     for a, b in zip(g_e, g_c):

@@ -17,7 +17,8 @@ from attnzoo.ops.fenchel.t5 import t5_bias_attention
 from attnzoo.ops.kernels.flash_softmax import triton as fused
 from tests.common import INTERPRET, needs_interpreter, qkv
 from tests.flash_rule import max_error
-from tests.softmax_family_cases import BY_NAME, CASES, LOW_PRECISION, MAX_DISTANCE, NUM_BUCKETS, check_case
+from tests.softmax_family_cases import (BY_NAME, CASES, KNOWN_FAILURES, LOW_PRECISION, MAX_DISTANCE, NUM_BUCKETS,
+                                        check_case)
 
 
 @needs_interpreter
@@ -28,7 +29,9 @@ def test_forward_and_gradients_fp32(case):
 
 @needs_interpreter
 @pytest.mark.parametrize("name,dtype", LOW_PRECISION, ids=lambda x: str(x).replace("torch.", ""))
-def test_low_precision_flash_rule(name, dtype):
+def test_low_precision_flash_rule(name, dtype, request):
+    if (name, dtype) in KNOWN_FAILURES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name, dtype]))
     check_case(BY_NAME[name], dtype=dtype)
 
 
