@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from . import validate
+
 
 def causal_keep(nq: int, nk: int, device=None) -> torch.Tensor:
     """Bool (nq, nk): key j takes part for query i when j <= i + (nk - nq).
@@ -95,11 +97,12 @@ def propagate_query_nan(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """out with NaN in every row whose query q_i holds a NaN: for kernels that would hide it (SDPA's
     fused CPU kernel returns a zero row there, its running max skipping NaN scores).
 
-    On CPU in eager mode one sum over q says whether any NaN can be there (a NaN, or +inf and -inf
-    together, make the sum NaN; reading a CPU scalar is no device sync) and the common case returns
+    On the devices whose values attnzoo may read on the host (``validate.VALUE_CHECK_DEVICES``: CPU,
+    where reading a scalar is no device sync) and in eager mode, one sum over q says whether any NaN
+    can be there (a NaN, or +inf and -inf together, make the sum NaN) and the common case returns
     ``out`` untouched, adding no operation to the backward. Otherwise (CUDA, where reading the sum
     would be a host sync, or while torch.compile traces) the rows are filled without a branch."""
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+    if q.device.type in validate.VALUE_CHECK_DEVICES and not torch.compiler.is_compiling():
         if not math.isnan(q.detach().sum()):
             return out
     return out.masked_fill(torch.isnan(q).any(-1, keepdim=True), math.nan)
