@@ -19,15 +19,15 @@ Gradients (g_i = dL/dout_i; c_i = dL/dden_i = -r_i g_i . out_i, 0 for the identi
     dL/dm_j = fk_j . dL/dfk_j                       (float mask: dw_j / dm_j = w_j; shift is a constant)
 
 Kernels, each a 1-D grid over batch x head x (tiles):
-- ``_kv_state_kernel``: S, z (and n) of one key split and one BK-row tile of S, a reduction over key
+- ``_keys_state_kernel``: S, z (and n) of one key split and one BK-row tile of S, a reduction over key
   chunks (tensor-core products of input-dtype fk and v, fp32 sums); a float mask's shift is found first
   (one pass over the head's mask row) and stored;
 - ``_sum_splits_kernel``: the sum of the splits' partial states (launched only with several splits);
-- ``_output_kernel``: out = r S^T fq over query chunks, S read once per program (fp32 operands: TF32 on
+- ``_queries_output_kernel``: out = r S^T fq over query chunks, S read once per program (fp32 operands: TF32 on
   the tensor cores for half inputs, so S never takes fp16's range), r kept for the backward;
-- ``_dstate_kernel``: dS, dz (a reduction over query chunks, as ``_kv_state_kernel``) and, in the same
+- ``_queries_grad_kernel``: dS, dz (a reduction over query chunks, as ``_keys_state_kernel``) and, in the same
   pass, dq from S and z: the chunk's q, dO and out are read once;
-- ``_dkv_kernel``: dk, dv (and the float mask's gradient) per key chunk from dS and dz.
+- ``_keys_grad_kernel``: dk, dv (and the float mask's gradient) per key chunk from dS and dz.
 
 Masked keys take part in nothing: their fk and v are zeroed with where (not multiplied), so a NaN in a
 masked key's k or v stays out of the sums, as in the reference's masked_fill. Accumulators are fp32
@@ -125,7 +125,7 @@ if HAVE_TRITON:
         return shift
 
     @triton.jit
-    def _kv_state_kernel(K, V, M, SHIFT, PART, NK, D, DV, H, n_splits, split_rows, width,
+    def _keys_state_kernel(K, V, M, SHIFT, PART, NK, D, DV, H, n_splits, split_rows, width,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          stride_mb, stride_mh, stride_mn,
                          BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
@@ -196,7 +196,7 @@ if HAVE_TRITON:
         return acc, den
 
     @triton.jit
-    def _output_kernel(Q, STATE, SHIFT, O, RDEN, NQ, NK, D, DV, H, scale, block_rows, width,
+    def _queries_output_kernel(Q, STATE, SHIFT, O, RDEN, NQ, NK, D, DV, H, scale, block_rows, width,
                        stride_qb, stride_qh, stride_qn,
                        BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
@@ -245,7 +245,7 @@ if HAVE_TRITON:
                      mask=valid[:, None] & (rv[None, :] < DV))
 
     @triton.jit
-    def _dstate_kernel(Q, DO, O, RDEN, STATE, SHIFT, PART, DQ, NQ, NK, D, DV, H, scale, n_splits, split_rows,
+    def _queries_grad_kernel(Q, DO, O, RDEN, STATE, SHIFT, PART, DQ, NQ, NK, D, DV, H, scale, n_splits, split_rows,
                        width, stride_qb, stride_qh, stride_qn,
                        BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
@@ -324,7 +324,7 @@ if HAVE_TRITON:
         return dv_acc, dm
 
     @triton.jit
-    def _dkv_kernel(K, V, M, SHIFT, DSTATE, DK, DV_OUT, DM, NK, D, DV, H, block_rows, width,
+    def _keys_grad_kernel(K, V, M, SHIFT, DSTATE, DK, DV_OUT, DM, NK, D, DV, H, block_rows, width,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_mb, stride_mh, stride_mn,
                     BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,

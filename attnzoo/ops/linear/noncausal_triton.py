@@ -9,12 +9,12 @@ sum in fp32: no fp32 copies of the inputs, no (N, D, Dv) or N x N tensor; what t
 the backward is S, z (D x Dv + D floats per head) and r_i (one float per query).
 
 Launches (forward; backward):
-- ``_kv_state_kernel`` reduces the keys, split into ``n_splits`` ranges when batch x heads alone would
+- ``_keys_state_kernel`` reduces the keys, split into ``n_splits`` ranges when batch x heads alone would
   leave most SMs idle (B*H = 128 at N = 4096 fills an H100's 132 SMs once, B*H = 16 at N = 16384 an
   eighth of them); ``_sum_splits_kernel`` adds the splits' partial states (only when there are several);
-  ``_output_kernel`` writes out;
-- ``_dstate_kernel`` reduces dS, dz over the queries (split likewise) and writes dq in the same pass;
-  ``_sum_splits_kernel`` again when split; ``_dkv_kernel`` writes dk, dv (and the float mask's gradient).
+  ``_queries_output_kernel`` writes out;
+- ``_queries_grad_kernel`` reduces dS, dz over the queries (split likewise) and writes dq in the same pass;
+  ``_sum_splits_kernel`` again when split; ``_keys_grad_kernel`` writes dk, dv (and the float mask's gradient).
 So 2 launches forward and 2 backward when unsplit, 3 and 3 when split.
 
 Forward and backward are the torch custom ops ``attnzoo::linear_noncausal_fwd`` / ``_bwd``
@@ -114,7 +114,7 @@ def _width(d, dv, normalised, count):
 
 
 def _reduce(kernel, args, consts, bh, d, width, rows_total, rows, cfg, acc, device):
-    """Launch a split reduction (``_kv_state_kernel`` or ``_dstate_kernel``) and, with several splits,
+    """Launch a split reduction (``_keys_state_kernel`` or ``_queries_grad_kernel``) and, with several splits,
     ``_sum_splits_kernel``: the (B * H, width) result."""
     n_k = triton.cdiv(d, cfg["BK"])
     n_splits, split_rows = _splits(rows_total, bh * n_k, rows)
@@ -154,7 +154,7 @@ if HAVE_TRITON:
         shift_arg = shift if mask_kind == MASK_FLOAT else stand_in(q, acc)
         rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):   # launch on q's GPU, not the current one
-            state = _reduce(nk._kv_state_kernel,
+            state = _reduce(nk._keys_state_kernel,
                             lambda part: (k, v, m, shift_arg, part, NK, D, DV, H),
                             (*bhn(k), *bhn(v), *mask_strides), B * H, D, width, NK, rows, {
                                 **cfg["state"], "BLOCK_N": rows, "FEATURE": feature, "NORMALISED": normalised,
@@ -162,7 +162,7 @@ if HAVE_TRITON:
             c = cfg["output"]
             single_k = D <= c["BK"]
             block_rows = _block_rows(NQ, B * H, rows, single_k)
-            launcher(nk._output_kernel)[(B * H * triton.cdiv(NQ, block_rows),)](
+            launcher(nk._queries_output_kernel)[(B * H * triton.cdiv(NQ, block_rows),)](
                 q, state, shift_arg, out, rden if normalised else stand_in(q, acc), NQ, NK, D, DV, H, scale,
                 block_rows, width, *bhn(q), BLOCK_M=rows, FEATURE=feature, NORMALISED=normalised,
                 MASK_KIND=mask_kind, COUNT=count, SINGLE_K=single_k, **fl, **c)
@@ -193,7 +193,7 @@ if HAVE_TRITON:
         rden_arg = rden if normalised else stand_in(q, acc)
         rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):
-            dstate = _reduce(nk._dstate_kernel,
+            dstate = _reduce(nk._queries_grad_kernel,
                              lambda part: (q, do, out if normalised else do, rden_arg, state, shift_arg, part, dq,
                                            NQ, NK, D, DV, H, scale),
                              bhn(q), B * H, D, width, NQ, rows, {
@@ -203,7 +203,7 @@ if HAVE_TRITON:
             c = cfg["dkv"]
             single_k = D <= c["BK"]
             block_rows = _block_rows(NK, B * H, rows, single_k)
-            launcher(nk._dkv_kernel)[(B * H * triton.cdiv(NK, block_rows),)](
+            launcher(nk._keys_grad_kernel)[(B * H * triton.cdiv(NK, block_rows),)](
                 k, v, m, shift_arg, dstate, dk, dv, dmask if mask_grad else stand_in(q, acc), NK, D, DV, H,
                 block_rows, width, *bhn(k), *bhn(v), *mask_strides, BLOCK_N=rows, FEATURE=feature,
                 NORMALISED=normalised, MASK_KIND=mask_kind, MASK_GRAD=mask_grad, SINGLE_K=single_k, **fl, **c)
