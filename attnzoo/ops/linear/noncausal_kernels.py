@@ -21,7 +21,8 @@ Gradients (g_i = dL/dout_i; c_i = dL/dden_i = -r_i g_i . out_i, 0 for the identi
 Kernels, each a 1-D grid over batch x head x (tiles):
 - ``_keys_state_kernel``: S, z (and n) of one key split and one BK-row tile of S, a reduction over key
   chunks (tensor-core products of input-dtype fk and v, fp32 sums); a float mask's shift is found first
-  (one pass over the head's mask row) and stored;
+  (one pass over the head's mask row) and stored after them. A head's state is one flat fp32 row:
+  S (D * Dv), then z (D; normalised) or n (1; identity with a mask), then the shift (1; float mask);
 - ``_sum_splits_kernel``: the sum of the splits' partial states (launched only with several splits);
 - ``_queries_output_kernel``: out = r S^T fq over query chunks, S read once per program (fp32 operands: TF32 on
   the tensor cores for half inputs, so S never takes fp16's range), r kept for the backward;
@@ -117,22 +118,35 @@ if HAVE_TRITON:
         return z
 
     @triton.jit
-    def _load_shift(SHIFT, bh, MASK_KIND: tl.constexpr, FP64: tl.constexpr):
+    def _shift_at(D, DV, NORMALISED: tl.constexpr, COUNT: tl.constexpr):
+        """Where a head's state holds the float mask's shift: after S and z (or n)."""
+        if NORMALISED:
+            at = D * DV + D
+        elif COUNT:
+            at = D * DV + 1
+        else:
+            at = D * DV
+        return at
+
+    @triton.jit
+    def _load_shift(STATE, D, DV, NORMALISED: tl.constexpr, COUNT: tl.constexpr, MASK_KIND: tl.constexpr,
+                    FP64: tl.constexpr):
+        """The float mask's shift from a head's state (0 without one)."""
         if MASK_KIND == 2:
-            shift = _wide(tl.load(SHIFT + bh), FP64)
+            shift = _wide(tl.load(STATE + _shift_at(D, DV, NORMALISED, COUNT)), FP64)
         else:
             shift = _scalar(0.0, FP64)
         return shift
 
     @triton.jit
-    def _keys_state_kernel(K, V, M, SHIFT, PART, NK, D, DV, H, n_splits, split_rows, width,
+    def _keys_state_kernel(K, V, M, PART, NK, D, DV, H, n_splits, split_rows, width,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          stride_mb, stride_mh, stride_mn,
                          BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                          NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
                          FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-        """PART[bh, split] = (S tile rows, z, n) of the keys [split * split_rows, + split_rows);
-        SHIFT[bh] = the float mask's shift (written by the first program of the head)."""
+        """PART[bh, split] = (S tile rows, z or n, shift) of the keys [split * split_rows, + split_rows).
+        The float mask's shift is stored by split 0 and 0 by the others, so the sum of the splits is it."""
         bh, pk, sp = _split_ids(D, n_splits, BK)
         b, h = bh // H, bh % H
         K += b * stride_kb + h * stride_kh
@@ -142,8 +156,6 @@ if HAVE_TRITON:
         shift = _scalar(0.0, FP64)
         if MASK_KIND == 2:
             shift = _mask_shift(M, NK, stride_mn, BLOCK_N, FP64)
-            if (pk == 0) & (sp == 0):
-                tl.store(SHIFT + bh, shift)
         state = _wide(tl.zeros((BK, BV), dtype=tl.float32), FP64)
         zsum = _wide(tl.zeros((BK,), dtype=tl.float32), FP64)
         kept = _wide(tl.zeros((BLOCK_N,), dtype=tl.float32), FP64)
@@ -171,6 +183,9 @@ if HAVE_TRITON:
         if COUNT:
             if pk == 0:
                 tl.store(PART + D * DV, tl.sum(kept, 0))
+        if MASK_KIND == 2:
+            if pk == 0:
+                tl.store(PART + _shift_at(D, DV, NORMALISED, COUNT), tl.where(sp == 0, shift, 0.0))
 
     @triton.jit
     def _sum_splits_kernel(PART, OUT, width, n_splits, BLOCK: tl.constexpr, FP64: tl.constexpr):
@@ -196,7 +211,7 @@ if HAVE_TRITON:
         return acc, den
 
     @triton.jit
-    def _queries_output_kernel(Q, STATE, SHIFT, O, RDEN, NQ, NK, D, DV, H, scale, block_rows, width,
+    def _queries_output_kernel(Q, STATE, O, RDEN, NQ, NK, D, DV, H, scale, block_rows, width,
                        stride_qb, stride_qh, stride_qn,
                        BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
@@ -211,7 +226,7 @@ if HAVE_TRITON:
         O += bh * NQ * DV
         end = tl.minimum(start + block_rows, NQ)
         rv = tl.arange(0, BV)
-        shift = _load_shift(SHIFT, bh, MASK_KIND, FP64)
+        shift = _load_shift(STATE, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
         if NORMALISED:
             eps = _eps(shift, MASK_KIND, FP64)
         else:
@@ -245,8 +260,8 @@ if HAVE_TRITON:
                      mask=valid[:, None] & (rv[None, :] < DV))
 
     @triton.jit
-    def _queries_grad_kernel(Q, DO, O, RDEN, STATE, SHIFT, PART, DQ, NQ, NK, D, DV, H, scale, n_splits, split_rows,
-                       width, stride_qb, stride_qh, stride_qn,
+    def _queries_grad_kernel(Q, DO, O, RDEN, STATE, PART, DQ, NQ, NK, D, DV, H, scale, state_width, n_splits,
+                             split_rows, width, stride_qb, stride_qh, stride_qn,
                        BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
                        WIDE_ROWS: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -261,10 +276,10 @@ if HAVE_TRITON:
         DO += bh * NQ * DV
         O += bh * NQ * DV
         DQ += bh * NQ * D
-        STATE += bh * width
+        STATE += bh * state_width
         rk, rv = pk * BK + tl.arange(0, BK), tl.arange(0, BV)
         state_t = _wide(_load_t(STATE, rk, rv, D, DV, DV), FP64)                        # (BV, BK) = S^T
-        shift = _load_shift(SHIFT, bh, MASK_KIND, FP64)
+        shift = _load_shift(STATE, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
         if NORMALISED:
             z = _wide(tl.load(STATE + D * DV + rk, mask=rk < D, other=0.0), FP64)
         else:
@@ -324,14 +339,15 @@ if HAVE_TRITON:
         return dv_acc, dm
 
     @triton.jit
-    def _keys_grad_kernel(K, V, M, SHIFT, DSTATE, DK, DV_OUT, DM, NK, D, DV, H, block_rows, width,
+    def _keys_grad_kernel(K, V, M, STATE, DSTATE, DK, DV_OUT, DM, NK, D, DV, H, block_rows, state_width, width,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_mb, stride_mh, stride_mn,
                     BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                    NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
+                    NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr, MASK_GRAD: tl.constexpr,
                     SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """dk, dv (B, H, NK, .) and DM (B * H, NK), the float mask's gradient (MASK_GRAD), for
-        ``block_rows`` keys from dS, dz (DSTATE). SINGLE_K: dS is read once, before the row loop."""
+        ``block_rows`` keys from dS, dz (DSTATE; the shift from the forward's STATE). SINGLE_K: dS is read
+        once, before the row loop."""
         bh, start = _block_ids(NK, block_rows)
         b, h = bh // H, bh % H
         K += b * stride_kb + h * stride_kh
@@ -342,7 +358,7 @@ if HAVE_TRITON:
         DV_OUT += bh * NK * DV
         end = tl.minimum(start + block_rows, NK)
         rv = tl.arange(0, BV)
-        shift = _load_shift(SHIFT, bh, MASK_KIND, FP64)
+        shift = _load_shift(STATE + bh * state_width, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
         rk0 = tl.arange(0, BK)
         if SINGLE_K:
             dstate0 = _wide(_load(DSTATE, rk0, rv, D, DV, DV), FP64)

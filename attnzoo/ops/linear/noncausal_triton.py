@@ -108,9 +108,10 @@ def _block_rows(n_rows, bh, rows, single_k):
     return rows * max(1, min(MAX_CHUNKS_PER_PROGRAM, chunks))
 
 
-def _width(d, dv, normalised, count):
-    """Floats per head of a state buffer: S (D * Dv), then z (D, normalised) or n (1, COUNT)."""
-    return d * dv + (d if normalised else (1 if count else 0))
+def _width(d, dv, normalised, count, shift):
+    """Floats per head of a state buffer: S (D * Dv), then z (D, normalised) or n (1, COUNT), then the
+    float mask's shift (1)."""
+    return d * dv + (d if normalised else (1 if count else 0)) + (1 if shift else 0)
 
 
 def _reduce(kernel, args, consts, bh, d, width, rows_total, rows, cfg, acc, device):
@@ -129,33 +130,32 @@ def _reduce(kernel, args, consts, bh, d, width, rows_total, rows, cfg, acc, devi
 
 # The ops. q, k, v: (B, H, N, .) with unit column stride; mask: a key mask as (B, H, Nk) (any strides:
 # broadcasts stay stride-0 views), bool viewed as uint8 (MASK_BOOL) or float (MASK_FLOAT), or None;
-# ``scale`` reaches the kernels as a Python float (inductor types it fp64; the kernels cast it).
+# ``scale`` reaches the kernels as a Python float (inductor types it fp64; the kernels cast it). An
+# absent input or output (mask, r of the identity map, the mask's gradient) is the one uint8 stand-in:
+# its flag compiles its loads and stores out.
 if HAVE_TRITON:
     @kernel_op("attnzoo::linear_noncausal_fwd", mutates_args=())
     def linear_noncausal_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, feature: int,
-                             mask_kind: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(out (B, H, Nq, Dv) in q's dtype, r (B * H, Nq) (normalised maps; else (B * H, 0)), the state
-        (B * H, width): S, then z or n, and shift (B * H,) (float masks; else (0,)), all in the
-        accumulator dtype)."""
+                             mask_kind: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(out (B, H, Nq, Dv) in q's dtype, r (B * H, Nq) (normalised maps; else (B * H, 0)) and the
+        state (B * H, width): S, then z or n, then a float mask's shift, both in the accumulator dtype)."""
         B, H, NQ, D = q.shape
         NK, DV = k.shape[2], v.shape[-1]
         cfg, fl = launch_config(D, DV, q.dtype), flags(q.dtype)
         acc = accumulator_dtype(q.dtype)
         normalised = feature != FEATURE_NONE
         count = not normalised and mask_kind != MASK_NONE
-        width = _width(D, DV, normalised, count)
+        width = _width(D, DV, normalised, count, mask_kind == MASK_FLOAT)
         out = torch.empty(B, H, NQ, DV, dtype=q.dtype, device=q.device)
         rden = torch.empty(B * H, NQ if normalised else 0, dtype=acc, device=q.device)
-        shift = torch.empty(B * H if mask_kind == MASK_FLOAT else 0, dtype=acc, device=q.device)
         if tracing_only(q):
-            return out, rden, torch.empty(B * H, width, dtype=acc, device=q.device), shift
+            return out, rden, torch.empty(B * H, width, dtype=acc, device=q.device)
         m = stand_in(q, torch.uint8) if mask is None else mask
         mask_strides = (0, 0, 0) if mask is None else m.stride()
-        shift_arg = shift if mask_kind == MASK_FLOAT else stand_in(q, acc)
         rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):   # launch on q's GPU, not the current one
             state = _reduce(nk._keys_state_kernel,
-                            lambda part: (k, v, m, shift_arg, part, NK, D, DV, H),
+                            lambda part: (k, v, m, part, NK, D, DV, H),
                             (*bhn(k), *bhn(v), *mask_strides), B * H, D, width, NK, rows, {
                                 **cfg["state"], "BLOCK_N": rows, "FEATURE": feature, "NORMALISED": normalised,
                                 "MASK_KIND": mask_kind, "COUNT": count, **fl}, acc, q.device)
@@ -163,14 +163,14 @@ if HAVE_TRITON:
             single_k = D <= c["BK"]
             block_rows = _block_rows(NQ, B * H, rows, single_k)
             launcher(nk._queries_output_kernel)[(B * H * triton.cdiv(NQ, block_rows),)](
-                q, state, shift_arg, out, rden if normalised else stand_in(q, acc), NQ, NK, D, DV, H, scale,
+                q, state, out, rden if normalised else stand_in(q, torch.uint8), NQ, NK, D, DV, H, scale,
                 block_rows, width, *bhn(q), BLOCK_M=rows, FEATURE=feature, NORMALISED=normalised,
                 MASK_KIND=mask_kind, COUNT=count, SINGLE_K=single_k, **fl, **c)
-        return out, rden, state, shift
+        return out, rden, state
 
     @kernel_op("attnzoo::linear_noncausal_bwd", mutates_args=())
     def linear_noncausal_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
-                             rden: Tensor, state: Tensor, shift: Tensor, scale: float, feature: int, mask_kind: int,
+                             rden: Tensor, state: Tensor, scale: float, feature: int, mask_kind: int,
                              mask_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dmask) for ``do`` (B, H, Nq, Dv) contiguous in q's dtype; dmask (B, H, Nk) in the
         accumulator dtype when ``mask_grad`` (a float mask that needs its gradient), else empty."""
@@ -180,7 +180,8 @@ if HAVE_TRITON:
         acc = accumulator_dtype(q.dtype)
         normalised = feature != FEATURE_NONE
         count = not normalised and mask_kind != MASK_NONE
-        width = _width(D, DV, normalised, count)
+        width = _width(D, DV, normalised, count, mask_kind == MASK_FLOAT)
+        dwidth = _width(D, DV, normalised, False, False)
         dq = torch.empty(B, H, NQ, D, dtype=q.dtype, device=q.device)
         dk = torch.empty(B, H, NK, D, dtype=q.dtype, device=q.device)
         dv = torch.empty(B, H, NK, DV, dtype=q.dtype, device=q.device)
@@ -189,14 +190,13 @@ if HAVE_TRITON:
             return dq, dk, dv, dmask
         m = stand_in(q, torch.uint8) if mask is None else mask
         mask_strides = (0, 0, 0) if mask is None else m.stride()
-        shift_arg = shift if mask_kind == MASK_FLOAT else stand_in(q, acc)
-        rden_arg = rden if normalised else stand_in(q, acc)
+        rden_arg = rden if normalised else stand_in(q, torch.uint8)
         rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):
             dstate = _reduce(nk._queries_grad_kernel,
-                             lambda part: (q, do, out if normalised else do, rden_arg, state, shift_arg, part, dq,
-                                           NQ, NK, D, DV, H, scale),
-                             bhn(q), B * H, D, width, NQ, rows, {
+                             lambda part: (q, do, out if normalised else do, rden_arg, state, part, dq,
+                                           NQ, NK, D, DV, H, scale, width),
+                             bhn(q), B * H, D, dwidth, NQ, rows, {
                                  **cfg["dstate"], "BLOCK_M": rows, "FEATURE": feature, "NORMALISED": normalised,
                                  "MASK_KIND": mask_kind, "COUNT": count, "WIDE_ROWS": q.dtype == torch.float16,
                                  **fl}, acc, q.device)
@@ -204,23 +204,28 @@ if HAVE_TRITON:
             single_k = D <= c["BK"]
             block_rows = _block_rows(NK, B * H, rows, single_k)
             launcher(nk._keys_grad_kernel)[(B * H * triton.cdiv(NK, block_rows),)](
-                k, v, m, shift_arg, dstate, dk, dv, dmask if mask_grad else stand_in(q, acc), NK, D, DV, H,
-                block_rows, width, *bhn(k), *bhn(v), *mask_strides, BLOCK_N=rows, FEATURE=feature,
-                NORMALISED=normalised, MASK_KIND=mask_kind, MASK_GRAD=mask_grad, SINGLE_K=single_k, **fl, **c)
+                k, v, m, state, dstate, dk, dv, dmask if mask_grad else stand_in(q, torch.uint8), NK, D, DV, H,
+                block_rows, width, dwidth, *bhn(k), *bhn(v), *mask_strides, BLOCK_N=rows, FEATURE=feature,
+                NORMALISED=normalised, MASK_KIND=mask_kind, COUNT=count, MASK_GRAD=mask_grad, SINGLE_K=single_k,
+                **fl, **c)
         return dq, dk, dv, dmask
 
     def _setup_context(ctx, inputs, output):
         q, k, v, mask, scale, feature, mask_kind = inputs
-        out, rden, state, shift = output
-        ctx.save_for_backward(q, k, v, mask, out, rden, state, shift)
+        out, rden, state = output
+        ctx.save_for_backward(q, k, v, mask, out, rden, state)
         ctx.args = (scale, feature, mask_kind)
 
-    def _backward(ctx, dout, _drden, _dstate, _dshift):
-        q, k, v, mask, out, rden, state, shift = ctx.saved_tensors
+    def _backward(ctx, dout, _drden, _dstate):
+        q, k, v, mask, out, rden, state = ctx.saved_tensors
         scale, feature, mask_kind = ctx.args
         mask_grad = mask_kind == MASK_FLOAT and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = linear_noncausal_bwd(dout.to(q.dtype).contiguous(), q, k, v, mask, out, rden, state,
-                                                 shift, scale, feature, mask_kind, mask_grad)
+        if dout.dtype != q.dtype:   # (a no-op .to() is still an op dispatched per call)
+            dout = dout.to(q.dtype)
+        if not dout.is_contiguous():
+            dout = dout.contiguous()
+        dq, dk, dv, dmask = linear_noncausal_bwd(dout, q, k, v, mask, out, rden, state, scale, feature, mask_kind,
+                                                 mask_grad)
         return dq, dk, dv, (dmask.to(mask.dtype) if mask_grad else None), None, None, None
 
     linear_noncausal_fwd.register_autograd(_backward, setup_context=_setup_context)
