@@ -281,16 +281,6 @@ def test_short_sequences_launch_no_split_sum(monkeypatch):
                                ["_queries_grad_kernel", "_keys_grad_kernel"])
 
 
-def test_launch_config_tiles_fit_the_reasoning():
-    # the GPU tiles (the interpreter's are 16): BV covers Dv, BK * BV <= 128 x 128 for half inputs
-    from attnzoo.ops.linear import noncausal_triton as nt
-    if INTERPRET:
-        pytest.skip("the interpreter's tiles are fixed at 16")
-    for d, dv, bk, bv in ((64, 64, 64, 64), (128, 128, 128, 128), (256, 255, 64, 256), (24, 17, 32, 32)):
-        cfg = nt.launch_config(d, dv, torch.bfloat16)["state"]
-        assert (cfg["BK"], cfg["BV"]) == (bk, bv), (d, dv, cfg)
-
-
 # --- GPU only: compiled kernels at sizes the interpreter cannot run ---------------------------------------
 
 @pytest.mark.gpu

@@ -71,12 +71,18 @@ if HAVE_TRITON:
         return tl.where(best > float("-inf"), best, 0.0)
 
     @triton.jit
+    def _indicator(cond, FP64: tl.constexpr):
+        """1 where cond, else 0, made in the accumulator dtype (an fp32 one widened to fp64 next to an
+        fp64 dot operand trips Triton's fp64 MMA lowering)."""
+        return tl.where(cond, _scalar(1.0, FP64), _scalar(0.0, FP64))
+
+    @triton.jit
     def _key_weights(M, rows, valid, stride_mn, shift, MASK_KIND: tl.constexpr, FP64: tl.constexpr):
         """(keep, w) of key rows: a bool mask keeps (w = 1), a float one weighs exp(m - shift)."""
         if MASK_KIND == 1:
             m = tl.load(M + rows * stride_mn, mask=valid, other=0)
             keep = valid & (m != 0)
-            w = _wide(tl.where(keep, 1.0, 0.0), FP64)
+            w = _indicator(keep, FP64)
         else:
             m = _wide(tl.load(M + rows * stride_mn, mask=valid, other=float("-inf")), FP64)
             keep = valid & (m > float("-inf"))
@@ -139,6 +145,30 @@ if HAVE_TRITON:
         return shift
 
     @triton.jit
+    def _times_state_t(X, rows, keep, end, stride_xn, STATE, rk, D, DV, BLOCK: tl.constexpr, BK: tl.constexpr,
+                       VC: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """X[rows] S[rk]^T (X: rows of Dv; S: a state's D x Dv) with the product over Dv taken VC columns
+        at a time: exact fp32 / fp64 products run on the CUDA cores, whose dot operands hold all of K
+        in each thread (a 64-wide K spilled), so their K stays small. Rows off ``keep`` read as 0."""
+        acc = _wide(tl.zeros((BLOCK, BK), dtype=tl.float32), FP64)
+        for v0 in range(0, DV, VC):
+            rvc = v0 + tl.arange(0, VC)
+            x = _wide(_load(X, rows, rvc, end, DV, stride_xn), FP64)
+            x = tl.where(keep[:, None], x, 0.0)
+            acc += mm(x, _wide(_load_t(STATE, rk, rvc, D, DV, DV), FP64), UPCAST, PREC)
+        return acc
+
+    @triton.jit
+    def _row_dots(A, B, rows, end, DV, BLOCK: tl.constexpr, VC: tl.constexpr, FP64: tl.constexpr):
+        """A_i . B_i for rows of two contiguous (N, DV) matrices, VC columns at a time."""
+        acc = _wide(tl.zeros((BLOCK,), dtype=tl.float32), FP64)
+        for v0 in range(0, DV, VC):
+            rvc = v0 + tl.arange(0, VC)
+            a = _wide(_load(A, rows, rvc, end, DV, DV), FP64)
+            acc += tl.sum(a * _wide(_load(B, rows, rvc, end, DV, DV), FP64), 1)
+        return acc
+
+    @triton.jit
     def _keys_state_kernel(K, V, M, PART, NK, D, DV, H, n_splits, split_rows, width,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                          stride_mb, stride_mh, stride_mn,
@@ -172,7 +202,7 @@ if HAVE_TRITON:
                 fkt = tl.where(keep[None, :], fkt * w[None, :], 0.0)
                 v = tl.where(keep[:, None], v, tl.zeros_like(v))
                 if COUNT:
-                    kept += tl.where(keep, 1.0, 0.0)
+                    kept += _indicator(keep, FP64)
             state += mm(fkt.to(v.dtype), v, UPCAST, PREC)
             if NORMALISED:
                 zsum += tl.sum(fkt, 1)
@@ -262,13 +292,14 @@ if HAVE_TRITON:
     @triton.jit
     def _queries_grad_kernel(Q, DO, O, RDEN, STATE, PART, DQ, NQ, NK, D, DV, H, scale, state_width, n_splits,
                              split_rows, width, stride_qb, stride_qh, stride_qn,
-                       BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                       NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
-                       WIDE_ROWS: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VC: tl.constexpr,
+                             FEATURE: tl.constexpr, NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr,
+                             COUNT: tl.constexpr, WIDE_ROWS: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr,
+                             PREC: tl.constexpr):
         """PART[bh, split] = (dS tile rows, dz) of the queries [split * split_rows, + split_rows), and dq
         (this program's BK columns) of those queries. dO, out: (B, H, NQ, DV) contiguous. WIDE_ROWS
         (fp16): r phi(q) enters the dS product in fp32 (r reaches 1e6 where the normaliser is ~0,
-        past fp16's range)."""
+        past fp16's range). VC < BV: S g_i and dO_i . out_i are taken VC columns of Dv at a time."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, sp = _split_ids(D, n_splits, BK)
         b, h = bh // H, bh % H
@@ -278,7 +309,8 @@ if HAVE_TRITON:
         DQ += bh * NQ * D
         STATE += bh * state_width
         rk, rv = pk * BK + tl.arange(0, BK), tl.arange(0, BV)
-        state_t = _wide(_load_t(STATE, rk, rv, D, DV, DV), FP64)                        # (BV, BK) = S^T
+        if VC == BV:
+            state_t = _wide(_load_t(STATE, rk, rv, D, DV, DV), FP64)                    # (BV, BK) = S^T
         shift = _load_shift(STATE, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
         if NORMALISED:
             z = _wide(tl.load(STATE + D * DV + rk, mask=rk < D, other=0.0), FP64)
@@ -297,8 +329,11 @@ if HAVE_TRITON:
             g = _load(DO, rows, rv, end, DV, DV)
             if NORMALISED:
                 r = _wide(tl.load(RDEN + bh * NQ + rows, mask=valid, other=0.0), FP64)
-                o = _load(O, rows, rv, end, DV, DV)
-                c = -r * tl.sum(_wide(g, FP64) * _wide(o, FP64), 1)
+                if VC == BV:
+                    dot = tl.sum(_wide(g, FP64) * _wide(_load(O, rows, rv, end, DV, DV), FP64), 1)
+                else:
+                    dot = _row_dots(DO, O, rows, end, DV, BLOCK_M, VC, FP64)
+                c = -r * dot
                 dz += tl.sum(fq * c[:, None], 0)
             else:
                 r = tl.where(valid, rho, 0.0)
@@ -307,7 +342,11 @@ if HAVE_TRITON:
                 dstate += mm(tl.trans(rfq), _wide(g, FP64), UPCAST, PREC)
             else:
                 dstate += mm(tl.trans(rfq.to(g.dtype)), g, UPCAST, PREC)
-            dfq = mm(_wide(g, FP64), state_t, UPCAST, PREC) * r[:, None]
+            if VC == BV:
+                dfq = mm(_wide(g, FP64), state_t, UPCAST, PREC)
+            else:
+                dfq = _times_state_t(DO, rows, valid, end, DV, STATE, rk, D, DV, BLOCK_M, BK, VC, FP64, UPCAST, PREC)
+            dfq = dfq * r[:, None]
             if NORMALISED:
                 dfq += c[:, None] * z[None, :]
             dq = dfq * _feature_slope(q, scale, FEATURE, FP64)
@@ -318,14 +357,20 @@ if HAVE_TRITON:
             tl.store(PART + D * DV + rk, dz, mask=rk < D)
 
     @triton.jit
-    def _dkv_rows(K, DK, rows, rk, end, D, stride_kn, v, keep, w, dstate, dz, dv_acc, dm,
+    def _dkv_rows(K, DK, rows, rk, end, D, DV, stride_kn, V, stride_vn, DSTATE, v, keep, w, dstate, dz, dv_acc,
+                  dm, BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VC: tl.constexpr,
                   FEATURE: tl.constexpr, NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr,
                   MASK_GRAD: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-        """dk of one BK tile of the head dim (stored), its share of dv and of the mask gradient."""
+        """dk of one BK tile of the head dim (stored), its share of dv and of the mask gradient. VC == BV:
+        v is the loaded (masked) value tile; else dS v_j is taken VC columns at a time from V."""
         k = _load(K, rows, rk, end, D, stride_kn)
         in_cols = (rows[:, None] < end) & (rk[None, :] < D)
         fk = _features(k, in_cols, 1.0, FEATURE, FP64)
-        dfk = mm(v, tl.trans(dstate), UPCAST, PREC)                                   # (BLOCK_N, BK)
+        if VC == BV:
+            dfk = mm(v, tl.trans(dstate), UPCAST, PREC)                               # (BLOCK_N, BK)
+        else:
+            dfk = _times_state_t(V, rows, keep, end, stride_vn, DSTATE, rk, D, DV, BLOCK_N, BK, VC, FP64, UPCAST,
+                                 PREC)
         if NORMALISED:
             dfk += dz[None, :]
         dk = dfk * _feature_slope(k, 1.0, FEATURE, FP64)
@@ -342,8 +387,9 @@ if HAVE_TRITON:
     def _keys_grad_kernel(K, V, M, STATE, DSTATE, DK, DV_OUT, DM, NK, D, DV, H, block_rows, state_width, width,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     stride_mb, stride_mh, stride_mn,
-                    BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                    NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr, MASK_GRAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VC: tl.constexpr,
+                    FEATURE: tl.constexpr, NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
+                    MASK_GRAD: tl.constexpr,
                     SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         """dk, dv (B, H, NK, .) and DM (B * H, NK), the float mask's gradient (MASK_GRAD), for
         ``block_rows`` keys from dS, dz (DSTATE; the shift from the forward's STATE). SINGLE_K: dS is read
@@ -366,24 +412,28 @@ if HAVE_TRITON:
         for j0 in range(start, end, BLOCK_N):
             rows = j0 + tl.arange(0, BLOCK_N)
             valid = rows < end
-            v = _wide(_load(V, rows, rv, end, DV, stride_vn), FP64)
             keep = valid
-            w = _wide(tl.where(valid, 1.0, 0.0), FP64)
+            w = _indicator(valid, FP64)
             if MASK_KIND != 0:
                 keep, w = _key_weights(M, rows, valid, stride_mn, shift, MASK_KIND, FP64)
-                v = tl.where(keep[:, None], v, 0.0)
+            if VC == BV:
+                v = tl.where(keep[:, None], _wide(_load(V, rows, rv, end, DV, stride_vn), FP64), 0.0)
+            else:
+                v = _scalar(0.0, FP64)   # read VC columns at a time in _dkv_rows
             dv_acc = _wide(tl.zeros((BLOCK_N, BV), dtype=tl.float32), FP64)
             dm = _wide(tl.zeros((BLOCK_N,), dtype=tl.float32), FP64)
             if SINGLE_K:
-                dv_acc, dm = _dkv_rows(K, DK, rows, rk0, end, D, stride_kn, v, keep, w, dstate0, dz0, dv_acc, dm,
-                                       FEATURE, NORMALISED, MASK_KIND, MASK_GRAD, FP64, UPCAST, PREC)
+                dv_acc, dm = _dkv_rows(K, DK, rows, rk0, end, D, DV, stride_kn, V, stride_vn, DSTATE, v, keep, w,
+                                       dstate0, dz0, dv_acc, dm, BLOCK_N, BK, BV, VC, FEATURE, NORMALISED,
+                                       MASK_KIND, MASK_GRAD, FP64, UPCAST, PREC)
             else:
                 for d0 in range(0, D, BK):
                     rk = d0 + rk0
                     dstate = _wide(_load(DSTATE, rk, rv, D, DV, DV), FP64)
                     dz = _load_z(DSTATE, rk, D, DV, NORMALISED, FP64)
-                    dv_acc, dm = _dkv_rows(K, DK, rows, rk, end, D, stride_kn, v, keep, w, dstate, dz, dv_acc, dm,
-                                           FEATURE, NORMALISED, MASK_KIND, MASK_GRAD, FP64, UPCAST, PREC)
+                    dv_acc, dm = _dkv_rows(K, DK, rows, rk, end, D, DV, stride_kn, V, stride_vn, DSTATE, v, keep, w,
+                                           dstate, dz, dv_acc, dm, BLOCK_N, BK, BV, VC, FEATURE, NORMALISED,
+                                           MASK_KIND, MASK_GRAD, FP64, UPCAST, PREC)
             tl.store(DV_OUT + rows[:, None] * DV + rv[None, :], dv_acc.to(DV_OUT.dtype.element_ty),
                      mask=valid[:, None] & (rv[None, :] < DV))
             if MASK_GRAD:

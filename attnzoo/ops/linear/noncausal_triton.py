@@ -61,30 +61,47 @@ def launch_config(d, dv, dtype):
     benchmarks/compile_triton_kernels.py, compiles exactly these).
 
     - BV covers the whole Dv (the dS pass needs all of dO_i . out_i per row, the output and dk/dv
-      kernels a whole output row); BK tiles D so that a (BK, BV) fp32 state tile stays <= 128 x 128
-      (64 registers a thread at 8 warps): D = Dv = 64 and 128 are one tile, D = Dv = 256 four;
-    - half inputs: 64-row chunks (the reductions' tensor-core products take K = 64), 4 warps for
-      64 x 64 state tiles, 8 above; 3 stages for the streaming reductions, 2 for the rest;
-    - fp32 / fp64 inputs take exact products on the CUDA cores (unless TF32 is allowed), whose operands
-      live in registers: 32-row chunks and BK <= 64 (as the causal kernels, whose 64-wide fp32 tiles
-      spilled).
+      kernels a whole output row); BK tiles D;
+    - half inputs: 64-row chunks (the reductions' tensor-core products take K = 64); BK such that the
+      fp32 tiles a program holds fit: the key reduction's (BK, BV) state <= 128 x 128 (64 registers a
+      thread at 8 warps); the dS pass holds dS and S^T (BK, BV) plus dq, so BK * BV <= 64 x 128 (at
+      128 x 128 it spilled 680 B); the output and dk / dv kernels hold a (64, BV) accumulator and the
+      (BK, BV) state, BK <= 32 at Dv = 256 (64 spilled). D = Dv = 64: one tile everywhere; 128: one
+      tile but in the dS pass (two); 4 warps for 64 x 64 tiles, 8 above; 3 stages for the streaming key
+      reduction, 2 for the rest; VC = BV (products with S^T over all of Dv at once) but in the dS pass at
+      Dv = 256, which takes S g_i 128 columns at a time (a whole widened 64 x 256 dO tile spilled ~3 KB);
+      8 warps for the fp16 dS pass, whose dS product takes fp32 operands (WIDE_ROWS; 4 spilled 164 B);
+    - fp32 / fp64 inputs take exact products on the CUDA cores (unless TF32 is allowed), whose dot
+      operands hold all of K in each thread: every product keeps K <= 32 (32-row chunks; BK 32 for the
+      key reduction, 16 where S or dS is the right operand; VC = 32 columns of Dv at a time for S g_i and
+      dS v_j). With K = 64 the output and dS kernels spilled 8-15 KB (sm_90 build check).
+    - Under the interpreter: 16 everywhere (VC too, so Dv > 16 takes the chunked products).
     """
+    bv = pow2(dv)
     if INTERPRETED:
         t = INTERPRETER_TILE
-        tiles = dict(BK=t, BV=pow2(dv))
-        return {"rows": t, **{name: dict(tiles) for name in ("state", "output", "dstate", "dkv")}}
-    half = dtype in (torch.float16, torch.bfloat16)
-    rows = 64 if half else 32
-    bv = pow2(dv)
-    bk = min(pow2(d), max(16, (16384 if half else 4096) // bv), 128 if half else 64)
-    warps = 4 if bk * bv <= 64 * 64 else 8
-    out_warps = 4 if rows * bv <= 64 * 64 else 8
+        tiles = dict(BK=t, BV=bv)
+        return {"state": dict(tiles, BLOCK_N=t), "output": dict(tiles, BLOCK_M=t),
+                "dstate": dict(tiles, BLOCK_M=t, VC=min(t, bv)), "dkv": dict(tiles, BLOCK_N=t, VC=min(t, bv))}
+    if dtype in (torch.float16, torch.bfloat16):
+        bk = min(pow2(d), max(16, 16384 // bv), 128)
+        bk_grad = min(pow2(d), max(16, 8192 // bv))
+        bk_out = min(pow2(d), 128 if bv <= 128 else 32)
+        out_warps = 4 if bv <= 64 else 8
+        grad_warps = 4 if bk_grad * bv <= 64 * 64 and dtype != torch.float16 else 8
+        return {
+            "state": dict(BLOCK_N=64, BK=bk, BV=bv, num_warps=4 if bk * bv <= 64 * 64 else 8, num_stages=3),
+            "dstate": dict(BLOCK_M=64, BK=bk_grad, BV=bv, VC=min(bv, 128), num_warps=grad_warps, num_stages=2),
+            "output": dict(BLOCK_M=64, BK=bk_out, BV=bv, num_warps=out_warps, num_stages=2),
+            "dkv": dict(BLOCK_N=64, BK=bk_out, BV=bv, VC=bv, num_warps=out_warps, num_stages=2),
+        }
+    narrow = min(pow2(d), 16)
+    warps = 4 if bv <= 64 else 8
     return {
-        "rows": rows,
-        "state": dict(BK=bk, BV=bv, num_warps=warps, num_stages=3 if half else 2),
-        "dstate": dict(BK=bk, BV=bv, num_warps=warps, num_stages=2),
-        "output": dict(BK=bk, BV=bv, num_warps=out_warps, num_stages=2),
-        "dkv": dict(BK=bk, BV=bv, num_warps=out_warps, num_stages=2),
+        "state": dict(BLOCK_N=32, BK=min(pow2(d), 32), BV=bv, num_warps=warps, num_stages=2),
+        "dstate": dict(BLOCK_M=32, BK=narrow, BV=bv, VC=min(bv, 32), num_warps=warps, num_stages=2),
+        "output": dict(BLOCK_M=32, BK=narrow, BV=bv, num_warps=warps, num_stages=2),
+        "dkv": dict(BLOCK_N=32, BK=narrow, BV=bv, VC=min(bv, 32), num_warps=warps, num_stages=2),
     }
 
 
@@ -114,11 +131,11 @@ def _width(d, dv, normalised, count, shift):
     return d * dv + (d if normalised else (1 if count else 0)) + (1 if shift else 0)
 
 
-def _reduce(kernel, args, consts, bh, d, width, rows_total, rows, cfg, acc, device):
+def _reduce(kernel, args, consts, bh, d, width, rows_total, cfg, acc, device):
     """Launch a split reduction (``_keys_state_kernel`` or ``_queries_grad_kernel``) and, with several splits,
     ``_sum_splits_kernel``: the (B * H, width) result."""
     n_k = triton.cdiv(d, cfg["BK"])
-    n_splits, split_rows = _splits(rows_total, bh * n_k, rows)
+    n_splits, split_rows = _splits(rows_total, bh * n_k, cfg.get("BLOCK_N", cfg.get("BLOCK_M")))
     total = torch.empty(bh, width, dtype=acc, device=device)
     part = total if n_splits == 1 else torch.empty(bh, n_splits, width, dtype=acc, device=device)
     launcher(kernel)[(bh * n_k * n_splits,)](*args(part), n_splits, split_rows, width, *consts, **cfg)
@@ -152,19 +169,18 @@ if HAVE_TRITON:
             return out, rden, torch.empty(B * H, width, dtype=acc, device=q.device)
         m = stand_in(q, torch.uint8) if mask is None else mask
         mask_strides = (0, 0, 0) if mask is None else m.stride()
-        rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):   # launch on q's GPU, not the current one
             state = _reduce(nk._keys_state_kernel,
                             lambda part: (k, v, m, part, NK, D, DV, H),
-                            (*bhn(k), *bhn(v), *mask_strides), B * H, D, width, NK, rows, {
-                                **cfg["state"], "BLOCK_N": rows, "FEATURE": feature, "NORMALISED": normalised,
+                            (*bhn(k), *bhn(v), *mask_strides), B * H, D, width, NK, {
+                                **cfg["state"], "FEATURE": feature, "NORMALISED": normalised,
                                 "MASK_KIND": mask_kind, "COUNT": count, **fl}, acc, q.device)
             c = cfg["output"]
             single_k = D <= c["BK"]
-            block_rows = _block_rows(NQ, B * H, rows, single_k)
+            block_rows = _block_rows(NQ, B * H, c["BLOCK_M"], single_k)
             launcher(nk._queries_output_kernel)[(B * H * triton.cdiv(NQ, block_rows),)](
                 q, state, out, rden if normalised else stand_in(q, torch.uint8), NQ, NK, D, DV, H, scale,
-                block_rows, width, *bhn(q), BLOCK_M=rows, FEATURE=feature, NORMALISED=normalised,
+                block_rows, width, *bhn(q), FEATURE=feature, NORMALISED=normalised,
                 MASK_KIND=mask_kind, COUNT=count, SINGLE_K=single_k, **fl, **c)
         return out, rden, state
 
@@ -191,21 +207,20 @@ if HAVE_TRITON:
         m = stand_in(q, torch.uint8) if mask is None else mask
         mask_strides = (0, 0, 0) if mask is None else m.stride()
         rden_arg = rden if normalised else stand_in(q, torch.uint8)
-        rows = cfg["rows"]
         with torch.cuda.device(device_index(q)):
             dstate = _reduce(nk._queries_grad_kernel,
                              lambda part: (q, do, out if normalised else do, rden_arg, state, part, dq,
                                            NQ, NK, D, DV, H, scale, width),
-                             bhn(q), B * H, D, dwidth, NQ, rows, {
-                                 **cfg["dstate"], "BLOCK_M": rows, "FEATURE": feature, "NORMALISED": normalised,
+                             bhn(q), B * H, D, dwidth, NQ, {
+                                 **cfg["dstate"], "FEATURE": feature, "NORMALISED": normalised,
                                  "MASK_KIND": mask_kind, "COUNT": count, "WIDE_ROWS": q.dtype == torch.float16,
                                  **fl}, acc, q.device)
             c = cfg["dkv"]
             single_k = D <= c["BK"]
-            block_rows = _block_rows(NK, B * H, rows, single_k)
+            block_rows = _block_rows(NK, B * H, c["BLOCK_N"], single_k)
             launcher(nk._keys_grad_kernel)[(B * H * triton.cdiv(NK, block_rows),)](
                 k, v, m, state, dstate, dk, dv, dmask if mask_grad else stand_in(q, torch.uint8), NK, D, DV, H,
-                block_rows, width, dwidth, *bhn(k), *bhn(v), *mask_strides, BLOCK_N=rows, FEATURE=feature,
+                block_rows, width, dwidth, *bhn(k), *bhn(v), *mask_strides, FEATURE=feature,
                 NORMALISED=normalised, MASK_KIND=mask_kind, COUNT=count, MASK_GRAD=mask_grad, SINGLE_K=single_k,
                 **fl, **c)
         return dq, dk, dv, dmask
@@ -231,12 +246,17 @@ if HAVE_TRITON:
     linear_noncausal_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _key_mask(attn_mask, B, H, nk):
+def _key_mask(attn_mask, B, H, nk, dtype):
     """(mask as (B, H, Nk) by strides, MASK_KIND) of a key-only mask; bool as its uint8 bytes. A float
-    mask stays a differentiable view of the user's tensor (its gradient flows back through it)."""
+    mask stays a differentiable view of the user's tensor (its gradient flows back through it).
+    fp64 kernels take a bool mask as its float form (0 kept, -inf removed): Triton sizes an MMA operand
+    by the narrowest type it derives from, and its fp64 MMA rejects one derived from 8-bit mask loads."""
     if attn_mask is None:
         return None, MASK_NONE
-    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))[..., 0, :].expand(B, H, nk)
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))[..., 0, :]
+    if m.dtype == torch.bool and dtype == torch.float64:
+        m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+    m = m.expand(B, H, nk)
     if m.dtype == torch.bool:
         return m.view(torch.uint8), MASK_BOOL
     return m, MASK_FLOAT
@@ -248,7 +268,7 @@ def linear_noncausal(q, k, v, attn_mask, scale, feature_map):
     if q.dtype == torch.float64 and scale != 1.0:
         q, scale = q * scale, 1.0          # the kernels take scale as an fp32 scalar
     B, H = q.shape[:2]
-    mask, kind = _key_mask(attn_mask, B, H, k.shape[2])
+    mask, kind = _key_mask(attn_mask, B, H, k.shape[2], q.dtype)
     q, k, v = (unit_columns(t) for t in (q, k, v))
     out, *_ = linear_noncausal_fwd(q, k, v, mask, float(scale), FEATURES[feature_map], kind)
     return out
