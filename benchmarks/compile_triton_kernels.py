@@ -277,6 +277,15 @@ def sinkhorn_calls(dtype_name):
                                                   cost=cost, grad_mode=grad_mode, n_iters=3)
 
 
+def key_mask(kind, dtype, nk, b=2):
+    """None, a key-padding bool mask (B, 1, 1, Nk), or a float one with -inf entries that needs its gradient."""
+    if kind == "key-float":
+        bias = torch.zeros(b, 1, 1, nk, dtype=dtype)
+        bias[..., -2:] = float("-inf")
+        return bias.requires_grad_()
+    return masks(kind, dtype, 1, nk, b)
+
+
 LINEAR_HEAD_DIMS = [(64, 64), (128, 128), (256, 255)]  # (D, Dv): one tile, 128-wide tiles, several and unaligned
 
 
@@ -284,14 +293,21 @@ def linear_calls(dtype_name):
     dtype = TORCH_DTYPES[dtype_name]
     for d, dv in LINEAR_HEAD_DIMS:
         # unmasked: phi, the normaliser (elu) or 1/n_i (identity) in the kernels; a key mask hands them
-        # host features; Nk > Nq hands a prefix state s0, Nk < Nq a query slice. Only causal calls reach
-        # the kernels.
+        # host features; Nk > Nq hands a prefix state s0, Nk < Nq a query slice.
         for feature_map, nq, nk, mask in (("elu", 64, 64, "none"), ("identity", 64, 64, "none"), ("elu", 48, 80, "none"),
                                           ("identity", 48, 80, "bool"), ("elu", 80, 48, "bool")):
             q, k, v = qkv(dtype, nq, nk, d, dv)
             label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} Nq={nq} Nk={nk} mask={mask} causal"
             yield label, lambda: forward_backward(linear_triton.linear_attention_triton, q, k, v, is_causal=True,
                                                   feature_map=feature_map, attn_mask=masks(mask, dtype, nq, nk))
+        # non-causal (ops/linear/noncausal_kernels.py): unmasked; the identity's kept-key count; a float key
+        # mask with its gradient and 2100 keys, so the key reduction is split and summed
+        for feature_map, nq, nk, mask in (("elu", 64, 64, "none"), ("identity", 48, 80, "bool"),
+                                          ("relu", 48, 2100, "key-float")):
+            q, k, v = qkv(dtype, nq, nk, d, dv)
+            label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} Nq={nq} Nk={nk} mask={mask} full"
+            yield label, lambda: forward_backward(linear_triton.linear_attention_triton, q, k, v, is_causal=False,
+                                                  feature_map=feature_map, attn_mask=key_mask(mask, dtype, nk))
 
 
 OT_HEAD_DIMS = (64, 128, 256)  # D shapes the logit tiles of _exp_kernel and the fallback, Dv the out / dC tiles

@@ -81,6 +81,9 @@ def _cases():
         "sinkhorn": lambda: sinkhorn_attention(q, k, v, attn_mask=bool_mask, scale=0.25, n_iters=2),
         "sinkhorn-implicit": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, grad_mode="implicit"),
         "linear-causal": lambda: linear_attention_triton(q, k, v, is_causal=True),
+        # 2100 keys: the key reduction is split (and summed); a float key mask that needs its gradient
+        "linear-noncausal": lambda: linear_attention_triton(q, leaf(1, 2, 2100, 16), leaf(1, 2, 2100, 16),
+                                                            attn_mask=leaf(2100), is_causal=False),
         "ot+templates": lambda: ot_attention_triton(q, k, v, scale=0.25, templates_k=leaf(1, 2, 5, 16),
                                                     templates_v=leaf(1, 2, 5, 16)),
     }

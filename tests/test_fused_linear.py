@@ -385,6 +385,28 @@ def test_half_check_sees_a_scaled_gradient(backend, what):
 
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fm", ["elu", "relu", "identity"])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_causal_nan_reaches_the_rows_that_see_it(backend, fm, where):
+    # a NaN in q_i reaches row i only; in k_j, the rows i >= j that see key j (the states after its chunk
+    # and the chunk's own later rows), no others: elu(NaN) and relu(NaN) are NaN, as in torch
+    q, k, v = (t.detach() for t in _inputs(40, 40, torch.float32))
+    dev = _device(backend)
+    bad = {"q": q.clone(), "k": k.clone()}
+    bad[where][0, 1, 21, 2] = float("nan")
+    clean = AF.linear(q.to(dev), k.to(dev), v.to(dev), is_causal=True, feature_map=fm, backend=backend).cpu()
+    out = AF.linear(bad["q"].to(dev), bad["k"].to(dev), v.to(dev), is_causal=True, feature_map=fm,
+                    backend=backend).cpu()
+    expect = torch.zeros(out.shape[:3], dtype=torch.bool)
+    if where == "q":
+        expect[0, 1, 21] = True
+    else:
+        expect[0, 1, 21:] = True
+    assert torch.equal(torch.isnan(out).any(-1), expect)
+    torch.testing.assert_close(out[~expect], clean[~expect], rtol=0, atol=0)
+
+
 def test_cpu_causal_never_builds_prefix_sums_or_n_by_n():
     n, d = 512, 16
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, n, n, d))

@@ -64,7 +64,10 @@ def _qkv(grad=True, h=2, h_kv=2):
 # delta = rowsum(dO * O), dK/dV, dQ in the backward (FlashAttention-2's three). Pointwise kernels keep
 # no row statistics: no delta. Sinkhorn(n): a row-norm pass, 2n log-sum-exp passes and the weighted
 # output; its backward mirrors them. Causal linear: chunk states, then outputs; the backward rebuilds
-# the states, then the normaliser gradient, the reverse scan and the two gradient kernels.
+# the states, then the normaliser gradient, the reverse scan and the two gradient kernels. Non-causal
+# linear: the keys' state, reduced in 2 splits at N = 40 under the interpreter (32-row splits) and
+# summed, then outputs; the backward reduces dS over the queries (writing dq), sums, then dk / dv
+# (one launch fewer each way when a single split suffices: tests/test_fused_linear_noncausal.py).
 LAUNCHES = {
     ("softmax", ()): (["softmax_fwd_kernel"],
                       ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
@@ -80,6 +83,8 @@ LAUNCHES = {
     ("linear", (("is_causal", True),)): (["_states_kernel", "_output_kernel"],
                                          ["_states_kernel", "_normaliser_grad_kernel", "_reverse_states_kernel",
                                           "_dv_kernel", "_dqk_kernel"]),
+    ("linear", (("is_causal", False),)): (["_keys_state_kernel", "_sum_splits_kernel", "_queries_output_kernel"],
+                                          ["_queries_grad_kernel", "_sum_splits_kernel", "_keys_grad_kernel"]),
 }
 
 
@@ -96,13 +101,15 @@ def test_each_triton_call_issues_its_launches_and_no_more(variant, options, laun
     assert (forward, backward) == LAUNCHES[(variant, options)]
 
 
-# The host code around the softmax-family and pointwise kernels allocates the outputs and nothing
-# else: no fills, casts or reductions (stand-ins for absent inputs are made once per device).
+# The host code around the softmax-family, pointwise and non-causal linear kernels allocates the outputs
+# and nothing else: no fills, casts or reductions (stand-ins for absent inputs are made once per device).
 ALLOCATIONS = {  # variant: (forward, backward) top-level aten ops
     "softmax": (["aten::empty"] * 2, ["aten::empty"] * 6),   # out, lse | delta, dq, dk, dv, 2 empty grads
     "l2": (["aten::empty"] * 2, ["aten::empty"] * 6),
     "sigmoid": (["aten::empty"] * 2, ["aten::empty"] * 4),   # out, n | dq, dk, dv, empty dbias
     "relu": (["aten::empty"] * 2, ["aten::empty"] * 4),
+    # non-causal: out, r, the state and its 2 split partials | dq, dk, dv, empty dmask, dS and its partials
+    "linear": (["aten::empty"] * 4, ["aten::empty"] * 6),
 }
 
 

@@ -21,6 +21,7 @@ from tests.common import needs_triton
 ROOT = Path(__file__).resolve().parents[1]
 S, P, SK = "attnzoo.ops.kernels.flash_softmax.triton_kernels", "attnzoo.ops.kernels.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
 L, O = "attnzoo.ops.linear.chunk_kernels", "attnzoo.ops.ot.triton_kernels"
+LN = "attnzoo.ops.linear.noncausal_kernels"
 OUTPUTS = {
     f"{S}.softmax_fwd_kernel": {"O", "LSE"},
     f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT", "DPREF", "DTABLE"},
@@ -41,6 +42,11 @@ OUTPUTS = {
     f"{L}._reverse_states_kernel": {"DHS", "DZS"},
     f"{L}._dv_kernel": {"DV_OUT"},
     f"{L}._dqk_kernel": {"DQ", "DK"},
+    f"{LN}._keys_state_kernel": {"PART"},
+    f"{LN}._sum_splits_kernel": {"OUT"},
+    f"{LN}._queries_output_kernel": {"O", "RDEN"},
+    f"{LN}._queries_grad_kernel": {"PART", "DQ"},
+    f"{LN}._keys_grad_kernel": {"DK", "DV_OUT", "DM"},
     f"{O}._exp_kernel": {"E", "LZ", "EDW"},
     f"{O}._pair_kernel": {"R", "RG", "BAD", "TBAD"},
     f"{O}._out_kernel": {"OUT"},

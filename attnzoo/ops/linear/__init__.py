@@ -3,8 +3,9 @@ normalised by phi(q_i) . sum_j phi(k_j), phi = elu + 1 (or relu, or none); no lo
 
 Backends: "reference"; "cpu", chunked causal linear attention / two matmuls (cpu.py, factorised.py),
 custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as the reference at
-every size measured, far less memory); "triton", the chunked parallel form (triton.py,
-chunk_kernels.py), priority 20, auto on CUDA only.
+every size measured, far less memory); "triton", the chunked parallel form for causal calls (triton.py,
+chunk_kernels.py) and a key-state reduction for non-causal ones (noncausal_triton.py,
+noncausal_kernels.py), priority 20, auto on CUDA only.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear
                  description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
 register_triton("linear", linear_attention_triton,
                 all_of(_triton_device, supports_linear_fused, dtype_reason),
-                description="Triton causal linear attention, chunked parallel form (tensor-core chunks, fp32 "
-                            "state scan), forward and backward")
+                description="Triton linear attention: causal in the chunked parallel form (tensor-core chunks, "
+                            "fp32 state scan), non-causal as a split key-state reduction and a query pass; "
+                            "forward and backward")
 
 register_flavour("linear", lambda kw: [kw["feature_map"]] if kw.get("feature_map", "elu") != "elu" else [])
 

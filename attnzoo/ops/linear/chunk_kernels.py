@@ -91,12 +91,14 @@ if HAVE_TRITON:
     @triton.jit
     def _features(x, valid, scale, FEATURE: tl.constexpr, FP64: tl.constexpr):
         """phi(scale * x) in the accumulator dtype, exactly 0 off ``valid`` (padding: elu's phi(0) = 1
-        would otherwise add phantom keys and head dims)."""
+        would otherwise add phantom keys and head dims). A NaN stays NaN, as in torch's elu and relu
+        (tl.minimum / tl.maximum would return the other operand; NaN > 0 is False, so elu's exp branch
+        takes it)."""
         x = _wide(x, FP64) * scale
         if FEATURE == 1:
-            f = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+            f = tl.where(x > 0, x + 1.0, tl.exp(tl.where(x > 0, 0.0, x)))
         elif FEATURE == 2:
-            f = tl.maximum(x, 0.0)
+            f = tl.where(x < 0, 0.0, x)
         else:
             f = x
         return tl.where(valid, f, 0.0)
@@ -106,7 +108,7 @@ if HAVE_TRITON:
         """d phi(scale * x) / dx."""
         x = _wide(x, FP64) * scale
         if FEATURE == 1:
-            s = tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+            s = tl.where(x > 0, 1.0, tl.exp(tl.where(x > 0, 0.0, x)))
         elif FEATURE == 2:
             s = tl.where(x > 0, 1.0, 0.0)
         else:

@@ -23,10 +23,19 @@ def _chunks(x, chunk):
     return x.reshape(x.shape[:-2] + (x.shape[-2] // chunk, chunk, x.shape[-1]))
 
 
+def _shift_chunks(x, later):
+    """x moved one chunk along dim -3 (zeros coming in): an exclusive prefix (later=False: chunk c gets
+    c - 1) or suffix sum from an inclusive one. Not the inclusive sum minus x: a NaN (or inf) would then
+    reach its own chunk's earlier rows through NaN - NaN."""
+    pad = (0, 0, 0, 0, 0, 1) if later else (0, 0, 0, 0, 1, 0)
+    inner = x[..., 1:, :, :] if later else x[..., :-1, :, :]
+    return torch.nn.functional.pad(inner, pad)
+
+
 def _exclusive_states(k, v, s0):
     """S_c = s0 + sum_{c' < c} K_c'^T V_c', shape (..., nc, D, Dv)."""
     kv = k.transpose(-1, -2) @ v
-    return s0.unsqueeze(-3) + (kv.cumsum(-3) - kv)
+    return s0.unsqueeze(-3) + _shift_chunks(kv.cumsum(-3), later=False)
 
 
 class _CausalProduct(torch.autograd.Function):
@@ -48,8 +57,9 @@ class _CausalProduct(torch.autograd.Function):
         da = (dc @ vc.transpose(-1, -2)).tril()
         # gradient reaching the state used by chunk c comes from every later chunk's queries
         qdo = qc.transpose(-1, -2) @ dc                                      # (..., nc, D, Dv)
-        total = qdo.sum(-3)
-        ds_after = total.unsqueeze(-3) - qdo.cumsum(-3)
+        suffix = qdo.flip(-3).cumsum(-3).flip(-3)                            # chunks c and later
+        total = suffix[..., 0, :, :]
+        ds_after = _shift_chunks(suffix, later=True)
         dq = da @ kc + dc @ _exclusive_states(kc, vc, s0).transpose(-1, -2)
         dk = da.transpose(-1, -2) @ qc + vc @ ds_after.transpose(-1, -2)
         dv = a.transpose(-1, -2) @ dc + kc @ ds_after

@@ -20,7 +20,8 @@ Host-side (plain autograd, O(N D) work) are the rarer forms of ``reference.py``:
 - bottom-right causal with Nk > Nq: the first Nk - Nq keys are seen by every query, their
   phi(K)^T V (fp32) is the initial state s0 (and their phi(K) sum the normaliser's z0);
 - Nq > Nk: the first Nq - Nk queries see no key and return zeros.
-Non-causal calls are two matmuls (factorised.py): there is nothing a kernel would save there.
+Non-causal calls run their own kernels (noncausal_triton.py: the keys' state S = sum_j phi(k_j) v_j^T,
+then phi(q_i)^T S, every form above fused in).
 """
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ import torch
 from torch import Tensor
 
 from . import chunk_kernels as ck
-from .factorised import _causal_count, _key_weights, linear_attention_factorised
+from .factorised import _causal_count, _key_weights
+from .launch import FEATURES, KERNEL_DTYPES, dtype_reason  # noqa: F401 (dtype_reason: the backend's check)
+from .launch import bhn as _bhn, device_index as _device_index, flags as _flags, pow2 as _pow2
+from .launch import unit_columns as _unit_columns
+from .noncausal_triton import linear_noncausal
 from .reference import EPS, feature_map_fn
-from ..triton_utils import HAVE_TRITON, INTERPRETED, dot_precision, kernel_op, launcher, tracing_only
+from ..triton_utils import HAVE_TRITON, INTERPRETED, kernel_op, launcher, tracing_only
 
 if HAVE_TRITON:
     import triton
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-FEATURES = {"elu": ck.FEATURE_ELU, "relu": ck.FEATURE_RELU, "identity": ck.FEATURE_NONE}
 
 # GPU tiles. CHUNK rows per chunk: the intra-chunk part costs C per row and the states N/C * D * Dv
 # memory traffic, 64 balances them for D = 64..128 (flash-linear-attention's choice too).
@@ -50,14 +53,6 @@ INTERPRETER_TILE = 16
 MEAN_STATE_DTYPES = (torch.float16,)
 
 
-def dtype_reason(q, k, v, **kw):
-    if q.dtype not in KERNEL_DTYPES:
-        return f"the Triton linear kernels take float16, bfloat16, float32 or float64 inputs, got {q.dtype}"
-    return None
-
-
-def _pow2(n):
-    return max(16, triton.next_power_of_2(n))
 
 
 def launch_config(d, dv, dtype):
@@ -95,26 +90,8 @@ def launch_config(d, dv, dtype):
     }
 
 
-def _flags(dtype):
-    """Constexprs shared by the kernels: fp64 accumulators, the interpreter's fp32 upcast of half
-    operands (its bf16 dot is wrong), the tl.dot precision for fp32 operands."""
-    half = dtype in (torch.float16, torch.bfloat16)
-    prec = "ieee" if dtype == torch.float64 else dot_precision(dtype)
-    return dict(FP64=dtype == torch.float64, UPCAST=INTERPRETED and half, PREC=prec)
 
 
-def _bhn(t):
-    """(batch, head, row) strides of a (B, H, N, D) tensor; the kernels need unit column stride."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _device_index(t):
-    """For torch.cuda.device (a context dynamo traces; -1 for CPU tensors: no device change)."""
-    return t.device.index if t.is_cuda else -1
-
-
-def _unit_columns(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags):
@@ -279,7 +256,6 @@ def _causal(q, k, v, attn_mask, scale, feature_map):
 
 def linear_attention_triton(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, feature_map="elu",
                             dropout_p=0.0):
-    if not is_causal:
-        return linear_attention_factorised(None, q, k, v, attn_mask=attn_mask, scale=scale,
-                                           feature_map=feature_map)
+    if not is_causal:   # its own kernels (noncausal_triton.py); backend "cpu" runs the two torch matmuls
+        return linear_noncausal(q, k, v, attn_mask, scale, feature_map)
     return _causal(q, k, v, attn_mask, scale, feature_map)
