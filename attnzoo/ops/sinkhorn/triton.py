@@ -260,7 +260,7 @@ class TritonEngine:
         out = self._vec(p, nx) if out is None else out
         args = (X, Y, other, out if ref is None else ref, out, s["mask"], s["H"], nx, ny, s["D"], s["A"],
                 float(ref_shift), float(out_shift), *strides)
-        meta.update(BOUNDED=ref is not None, G0_MODE=g0_mode, MIN_SUM=MIN_SUM)
+        meta.update(BOUNDED=ref is not None, G0_MODE=g0_mode, MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX)
         _launch(K._lse_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, meta, p.tune)
         return out
 
@@ -298,7 +298,7 @@ class TritonEngine:
         args = (p.q, p.k, p.v, g, lse if ref is None else ref, out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"],
                 s["DV"], s["A"], float(ref_shift), *s["rows"])
         meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]), BOUNDED=ref is not None,
-                    MIN_SUM=MIN_SUM)
+                    MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX)
         _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args, meta, p.tune)
         return out, lse
 

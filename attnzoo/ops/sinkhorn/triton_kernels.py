@@ -99,9 +99,15 @@ def _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl
 
 
 @triton.jit
-def _block_shift(REF, offs_x, Nx, ref_shift):
-    """s = max over the block's rows of their exponent bound ref_shift - REF_x, in log2 units."""
-    return tl.max((ref_shift - _load_vec(REF, offs_x, Nx, float("inf"))) * LOG2E, 0)
+def _row_shifts(REF, offs_x, Nx, ref_shift, SPREAD_MAX: tl.constexpr):
+    """(shift, per_row): the exponent bounds ref_shift - REF_x of the block's rows (log2 units) and
+    whether the block needs them per row: one shift (their maximum) serves the block when they span
+    at most SPREAD_MAX, else each row is shifted by its own bound (one more add per logit)."""
+    bound = (ref_shift - _load_vec(REF, offs_x, Nx, float("inf"))) * LOG2E
+    top = tl.max(bound, 0)
+    bound = tl.where(offs_x < Nx, bound, top)   # rows past Nx (never stored) get a finite shift too
+    per_row = top - tl.min(bound, 0) > SPREAD_MAX
+    return tl.where(per_row, bound, top), per_row
 
 
 @triton.jit
@@ -152,16 +158,18 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
 
 
 @triton.jit
-def _lse_shifted(x, Yh, OTHER, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
-                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """sum over y of exp2(t - s), s an upper bound of every t of the block."""
+def _lse_shifted(x, Yh, OTHER, s, s_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
+                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_X: tl.constexpr,
+                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """sum over y of exp2(t - s) (PER_ROW: exp2(t - s_row_x)), the shift an upper bound of every t."""
     l = tl.zeros([BLOCK_X], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(OTHER, offs_y, Ny, float("-inf")) * LOG2E - s
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        if PER_ROW:
+            t = t - s_row[:, None]
         l += tl.sum(tl.exp2(t), 1)
     return l
 
@@ -170,8 +178,8 @@ def _lse_shifted(x, Yh, OTHER, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
 def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shift,
                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, G0_MODE: tl.constexpr,
-                MIN_SUM: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                MIN_SUM: tl.constexpr, SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """OUT_x = out_shift - lse_y(A x.y + OTHER_y) over the y taking part (natural log; lse = 0 where
     none does): f = -lse (row pass, out_shift 0) or g = c - lse (column pass, out_shift c).
     BOUNDED: ref_shift - REF_x bounds every exponent of row x (module doc), the block is summed
@@ -189,10 +197,13 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
     a2 = A * LOG2E
     if BOUNDED:
-        s = _block_shift(REF + bh * Nx, offs_x, Nx, ref_shift)
-        l = _lse_shifted(x, Yh, OTHER, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE,
-                         BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
-        m = tl.zeros([BLOCK_X], tl.float32) + s
+        m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
+        if per_row:
+            l = _lse_shifted(x, Yh, OTHER, 0.0, m, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, MASK_KIND,
+                             MASK_SHAPE, True, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+        else:
+            l = _lse_shifted(x, Yh, OTHER, tl.max(m, 0), m, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, MASK_KIND,
+                             MASK_SHAPE, False, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
                                MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
@@ -277,10 +288,11 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
 
 
 @triton.jit
-def _attend_shifted(x, Yh, Vh, G, s, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y, s an upper bound of every t of the block."""
+def _attend_shifted(x, Yh, Vh, G, s, s_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
+                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_X: tl.constexpr,
+                    BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (PER_ROW: s_row_x), the shift an upper
+    bound of every t of its row."""
     l = tl.zeros([BLOCK_X], tl.float32)
     acc = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
@@ -288,6 +300,8 @@ def _attend_shifted(x, Yh, Vh, G, s, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV,
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E - s
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        if PER_ROW:
+            t = t - s_row[:, None]
         p = tl.exp2(t)
         l += tl.sum(p, 1)
         v = _load_rows(Vh, offs_y, Ny, offs_dv, DV)
@@ -299,7 +313,7 @@ def _attend_shifted(x, Yh, Vh, G, s, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV,
 def _attend_kernel(X, Y, V, G, REF, OUT, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shift,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
-                   BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
@@ -319,10 +333,14 @@ def _attend_kernel(X, Y, V, G, REF, OUT, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shi
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
     a2 = A * LOG2E
     if BOUNDED:
-        s = _block_shift(REF + bh * Nx, offs_x, Nx, ref_shift)
-        l, acc = _attend_shifted(x, Yh, Vh, G, s, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                 MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
-        m = tl.zeros([BLOCK_X], tl.float32) + s
+        m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
+        if per_row:
+            l, acc = _attend_shifted(x, Yh, Vh, G, 0.0, m, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
+                                     MASK_KIND, MASK_SHAPE, True, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
+        else:
+            l, acc = _attend_shifted(x, Yh, Vh, G, tl.max(m, 0), m, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
+                                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, False, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST,
+                                     PRECISION)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                                        MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
