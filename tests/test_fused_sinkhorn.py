@@ -131,6 +131,8 @@ TRITON_CASES = [
     case("t-f32-query-mask-dot", nq=18, nk=7, mask="query", cost="dot", H=1),
     # logits in the hundreds: reduced potentials and the one-exponential adjoint terms far from 1
     case("t-f32-eps0.05-big-iters1", nq=19, nk=23, eps=0.05, big=2.0, n_iters=1, H=1),
+    # 11 factor columns: dq / dk take the unrolled terms in two rounds of 8
+    case("t-f32-iters5-pad", nq=9, nk=17, mask="pad", n_iters=5, H=1),
 ]
 # tolerance on max|err| / max|expected| per input dtype (outputs are returned in the input dtype)
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}

@@ -68,6 +68,9 @@ FOLD_BELOW = AUTOTUNE_MIN_WORK
 MIN_SUM = 2.0 ** -80
 SPREAD_MAX = 40.0
 FACTOR_MAX = 58.0
+# Factor columns per tensor-core product in _grad_qk_kernel (a TF32 product's K step): 2 per
+# unrolled term and 1 for delta, so up to n_iters = 3 in one product.
+FACTOR_COLUMNS = 8
 
 
 def interpreting() -> bool:
@@ -180,11 +183,6 @@ def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
         opts = {} if INTERPRETED else dict(num_warps=warps, num_stages=stages)
         launcher(kernel)[(triton.cdiv(nx, bx), bh)](*args, **meta, BLOCK_X=bx, BLOCK_Y=by, **opts)
 
-
-def factor_width(n_terms: int) -> int:
-    """KT of _grad_qk_kernel: the columns of its factor tiles (2 per term, 1 for delta), a power of
-    two >= 16 (the tensor cores' smallest K)."""
-    return max(16, triton.next_power_of_2(2 * n_terms + 1))
 
 
 class TritonEngine:
@@ -341,7 +339,7 @@ class TritonEngine:
         args = (p.k, p.q, p.v, dout, G, lse, delta, F, DG, DF, XF, UF, fast, T, float(p.col_target), dq, dk,
                 s["mask"], H, nk, nq, s["D"], s["DV"], s["A"], *s["cols"])
         meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"]),
-                    KT=factor_width(T))
+                    KT=FACTOR_COLUMNS)
         _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), nk, nq, BH, p.q, args, meta, p.tune,
                 reset=("DQ",))
         return dq.mul_(s["A"]), dk

@@ -521,8 +521,9 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
         dL_yx = P_yx (dout_y . v_x - DELTA_y - sum_t [XF^t_y UF^t_x]) - sum_{t slow} (C^t dg^t + R^t df^t)_yx
 
     with P_yx = exp(A x.y + g^T_x - LSE_y). The bracket is one tensor-core product: the factor tiles
-    (BLOCK_X, KT) x (KT, BLOCK_Y), with DELTA as one more column (UF = 1 there), as three TF32
-    products of hi / lo parts (float32 accuracy), accumulated into dout . v's own product: no
+    (BLOCK_X, 2T + 1) x (2T + 1, BLOCK_Y), with DELTA as one more column (UF = 1 there), KT columns
+    at a time, as three TF32 products of hi / lo parts (float32 accuracy), accumulated into
+    dout . v's own product: no
     per-logit work for any term _factors_kernel could factor (FAST). The others (potentials too far
     apart for the factors, at tiny eps) take one exponential per logit as before: C^t and R^t share
     exp(A x.y + f^t_y + max(g^t - c, g^{t-1})_x) (<= 1) and differ by rho_x = exp(-|g^t - c - g^{t-1}|_x).
@@ -541,15 +542,11 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_k = tl.arange(0, KT)
     in_x = offs_x < Nx
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
     v = _load_rows(V + bh * Nx * DV, offs_x, Nx, offs_dv, DV)
     g = _load_vec(GS + (T * BH + bh) * Nx, offs_x, Nx, float("-inf")) * LOG2E
-    # -(factor columns, then 1 for DELTA): the bracket's product is subtracted by accumulation
-    uf = tl.load(UF + bh * Nx * 2 * T + offs_x[:, None] * 2 * T + offs_k[None, :],
-                 mask=in_x[:, None] & (offs_k[None, :] < 2 * T), other=0.0)
-    uf_hi, uf_lo = _tf32_split(-tl.where(offs_k[None, :] == 2 * T, 1.0, uf))
+    UFh, XFh = UF + bh * Nx * 2 * T, XF + bh * Ny * 2 * T
     a2 = A * LOG2E
     dk = tl.zeros([BLOCK_X, BLOCK_D], tl.float32)
     colsum = tl.zeros([BLOCK_X], tl.float32)
@@ -559,13 +556,20 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
         t = _logits(x, y, a2, -lse, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
-        xf = tl.load(XF + bh * Ny * 2 * T + offs_y[:, None] * 2 * T + offs_k[None, :],
-                     mask=in_y[:, None] & (offs_k[None, :] < 2 * T), other=0.0)
-        xf = tl.where(offs_k[None, :] == 2 * T, _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)[:, None], xf)
-        xf_hi, xf_lo = _tf32_split(xf)
-        dp = tl.dot(uf_lo, tl.trans(xf_hi), input_precision="tf32")
-        dp = tl.dot(uf_hi, tl.trans(xf_lo), dp, input_precision="tf32")
-        dp = tl.dot(uf_hi, tl.trans(xf_hi), dp, input_precision="tf32")
+        delta = _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)
+        dp = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
+        for k0 in range(0, 2 * T + 1, KT):   # KT factor columns at a time: one round up to n_iters = 3
+            offs_k = k0 + tl.arange(0, KT)
+            # -(factor columns, then 1 for DELTA): the bracket's product is subtracted by accumulation
+            uf = tl.load(UFh + offs_x[:, None] * 2 * T + offs_k[None, :],
+                         mask=in_x[:, None] & (offs_k[None, :] < 2 * T), other=0.0)
+            uf_hi, uf_lo = _tf32_split(-tl.where(offs_k[None, :] == 2 * T, 1.0, uf))
+            xf = tl.load(XFh + offs_y[:, None] * 2 * T + offs_k[None, :],
+                         mask=in_y[:, None] & (offs_k[None, :] < 2 * T), other=0.0)
+            xf_hi, xf_lo = _tf32_split(tl.where(offs_k[None, :] == 2 * T, delta[:, None], xf))
+            dp = tl.dot(uf_lo, tl.trans(xf_hi), dp, input_precision="tf32")
+            dp = tl.dot(uf_hi, tl.trans(xf_lo), dp, input_precision="tf32")
+            dp = tl.dot(uf_hi, tl.trans(xf_hi), dp, input_precision="tf32")
         do = _load_rows(DO + bh * Ny * DV, offs_y, Ny, offs_dv, DV)
         dp = mma(v, tl.trans(do), dp, UPCAST, PRECISION)      # dout . v - DELTA - factored terms
         dl = tl.exp2(t + g[:, None]) * dp
