@@ -158,17 +158,19 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
 
 
 @triton.jit
-def _lse_shifted(x, Yh, OTHER, s, s_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
-                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_X: tl.constexpr,
+def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
+                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                  BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """sum over y of exp2(t - s) (PER_ROW: exp2(t - s_row_x)), the shift an upper bound of every t."""
+    """sum over y of exp2(t - s) (per_row: exp2(t - s_row_x)), the shift an upper bound of every t.
+    One loop with a uniform branch per tile, not one loop per case: sm_90 would hold the pipelined
+    buffers of both loops at once."""
     l = tl.zeros([BLOCK_X], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(OTHER, offs_y, Ny, float("-inf")) * LOG2E - s
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
-        if PER_ROW:
+        if per_row:
             t = t - s_row[:, None]
         l += tl.sum(tl.exp2(t), 1)
     return l
@@ -198,12 +200,8 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
     a2 = A * LOG2E
     if BOUNDED:
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
-        if per_row:
-            l = _lse_shifted(x, Yh, OTHER, 0.0, m, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, MASK_KIND,
-                             MASK_SHAPE, True, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
-        else:
-            l = _lse_shifted(x, Yh, OTHER, tl.max(m, 0), m, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, MASK_KIND,
-                             MASK_SHAPE, False, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+        l = _lse_shifted(x, Yh, OTHER, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d, Nx, Ny,
+                         D, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
                                MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
@@ -214,10 +212,11 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
 
 
 @triton.jit
-def _wsum_walk(x, Yh, YP, W, inner, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
-               MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, ROW_IN_EXP: tl.constexpr, BLOCK_X: tl.constexpr,
+def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
+               MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """sum_y exp2(A' x.y + YP_y + s [+ inner_x if ROW_IN_EXP]) W_y, accumulated per logit (one FFMA)."""
+    """sum_y exp2(A' x.y + YP_y + s [+ inner_x if row_in_exp]) W_y, accumulated per logit (one FFMA);
+    one loop with a uniform branch per tile (see _lse_shifted)."""
     acc = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
@@ -225,7 +224,7 @@ def _wsum_walk(x, Yh, YP, W, inner, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, 
         col = _load_vec(YP, offs_y, Ny, float("-inf")) * LOG2E + s
         w = _load_vec(W, offs_y, Ny, 0.0)
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
-        if ROW_IN_EXP:
+        if row_in_exp:
             t = t + inner[:, None]
         acc += tl.exp2(t) * w[None, :]
     return tl.sum(acc, 1)
@@ -254,12 +253,11 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
     in_x = offs_x < Nx
     s = tl.min(tl.where(in_x, xp, float("inf")), 0)
     a2 = A * LOG2E
-    if tl.max(tl.where(in_x, xp, float("-inf")), 0) - s <= SPREAD_MAX:   # False for NaN: the exact walk
-        out = _wsum_walk(x, Yh, YP + bh * Ny, W + bh * Ny, xp, s, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
-                         MASK_KIND, MASK_SHAPE, False, BLOCK_X, BLOCK_Y, UPCAST, PRECISION) * tl.exp2(xp - s)
-    else:
-        out = _wsum_walk(x, Yh, YP + bh * Ny, W + bh * Ny, xp, 0.0, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
-                         MASK_KIND, MASK_SHAPE, True, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+    factor_out = tl.max(tl.where(in_x, xp, float("-inf")), 0) - s <= SPREAD_MAX   # False for NaN: exact walk
+    s = tl.where(factor_out, s, 0.0)
+    out = _wsum_walk(x, Yh, YP + bh * Ny, W + bh * Ny, xp, s, not factor_out, Mh, offs_x, offs_d, Nx, Ny, D, a2,
+                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+    out = out * tl.exp2(tl.where(factor_out, xp - s, 0.0))
     tl.store(OUT + bh * Nx + offs_x, out * out_scale, mask=in_x)
 
 
@@ -288,11 +286,11 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
 
 
 @triton.jit
-def _attend_shifted(x, Yh, Vh, G, s, s_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_X: tl.constexpr,
+def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
+                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                     BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (PER_ROW: s_row_x), the shift an upper
-    bound of every t of its row."""
+    """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (per_row: s_row_x), the shift an upper
+    bound of every t of its row (one loop, as _lse_shifted)."""
     l = tl.zeros([BLOCK_X], tl.float32)
     acc = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
@@ -300,7 +298,7 @@ def _attend_shifted(x, Yh, Vh, G, s, s_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny,
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E - s
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
-        if PER_ROW:
+        if per_row:
             t = t - s_row[:, None]
         p = tl.exp2(t)
         l += tl.sum(p, 1)
@@ -334,13 +332,9 @@ def _attend_kernel(X, Y, V, G, REF, OUT, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shi
     a2 = A * LOG2E
     if BOUNDED:
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
-        if per_row:
-            l, acc = _attend_shifted(x, Yh, Vh, G, 0.0, m, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                     MASK_KIND, MASK_SHAPE, True, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
-        else:
-            l, acc = _attend_shifted(x, Yh, Vh, G, tl.max(m, 0), m, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
-                                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, False, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST,
-                                     PRECISION)
+        l, acc = _attend_shifted(x, Yh, Vh, G, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d,
+                                 offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y,
+                                 BLOCK_DV, UPCAST, PRECISION)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                                        MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
@@ -368,11 +362,12 @@ def _row_dot_kernel(A, B, OUT, R, D, scale, BLOCK_R: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, store_delta, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
-                 sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
-                 ROW_IN_EXP: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, Mh, offs_x, offs_d, offs_dv, Nx, Ny,
+                 D, DV, a2, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
+                 BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """(sum_y P'_yx dout_y, sum_y P'_yx DELTA_y) with P'_yx = exp2(A' x.y - LSE_y + s [+ inner_x])."""
+    """(sum_y P'_yx dout_y, sum_y P'_yx DELTA_y) with P'_yx = exp2(A' x.y - LSE_y + s [+ inner_x if
+    row_in_exp]); one loop with a uniform branch per tile (see _lse_shifted)."""
     dv = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
     pd = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
     for y0 in range(0, Ny, BLOCK_Y):
@@ -380,7 +375,7 @@ def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, store_delta, Mh, offs_x, 
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = s - _load_vec(LSE, offs_y, Ny, float("inf")) * LOG2E
         t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
-        if ROW_IN_EXP:
+        if row_in_exp:
             t = t + inner[:, None]
         p = tl.exp2(t)
         do = _load_rows(DOh, offs_y, Ny, offs_dv, DV)
@@ -420,17 +415,14 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     g = _load_vec(G + bh * Nx, offs_x, Nx, float("-inf")) * LOG2E
     s = tl.min(tl.where(in_x, g, float("inf")), 0)
     a2 = A * LOG2E
-    if tl.max(tl.where(in_x, g, float("-inf")), 0) - s <= SPREAD_MAX:   # False for NaN: the exact walk
-        dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, s, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV,
-                              a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, False, BLOCK_X, BLOCK_Y, BLOCK_DV,
-                              UPCAST, PRECISION)
-        row = tl.exp2(g - s)
-        dv = dv * row[:, None]
-        pd = pd * row
-    else:
-        dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, 0.0, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D,
-                              DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, True, BLOCK_X, BLOCK_Y, BLOCK_DV,
-                              UPCAST, PRECISION)
+    factor_out = tl.max(tl.where(in_x, g, float("-inf")), 0) - s <= SPREAD_MAX   # False for NaN: exact walk
+    s = tl.where(factor_out, s, 0.0)
+    dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, s, not factor_out, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx,
+                          Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, BLOCK_X, BLOCK_Y, BLOCK_DV,
+                          UPCAST, PRECISION)
+    row = tl.exp2(tl.where(factor_out, g - s, 0.0))
+    dv = dv * row[:, None]
+    pd = pd * row
     v = _load_rows(V + bh * Nx * DV, offs_x, Nx, offs_dv, DV).to(tl.float32)
     tl.store(DG + bh * Nx + offs_x, tl.sum(v * dv, 1) - pd, mask=in_x)
     tl.store(DVOUT + bh * Nx * DV + offs_x[:, None] * DV + offs_dv[None, :], dv.to(DVOUT.dtype.element_ty),
