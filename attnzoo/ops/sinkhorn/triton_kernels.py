@@ -19,19 +19,22 @@ One shift per program, no running maximum. The Sinkhorn exponents have known upp
   summing to one), so the exponent L_ij + g_j of row i is at most c - f_i (row pass after a column
   pass), L_ij + f_i of column j at most -g_j (column pass after a row pass);
 - in the backward every exponent is an entry of such a plan: at most 0.
-A program takes s = the largest bound of its rows (a row's bound can only be loose) and sums
-exp2(t - s) directly: one FFMA (the scaled dot plus a per-column vector), one exp2 and one add per
-logit, against a running maximum's max, subtraction and rescaling (_lse_kernel, _attend_kernel,
-BOUNDED). Nothing overflows (every term <= 1). Terms can underflow when a row's own bound is far below
-s or far above its terms; a row whose sum comes out below MIN_SUM (2^-80: fp32 keeps every term
-above 2^-126, so what a flush to zero loses is below 2^-40 of the sum) sends its program through the
-tiles again with the running maximum, the exact logsumexp of before. That also covers empty rows
-(sum 0), so the result is the exact logsumexp in every case; the second walk is the price of
-extreme inputs (eps = 0.05 with logits in the thousands, fully masked rows). The weighted sums of
-the backward (_wsum_kernel, _grad_v_kernel) take their row potential out of the exponent the same
-way (shift = the smallest row potential of the program, per-row factor 2^(row - shift) after the
-walk) when the program's row potentials span at most SPREAD_MAX (40 in log2 units: a term is lost to
-underflow only below 2^-86), and add the row potential per logit otherwise.
+A program takes s = the largest bound of its rows and sums exp2(t - s) directly: one FFMA (the
+scaled dot plus a per-column vector), one exp2 and one add per logit, against a running maximum's
+max, subtraction and rescaling (_lse_kernel, _attend_kernel, BOUNDED). Nothing overflows (every
+term <= 1). If the block's bounds span more than SPREAD_MAX (40 in log2 units) each row is shifted
+by its own bound instead (one more add per logit). A row whose sum still comes out below MIN_SUM
+(2^-80: its bound is that loose, or it has no term) sends its program through the tiles again with
+the running maximum, the exact logsumexp of before; what float32 flushes to zero (terms below
+2^-126) is then at most N 2^-46 of any accepted sum. So the result is the exact logsumexp in every
+case, and the second walk is the price of extreme inputs (eps = 0.05 with logits in the thousands,
+fully masked rows). The weighted sums of the backward (_wsum_kernel, _grad_v_kernel) take their row
+potential out of the exponent the same way (shift = the smallest row potential of the program,
+per-row factor 2^(row - shift) after the walk) when the program's row potentials span at most
+SPREAD_MAX (a term is then lost to underflow only below 2^-86), and add it per logit otherwise.
+Each case is a uniform branch inside one loop: two pipelined loops in an if / else kept both loops'
+shared buffers on sm_90. The unrolled adjoint's terms are a product of rank-one factors
+(_factors_kernel, _grad_qk_kernel).
 
 tune_nx / tune_ny: power-of-two buckets of Nx / Ny, unused by the code: the autotuning key, so a
 new length retunes only when it changes bucket (triton.py).
