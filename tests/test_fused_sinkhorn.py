@@ -497,9 +497,14 @@ def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="c
 
 
 @needs_interpreter
-def test_gpu_check_itself_runs_under_the_interpreter():
-    """The GPU tests' comparison, on CPU tensors and a tiny shape (fp32: the interpreter computes in fp32)."""
-    _gpu_check((1, 2, 19, 21, 20, 12, "l2", "query"), torch.float32, device="cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 19, 21, 20, 12, "l2", "query"), (2, 1, 23, 17, 16, 16, "dot", "pad")],
+                         ids=["l2-query-mask", "dot-key-padding"])
+def test_flash_rule_under_the_interpreter(shape, dtype):
+    """The GPU tests' comparison on CPU tensors and tiny shapes: FlashAttention's rule against float64,
+    outputs and every gradient. The interpreter's dots are fp32, but the kernels still round P and dL
+    to the input dtype before their products, as on a GPU."""
+    _gpu_check(shape, dtype, device="cpu")
 
 
 @pytest.mark.gpu
