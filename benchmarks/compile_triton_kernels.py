@@ -253,11 +253,15 @@ def masks(kind, dtype, nq, nk, b=2):
 
 
 SINKHORN_HEAD_DIMS = (64, 128, 256)  # 256: sinkhorn/triton.py MAX_HEAD_DIM
-SINKHORN_CASES = [  # (cost, mask, is_causal, grad_mode): every flag of the kernels, both grad modes
-    ("l2", "none", False, "unrolled"),
-    ("dot", "bool", False, "implicit"),
-    ("l2", "float", False, "unrolled"),
-    ("l2", "bool", True, "implicit"),
+SINKHORN_CASES = [  # (cost, mask, is_causal, grad_mode, large): every flag of the kernels, both grad modes;
+    # large: the path of calls from FOLD_BELOW on (row-dot launches for g^0 and delta), taken here by
+    # patching FOLD_BELOW to 0 (the small shapes keep the compile jobs cheap)
+    ("l2", "none", False, "unrolled", False),
+    ("dot", "bool", False, "implicit", False),
+    ("l2", "float", False, "unrolled", False),
+    ("l2", "bool", True, "implicit", False),
+    ("l2", "none", False, "unrolled", True),
+    ("l2", "float", False, "unrolled", True),
 ]
 
 
@@ -266,15 +270,20 @@ def sinkhorn_calls(dtype_name):
         return  # sinkhorn/triton.py refuses float64
     dtype = TORCH_DTYPES[dtype_name]
     for d in SINKHORN_HEAD_DIMS:
-        for cost, mask, causal, grad_mode in SINKHORN_CASES:
+        for cost, mask, causal, grad_mode, large in SINKHORN_CASES:
             # causal runs the kernels of the non-causal call on every prefix: only the int
             # specialisations differ (Nq = Nk = 1, sizes that are no multiple of 16), so N = 15
             n = 15 if causal else 64
             q, k, v = qkv(dtype, n, n, d, d)
-            label = f"sinkhorn {dtype_name} D=Dv={d} {cost} mask={mask} causal={causal} {grad_mode}"
+            label = f"sinkhorn {dtype_name} D=Dv={d} {cost} mask={mask} causal={causal} {grad_mode}" + " large" * large
+
             run = lambda q, k, v, **kw: sinkhorn_triton.sinkhorn_attention(q, k, v, **kw)
-            yield label, lambda: forward_backward(run, q, k, v, attn_mask=masks(mask, dtype, n, n), is_causal=causal,
-                                                  cost=cost, grad_mode=grad_mode, n_iters=3)
+
+            def call(q=q, k=k, v=v, mask=mask, causal=causal, cost=cost, grad_mode=grad_mode, large=large):
+                with mock.patch.object(sinkhorn_triton, "FOLD_BELOW", 0) if large else contextlib.nullcontext():
+                    forward_backward(run, q, k, v, attn_mask=masks(mask, dtype, n, n), is_causal=causal, cost=cost,
+                                     grad_mode=grad_mode, n_iters=3)
+            yield label, call
 
 
 def key_mask(kind, dtype, nk, b=2):

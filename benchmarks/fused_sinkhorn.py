@@ -9,9 +9,10 @@ kernels vs SDPA softmax against the cost model.
 --gpu (CUDA): bf16, batch * N = 16384 tokens, hidden 2048 (FlashAttention's benchmark shapes), per
 (D, N): SDPA softmax and ``AF.sinkhorn(q, k, v, n_iters=k, backend="triton")`` forward and forward +
 backward (median ms, attnzoo.bench.timing: triton.testing.do_bench), their ratio against the target k + 1, the extra peak
-memory of each (vs SDPA's: target <= 1.5x), and one launch of each Sinkhorn pass (logsumexp pass,
-final attend, dv / last adjoint, adjoint weighted sum, dq / dk) in ms and as a fraction of SDPA's
-forward: the cost model says a logsumexp pass is about half of it. Writes
+memory of each (vs SDPA's: target <= 1.5x), and one launch of each Sinkhorn pass (logsumexp pass and
+final attend, each with a running maximum as the first pass runs and shifted by its known bound as
+the others run; dv / last adjoint, adjoint weighted sum, the adjoint's factors with dq / dk) in ms and
+as a fraction of SDPA's forward (docs/kernels_sinkhorn.md has the cost model). Writes
 benchmarks/results/gpu/fused_sinkhorn_gpu.{json,md}.
 
 A one-shot run in a fresh process pays the page faults of every new allocation; in a training loop
@@ -157,7 +158,6 @@ def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int
     from attnzoo.bench.memory import peak_memory_bytes
     from attnzoo.bench.timing import TimingRule, time_call
     from attnzoo.ops.sinkhorn import triton as sk
-    from attnzoo.ops.sinkhorn.streaming import sinkhorn_potentials
 
     dev = torch.device(device)
     # the harness's rule: do_bench medians (25 ms warm-up, 100 ms of samples) for calls under a second
@@ -190,23 +190,24 @@ def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int
             row["fwd_ratio"] = row["sinkhorn_fwd_ms"] / row["sdpa_fwd_ms"]
             row["fwd_bwd_ratio"] = row["sinkhorn_fwd_bwd_ms"] / row["sdpa_fwd_bwd_ms"]
             row["mem_ratio"] = row["sinkhorn_fwd_bwd_mb"] / row["sdpa_fwd_bwd_mb"]
-            # one launch of each pass, on the potentials of a real forward
+            # one launch of each pass, on the potentials of a real forward; the logsumexp passes with
+            # their known bound (what a call runs after the first pass) and with a running maximum
             eng = sk.ENGINE
             with torch.no_grad():
                 p = sk._problem(q.detach(), k.detach(), v.detach(), None, d ** -0.5, 1.0, True, True)
-                fs, gs = sinkhorn_potentials(eng, p, n_iters)
-                out, lse = eng.attend(p, gs[-1])
+                out, lse, F, G = eng.forward(p, n_iters)
+                T, c = n_iters, p.col_target
                 dout = grad.contiguous()
                 delta = eng.row_dot(dout, out)
-                dv, dg = eng.grad_v_and_bias(p, gs[-1], lse, dout, delta)
-                c = p.col_target
-                terms = tuple(torch.stack(t) for t in (fs, [g - c for g in gs[1:]], gs[:-1], [dg] * n_iters,
-                                                       [delta] * n_iters))
-                passes = {"lse pass": lambda: eng.lse_rows(p, gs[-1]),
-                          "attend": lambda: eng.attend(p, gs[-1]),
-                          "dv + last adjoint": lambda: eng.grad_v_and_bias(p, gs[-1], lse, dout, delta),
-                          "adjoint wsum": lambda: eng.wsum_rows(p, fs[-1], gs[-1] - c, dg),
-                          "dq + dk": lambda: eng.grad_qk(p, gs[-1], lse, dout, delta, terms)}
+                dv, dg = eng.grad_v_and_bias(p, G[T], lse, dout, delta)
+                terms = (F, G, dg.expand(T, *dg.shape).contiguous(), delta.expand(T, *delta.shape).contiguous())
+                passes = {"lse pass, running max": lambda: eng._lse(p, F[T - 1], False, out_shift=c),
+                          "lse pass, shifted": lambda: eng._lse(p, F[T - 1], False, out_shift=c, ref=G[T - 1]),
+                          "attend, running max": lambda: eng.attend(p, G[T]),
+                          "attend, shifted": lambda: eng.attend(p, G[T], ref=F[T - 1], ref_shift=c),
+                          "dv + last adjoint": lambda: eng.grad_v_and_bias(p, G[T], lse, dout, delta),
+                          "adjoint wsum": lambda: eng._wsum(p, F[T - 1], G[T], dg, True, shift=-c, out_scale=-1.0),
+                          "factors + dq + dk": lambda: eng.grad_qk(p, G[T], lse, dout, delta, terms)}
                 row["passes_ms"] = {name: bench(fn) for name, fn in passes.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -16,6 +16,7 @@ import torch
 import attnzoo.functional as AF
 from attnzoo.ops import dispatch
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
+from attnzoo.ops.sinkhorn.streaming import Problem
 from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
                           needs_kernels, needs_triton, padding_mask, qkv, seeded)
 from tests.flash_rule import LOW_PRECISION, assert_flash_rule, autocast_triples, reference_or_rounded, scale_grad
@@ -145,6 +146,8 @@ TRITON_CASES = [
     case("t-f32-query-mask-dot", nq=18, nk=7, mask="query", cost="dot", H=1),
     # logits in the hundreds: reduced potentials and the one-exponential adjoint terms far from 1
     case("t-f32-eps0.05-big-iters1", nq=19, nk=23, eps=0.05, big=2.0, n_iters=1, H=1),
+    # 11 factor columns: dq / dk take the unrolled terms in two rounds of 8
+    case("t-f32-iters5-pad", nq=9, nk=17, mask="pad", n_iters=5, H=1),
 ]
 # float64 / float32: tolerance on max|err| / max|expected| (x5 for the gradients). bf16 / fp16 inputs get
 # FlashAttention's rule instead (tests/flash_rule.py): at most ~2x the error of the reference backend
@@ -423,27 +426,113 @@ def test_eps_0_05_with_large_logits_stays_finite(fn, dtype, cost):
     assert_flash_rule(f"sinkhorn |L| ~ 1e3 {cost}", dtype, float(logits.abs().max()), [("out (the plan)", P, low, want)])
 
 
-@needs_triton
-def test_folded_adjoint_terms_equal_the_two_exponentials():
-    """The dq/dk kernel forms C_ij dg_j + R_ij df_i (C = exp(L + f_i + GC_j), R = exp(L + f_i + GR_j))
-    with one exponential, exp(L + f_i + max(GC, GR)_j) (U_j + RHO_j df_i): exact, and finite in
-    float32 where one of C and R is astronomically small and the other's factor exp(GC - GR) would
-    overflow (potentials hundreds apart, as after one iteration at eps = 0.05)."""
-    gen = seeded(5)
-    T, nq, nk = 2, 5, 7
-    L = torch.randn(nq, nk, generator=gen, dtype=torch.float64) * 50
-    GC, GR = (torch.randn(T, 1, nk, generator=gen, dtype=torch.float64) * 300 for _ in range(2))
-    FT = -(L + torch.maximum(GC, GR)).amax(-1, keepdim=True)          # every max(C, R) <= 1, as for a plan
-    DG = torch.randn(T, 1, nk, generator=gen, dtype=torch.float64)
-    DF = torch.randn(T, nq, 1, generator=gen, dtype=torch.float64)
-    want = (torch.exp(L + FT + GC) * DG + torch.exp(L + FT + GR) * DF).sum(0)
-    for dtype in (torch.float64, torch.float32):
-        terms = tuple(t.to(dtype) for t in (FT, GC, GR, DG, DF))
-        FQ, HK, U, RHO, DFo = sk_triton.TritonEngine.fold_terms(terms)
-        got = (torch.exp(L.to(dtype) + FQ + HK) * (U + RHO * DFo)).sum(0)
-        assert torch.isfinite(got).all()
-        assert rel_err(got, want) < (1e-12 if dtype == torch.float64 else 1e-4)  # fp32 potentials ~300: 2e-5
-    assert not torch.isfinite(torch.exp((GC - GR).float())).all()   # the naive ratio overflows in float32
+# ---------------------------------------------------------------- the Triton kernels' shifted sums and their fallbacks
+# Every pass after the first sums exp2(t - s) under one shift per program (no running maximum), the
+# backward's weighted sums take their row potential out of the exponent, and dq / dk take every
+# adjoint term from one product of rank-one factors; each falls back to the exact walk (running
+# maximum, potential per logit, one exponential per term) where the shortcut could lose terms
+# (ops/sinkhorn/triton_kernels.py). Forcing one side everywhere: each must match float64 alone where
+# it applies; at extreme logits the shortcuts alone fail, so the default's agreement shows the
+# fallbacks are taken.
+SHIFTED_ONLY = dict(MIN_SUM=0.0, SPREAD_MAX=1e30, FACTOR_MAX=1e30)
+EXACT_ONLY = dict(MIN_SUM=1e30, SPREAD_MAX=-1.0, FACTOR_MAX=-1e30)
+WALK_CASES = [c for c in TRITON_CASES if c.id in ("t-f32-plain", "t-f32-pad-odd", "t-f32-float-mask-cross",
+                                                  "t-f32-query-mask-dot", "t-f32-iters1-bool")]
+EXTREME = next(c for c in TRITON_CASES if c.id == "t-f32-eps0.05-big-iters1")
+
+
+def _triton_run(q, k, v, attn_mask=None, **kw):
+    out = AF.sinkhorn(q.to(KERNEL_DEVICE), k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE),
+                      attn_mask=None if attn_mask is None else attn_mask.to(KERNEL_DEVICE), backend="triton", **kw)
+    return out.cpu()
+
+
+@needs_kernels
+@pytest.mark.parametrize("limits", [SHIFTED_ONLY, EXACT_ONLY], ids=["shifted-only", "exact-only"])
+@pytest.mark.parametrize("c", WALK_CASES)
+def test_triton_each_walk_alone_matches_math(c, limits, monkeypatch):
+    for name, value in limits.items():
+        monkeypatch.setattr(sk_triton, name, value)
+    check_against_math(c, _triton_run)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the forced shortcut overflows (interpreted: numpy warns)
+@needs_kernels
+@pytest.mark.parametrize("n_iters", [1, 3])
+@pytest.mark.parametrize("shortcut", ["MIN_SUM", "SPREAD_MAX"])
+def test_triton_extreme_logits_take_the_exact_walks(shortcut, n_iters, monkeypatch):
+    """eps = 0.05 with logits in the hundreds (SPREAD_MAX: backward blocks whose row potentials span
+    more than 2^40) or thousands (MIN_SUM: rows whose sum underflows even under their own bound).
+    Without the fallback the outputs or the gradients are wrong or not finite; with it (the
+    default, also in the table above) they match."""
+    c = dict(EXTREME.values[0], n_iters=n_iters, big=3.0 if shortcut == "MIN_SUM" else 2.0)
+    check_against_math(c, _triton_run)
+    monkeypatch.setattr(sk_triton, shortcut, SHIFTED_ONLY[shortcut])
+    with pytest.raises(AssertionError):
+        check_against_math(c, _triton_run)
+
+
+@needs_kernels
+@pytest.mark.parametrize("c", [c for c in TRITON_CASES if c.id in ("t-f32-plain", "t-f32-iters0-dot", "t-f32-pad-odd")])
+def test_triton_large_call_path_matches_math(c, monkeypatch):
+    """Calls from FOLD_BELOW on launch a row-dot kernel for g^0 = -a|k|^2 and for dout.out instead
+    of computing them inside the first pass that reads them: the same numbers."""
+    monkeypatch.setattr(sk_triton, "FOLD_BELOW", 0)
+    check_against_math(c, _triton_run)
+
+
+def _far_apart_terms(T=2, nq=19, nk=23, spread=100.0, seed=5):
+    """A dot-cost problem with synthetic potential stacks hundreds apart that still make every plan
+    entry <= 1 (as the kernels assume): F[t] = -lse_j(L + max(G[t + 1] - c, G[t])), lse = lse_j(L + G[T])."""
+    gen = seeded(seed)
+    q, k, v = qkv(1, 1, nq, nk, 8, generator=gen)
+    scale, eps = 0.5, 1.0
+    L = scale / eps * q.double() @ k.double().transpose(-1, -2)
+    c = math.log(nq / nk)
+    G = torch.randn(T + 1, 1, 1, nk, generator=gen, dtype=torch.float64) * spread
+    F = torch.stack([-torch.logsumexp(L + torch.maximum(G[t + 1] - c, G[t])[..., None, :], -1) for t in range(T)])
+    lse = torch.logsumexp(L + G[T][..., None, :], -1)
+    DG = torch.randn(T, 1, 1, nk, generator=gen, dtype=torch.float64)
+    DF = torch.randn(T, 1, 1, nq, generator=gen, dtype=torch.float64)
+    dout = torch.randn(1, 1, nq, 8, generator=gen)
+    delta = torch.randn(1, 1, nq, generator=gen, dtype=torch.float64)
+    return (q, k, v, scale, eps), (G, F, lse, DG, DF, dout, delta)
+
+
+def _grad_qk_both(problem, stacks):
+    """dq, dk of the CPU engine in float64 and of the Triton engine in float32 on the same terms."""
+    (q, k, v, scale, eps), (G, F, lse, DG, DF, dout, delta) = problem, stacks
+    p64 = Problem(q.double(), k.double(), v.double(), None, None, scale, eps, "dot")
+    want = sk_cpu.TorchEngine(4, 4).grad_qk(p64, G[-1], lse, dout.double(), delta, (F, G, DG, DF))
+    dev = lambda t: t.float().to(KERNEL_DEVICE)
+    p32 = sk_triton._problem(dev(q), dev(k), dev(v), None, scale, eps, False, False)
+    got = sk_triton.ENGINE.grad_qk(p32, dev(G[-1]), dev(lse), dev(dout), dev(delta),
+                                   tuple(dev(t) for t in (F, G, DG, DF)))
+    return want, tuple(t.cpu() for t in got)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the forced shortcut overflows (interpreted: numpy warns)
+@needs_kernels
+def test_triton_adjoint_terms_with_potentials_hundreds_apart(monkeypatch):
+    """dq / dk take the unrolled terms C^t dg^t + R^t df^t = P (rank-one factors) from one product when
+    the factors fit in float32, else one exponential per term (_factors_kernel decides per iteration).
+    With potentials hundreds apart (after one iteration at tiny eps) the factors would overflow:
+    forced, they give garbage; the default and the forced exponentials match float64 (fp32
+    potentials ~300: relative rounding ~2e-5)."""
+    problem, stacks = _far_apart_terms()
+    for limit in (sk_triton.FACTOR_MAX, -1e30):
+        monkeypatch.setattr(sk_triton, "FACTOR_MAX", limit)
+        want, got = _grad_qk_both(problem, stacks)
+        for w, g in zip(want, got):
+            assert torch.isfinite(g).all() and rel_err(g, w) < 1e-4, (limit, rel_err(g, w))
+    monkeypatch.setattr(sk_triton, "FACTOR_MAX", 1e30)
+    want, got = _grad_qk_both(problem, stacks)
+    assert not all(torch.isfinite(g).all() and rel_err(g, w) < 1e-4 for w, g in zip(want, got))
+    # moderate potentials: the factored product alone matches too
+    problem, stacks = _far_apart_terms(spread=2.0)
+    want, got = _grad_qk_both(problem, stacks)
+    for w, g in zip(want, got):
+        assert rel_err(g, w) < 1e-5, rel_err(g, w)
 
 
 # ---------------------------------------------------------------- compiled kernels on a GPU
@@ -480,9 +569,14 @@ def _gpu_check(shape, dtype, n_iters=3, eps=1.0, grad_mode="unrolled", device="c
 
 
 @needs_interpreter
-def test_gpu_check_itself_runs_under_the_interpreter():
-    """The GPU tests' comparison, on CPU tensors and a tiny shape (fp32: the interpreter computes in fp32)."""
-    _gpu_check((1, 2, 19, 21, 20, 12, "l2", "query"), torch.float32, device="cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 19, 21, 20, 12, "l2", "query"), (2, 1, 23, 17, 16, 16, "dot", "pad")],
+                         ids=["l2-query-mask", "dot-key-padding"])
+def test_flash_rule_under_the_interpreter(shape, dtype):
+    """The GPU tests' comparison on CPU tensors and tiny shapes: FlashAttention's rule against float64,
+    outputs and every gradient. The interpreter's dots are fp32, but the kernels still round P and dL
+    to the input dtype before their products, as on a GPU."""
+    _gpu_check(shape, dtype, device="cpu")
 
 
 @pytest.mark.gpu

@@ -62,10 +62,11 @@ def _qkv(grad=True, h=2, h_kv=2):
 
 # (variant, options): forward launches, backward launches. The softmax family: one forward kernel;
 # delta = rowsum(dO * O), dK/dV, dQ in the backward (FlashAttention-2's three). Pointwise kernels keep
-# no row statistics: no delta. Sinkhorn(n): a row-norm pass, 2n log-sum-exp passes and the weighted
-# output; its backward mirrors them. Causal linear: chunk states, then outputs; the backward rebuilds
-# the states, then the normaliser gradient, the reverse scan and the two gradient kernels. Non-causal
-# linear: the keys' state, reduced in 2 splits at N = 40 under the interpreter (32-row splits) and
+# no row statistics: no delta. Sinkhorn(n), a small call: 2n log-sum-exp passes (the first also writes
+# g^0) and the weighted output; backward: dv with the last adjoint (and delta), 2n - 1 adjoint passes,
+# the adjoint's rank-one factors (O(n N)) and dq / dk. Causal linear: chunk states, then outputs; the
+# backward rebuilds the states, then the normaliser gradient, the reverse scan and the two gradient kernels.
+# Non-causal linear: the keys' state, reduced in 2 splits at N = 40 under the interpreter (32-row splits) and
 # summed, then outputs; the backward reduces dS over the queries (writing dq), sums, then dk / dv
 # (one launch fewer each way when a single split suffices: tests/test_fused_linear_noncausal.py).
 LAUNCHES = {
@@ -77,9 +78,8 @@ LAUNCHES = {
                       ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
     ("sigmoid", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
     ("relu", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
-    ("sinkhorn", (("n_iters", 3),)): (["_row_dot_kernel"] + ["_lse_kernel"] * 6 + ["_attend_kernel"],
-                                      ["_row_dot_kernel", "_grad_v_kernel"] + ["_wsum_kernel"] * 5
-                                      + ["_grad_qk_kernel"]),
+    ("sinkhorn", (("n_iters", 3),)): (["_lse_kernel"] * 6 + ["_attend_kernel"],
+                                      ["_grad_v_kernel"] + ["_wsum_kernel"] * 5 + ["_factors_kernel", "_grad_qk_kernel"]),
     ("linear", (("is_causal", True),)): (["_states_kernel", "_output_kernel"],
                                          ["_states_kernel", "_normaliser_grad_kernel", "_reverse_states_kernel",
                                           "_dv_kernel", "_dqk_kernel"]),
@@ -99,6 +99,42 @@ def test_each_triton_call_issues_its_launches_and_no_more(variant, options, laun
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     backward = [name for name, _ in launches]
     assert (forward, backward) == LAUNCHES[(variant, options)]
+
+
+@needs_interpreter
+def test_a_large_sinkhorn_call_launches_the_row_dots(launches, monkeypatch):
+    """From FOLD_BELOW on, g^0 = -a|k|^2 and delta = dout.out get a row-dot launch each (computing them
+    per tile in the first pass that reads them costs more than a launch at that size)."""
+    from attnzoo.ops.sinkhorn import triton as sk
+    monkeypatch.setattr(sk, "FOLD_BELOW", 0)
+    q, k, v = _qkv()
+    out = AF.sinkhorn(q, k, v, backend="triton", n_iters=3)
+    forward = [name for name, _ in launches]
+    launches.clear()
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    small_forward, small_backward = LAUNCHES[("sinkhorn", (("n_iters", 3),))]
+    assert forward == ["_row_dot_kernel"] + small_forward
+    assert [name for name, _ in launches] == ["_row_dot_kernel"] + small_backward
+
+
+# Sinkhorn's host code between its launches: the potential stacks and their views (one unbind per
+# stack, the kernels write every potential and adjoint in place), the outputs, dq's float32
+# accumulator (zeros) and its scale (mul_); no arithmetic on potentials.
+SINKHORN_HOST_OPS = (["aten::empty"] * 4 + ["aten::unbind"] * 2,
+                     ["aten::empty"] * 6 + ["aten::empty_like"] * 2 + ["aten::unbind"] * 4
+                     + ["aten::zeros", "aten::mul_"])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cost", ["l2", "dot"])
+def test_sinkhorn_host_code_does_no_arithmetic_on_potentials(cost, launches):
+    q, k, v = _qkv()
+    cot = torch.ones(1, 2, 40, 16)
+    AF.sinkhorn(q, k, v, backend="triton", cost=cost)
+    outs = []
+    forward = top_level_aten(lambda: outs.append(AF.sinkhorn(q, k, v, backend="triton", cost=cost)))
+    backward = top_level_aten(lambda: torch.autograd.grad(outs[0], (q, k, v), cot))
+    assert (sorted(forward), sorted(backward)) == tuple(sorted(x) for x in SINKHORN_HOST_OPS)
 
 
 # The host code around the softmax-family, pointwise and non-causal linear kernels allocates the outputs

@@ -155,11 +155,12 @@ class TorchEngine:
         for qs, ks, L in self._tiles(p):
             _, dL = self._plan_and_dS(p, qs, ks, L, g, lse, dout, delta)
             if terms is not None:
-                FT, GC, GR, DG, DF = terms
-                for t in range(FT.shape[0]):  # in place: 2 n_iters exponentials per tile entry
-                    Lf = L + FT[t][..., qs, None]
-                    dL.sub_(torch.add(Lf, GC[t][..., None, ks]).exp_().mul_(DG[t][..., None, ks]))
-                    dL.sub_(Lf.add_(GR[t][..., None, ks]).exp_().mul_(DF[t][..., qs, None]))
+                F, G, DG, DF = terms   # C^t from F[t], G[t + 1] - c; R^t from F[t], G[t] (streaming.py)
+                c = p.col_target
+                for t in range(F.shape[0]):  # in place: 2 n_iters exponentials per tile entry
+                    Lf = L + F[t][..., qs, None]
+                    dL.sub_(torch.add(Lf, G[t + 1][..., None, ks] - c).exp_().mul_(DG[t][..., None, ks]))
+                    dL.sub_(Lf.add_(G[t][..., None, ks]).exp_().mul_(DF[t][..., qs, None]))
             qb, kb = p.q[..., qs, :].to(acc), p.k[..., ks, :].to(acc)
             if p.cost == "l2":  # L = -a ||q - k||^2: dL/dq_i = 2a (k_j - q_i)
                 dq[..., qs, :] += 2 * a * (dL @ kb - qb * dL.sum(-1, keepdim=True))

@@ -20,7 +20,9 @@ dS_ij = P_ij (dout_i . v_j - dout_i . out_i) and dg^T_j = sum_i dS_ij, for t = T
     dg^{t-1}_j = -sum_i df^t_i     R^t_ij,  R^t_ij = exp(L_ij + f^t_i + g^{t-1}_j)   (wsum_cols)
 
 and finally dL_ij = dS_ij - sum_t (C^t_ij dg^t_j + R^t_ij df^t_i), pushed to q and k tile by tile
-(engine.grad_qk). Only the potentials f^t, g^t (O(n_iters N)) are kept between forward and backward.
+(engine.grad_qk, which takes the terms as the stacks (F, G, DG, DF) = (f^1..f^T, g^0..g^T,
+dg^1..dg^T, df^1..df^T): C^t from F[t], G[t + 1] - c, R^t from F[t], G[t]). Only the potentials
+f^t, g^t (O(n_iters N)) are kept between forward and backward.
 
 Backward, "implicit" (gradient of the fixed point g*(L), implicit function theorem): at the fixed
 point every C^t and R^t equals the final P up to the constant e^{-c}, so the adjoint recursion above
@@ -95,7 +97,7 @@ def sinkhorn_potentials(engine, p: Problem, n_iters: int):
 
 
 def _adjoint_unrolled(engine, p, fs, gs, dg):
-    """Walk the iterations backwards; returns the stacked (FT, GC, GR, DG, DF) of engine.grad_qk."""
+    """Walk the iterations backwards; returns the stacks (F, G, DG, DF) of engine.grad_qk."""
     c = p.col_target
     T = len(fs)
     DG, DF = [None] * T, [None] * T
@@ -109,7 +111,7 @@ def _adjoint_unrolled(engine, p, fs, gs, dg):
     if T == 0:
         return None
     st = torch.stack
-    return st(fs), st([g - c for g in gs[1:]]), st(gs[:-1]), st(DG), st(DF)
+    return st(fs), st(gs), st(DG), st(DF)
 
 
 def _adjoint_implicit(engine, p, g, lse, dg):
@@ -142,7 +144,8 @@ def _adjoint_implicit(engine, p, g, lse, dg):
         warnings.warn(f"Sinkhorn implicit backward: the adjoint series did not converge in {IMPLICIT_MAX_ITERS} "
                       "terms (eps too small or the forward far from its fixed point); use grad_mode='unrolled'",
                       RuntimeWarning, stacklevel=2)
-    return f[None], (g - c)[None], g[None], w_g[None], w_f[None]
+    # one term with C = exp(L + f + g - c), R = exp(L + f + g): the stacks' G[t + 1] - c and G[t]
+    return f[None], torch.stack([g, g]), w_g[None], w_f[None]
 
 
 class _StreamingSinkhorn(torch.autograd.Function):

@@ -1,13 +1,24 @@
 """Sinkhorn attention with the streaming passes as Triton kernels (the "triton" backend).
 
-Same semantics as ``reference.py`` and the same algorithm as ``cpu.py`` (both driven by
-``streaming.py``); here each pass is one kernel launch over a (row blocks, B*H) grid, with the l2
-norms folded into the potentials (streaming.py, reduced potentials) so every kernel sees
-dot-product logits. Cost per call at n_iters = k (one pass = one sweep over the N x N logits,
-recomputed from q and k on the tensor cores): forward 2k logsumexp passes + 1 softmax-with-bias
-pass; backward 1 (dv and the last adjoint) + 2k - 1 (unrolled adjoint) + 1 (dq and dk, with
-FlashAttention-2's layout: key blocks own dk, dq is summed with float32 atomics). Inputs fp16 /
+Same semantics as ``reference.py`` and the same algorithm as ``cpu.py`` (``streaming.py`` gives
+the math); here each pass is one kernel launch over a (row blocks, B*H) grid, with the l2 norms
+folded into the potentials (streaming.py, reduced potentials) so every kernel sees dot-product
+logits. Cost per call at n_iters = k (one pass = one sweep over the N x N logits, recomputed from q
+and k on the tensor cores, one exponential per logit): forward 2k logsumexp passes + 1
+softmax-with-bias pass; backward 1 (dv and the last adjoint) + 2k - 1 (unrolled adjoint) + 1 (dq
+and dk, FlashAttention-2's layout: key blocks own dk, dq is summed with float32 atomics), plus an
+O(k N) kernel forming the adjoint's rank-one factors. Every pass after the first sums its
+exponentials under one known shift per program instead of a running maximum, and the dq / dk pass
+takes every unrolled term from one small product instead of one exponential per logit each
+(triton_kernels.py; docs/kernels_sinkhorn.md has the algebra and the cost model). Inputs fp16 /
 bf16 / fp32, every potential and reduction float32; only O(n_iters N) vectors are kept.
+
+The potentials live in two stacks written in place by the kernels, F = f^1..f^T (T, B, H, Nq) and
+G = g^0..g^T (T + 1, B, H, Nk); the backward's adjoints likewise (DF, DG): no host arithmetic
+between launches. Calls with B*H*Nq*Nk < FOLD_BELOW also compute the O(N) vectors each pass needs
+first (g^0 = -a|k|^2 in the first row pass, dout.out in the dv pass) inside that pass, one launch
+less each way; larger calls launch a row-dot kernel for them (the per-tile norms would cost more
+than the launch there).
 
 The forward and the two backwards are torch custom ops (``attnzoo::sinkhorn_fwd``, ``_bwd``,
 ``_bwd_implicit``): torch.compile sees through the forward and the unrolled backward
@@ -34,10 +45,10 @@ import torch
 import triton
 from torch import Tensor
 
-from ..triton_utils import INTERPRETED, dot_precision, kernel_op, launcher, quick_bench, tracing_only
+from ..triton_utils import INTERPRETED, dot_precision, kernel_op, launcher, quick_bench, stand_in, tracing_only
 from . import triton_kernels as K
 from .cpu import check_options
-from .streaming import Problem, causal_by_prefix, sinkhorn_potentials, streaming_backward
+from .streaming import Problem, causal_by_prefix, streaming_backward
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COSTS = ("l2", "dot")
@@ -47,6 +58,19 @@ MAX_HEAD_DIM = 256
 # B*H*Nx*Ny from which a launch autotunes among its candidates (a few ms of benchmarking per new
 # shape); below it the first candidate runs: tests and small layers do not pay the compiles.
 AUTOTUNE_MIN_WORK = 1 << 26
+# B*H*Nq*Nk below which g^0 (l2) and delta are computed inside the first pass that reads them
+# (module doc): host-bound sizes, where a launch costs more than the per-tile norms.
+FOLD_BELOW = AUTOTUNE_MIN_WORK
+# Numerical limits of the shifted sums (triton_kernels.py explains each): a row summing to less
+# than MIN_SUM under its program's shift is walked again with a running maximum; a backward row
+# potential leaves the exponent when its program's potentials span at most SPREAD_MAX (log2
+# units); an iteration's adjoint terms use rank-one factors when no factor exceeds 2^FACTOR_MAX.
+MIN_SUM = 2.0 ** -80
+SPREAD_MAX = 40.0
+FACTOR_MAX = 58.0
+# Factor columns per tensor-core product in _grad_qk_kernel (a TF32 product's K step): 2 per
+# unrolled term and 1 for delta, so up to n_iters = 3 in one product.
+FACTOR_COLUMNS = 8
 
 
 def interpreting() -> bool:
@@ -160,9 +184,14 @@ def _launch(kernel, kind, width, nx, ny, bh, x, args, meta, tune, reset=()):
         launcher(kernel)[(triton.cdiv(nx, bx), bh)](*args, **meta, BLOCK_X=bx, BLOCK_Y=by, **opts)
 
 
+
 class TritonEngine:
     """The passes of streaming.py as launches of the kernels in triton_kernels.py, on reduced
-    potentials: the kernels see logits A q.k (A = 2a for l2, a for dot) and g^0 = -a|k|^2 (l2)."""
+    potentials: the kernels see logits A q.k (A = 2a for l2, a for dot) and g^0 = -a|k|^2 (l2).
+
+    ``forward`` and ``backward_unrolled`` run a whole call (stacks written in place, every exponent
+    bound used); the per-pass methods (``lse_rows``, ``wsum_rows``, ...) are streaming.py's engine
+    interface, used by the implicit adjoint and by benchmarks/fused_sinkhorn.py."""
 
     @staticmethod
     def acc_dtype(p: Problem):
@@ -175,7 +204,7 @@ class TritonEngine:
             return s
         B, H, nq, D = p.q.shape
         nk, DV = p.k.shape[2], p.v.shape[3]
-        mask, kind, rows, cols = p.q.new_zeros(1), 0, (0,) * 4, (0,) * 4
+        mask, kind, rows, cols = stand_in(p.q, torch.uint8), 0, (0,) * 4, (0,) * 4
         if p.mask is not None:
             mask = p.mask.expand(B, H, nq, nk)
             kind = 1 if mask.dtype == torch.bool else 2
@@ -187,12 +216,13 @@ class TritonEngine:
         a = p.logit_scale
         s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
                  mask=mask, rows=rows, cols=cols, shape_rows=shape(rows), shape_cols=shape(cols),
+                 fold=B * H * nq * nk < FOLD_BELOW,
                  meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype)))
         p._triton = s
         return s
 
-    def _vec(self, p, n):
-        return torch.empty(p.q.shape[0], p.q.shape[1], n, dtype=torch.float32, device=p.q.device)
+    def _vec(self, p, n, *lead):
+        return torch.empty(*lead, p.q.shape[0], p.q.shape[1], n, dtype=torch.float32, device=p.q.device)
 
     def _orient(self, p, s, rows):
         """(X, Y, Nx, Ny, mask strides, meta) of a row pass (X = q) or a column pass (X = k)."""
@@ -200,104 +230,174 @@ class TritonEngine:
             return p.q, p.k, s["nq"], s["nk"], s["rows"], dict(s["meta"], MASK_SHAPE=s["shape_rows"])
         return p.k, p.q, s["nk"], s["nq"], s["cols"], dict(s["meta"], MASK_SHAPE=s["shape_cols"])
 
-    def row_dot(self, a, b):
-        """sum_d a_d b_d per row, float32 (shape a.shape[:-1])."""
+    def row_dot(self, a, b, out=None, scale=1.0):
+        """scale * sum_d a_d b_d per row, float32 (shape a.shape[:-1]), into ``out`` if given."""
         a, b = a.contiguous(), b.contiguous()
         rows, d = a.numel() // a.shape[-1], a.shape[-1]
-        out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
+        if out is None:
+            out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
         block = 16 if INTERPRETED else 64
         opts = {} if INTERPRETED else dict(num_warps=4)
-        launcher(K._row_dot_kernel)[(triton.cdiv(rows, block),)](a, b, out, rows, d, BLOCK_R=block,
+        launcher(K._row_dot_kernel)[(triton.cdiv(rows, block),)](a, b, out, rows, d, float(scale), BLOCK_R=block,
                                                                       BLOCK_D=_block(d), **opts)
         return out
+
+    # -- one pass each (streaming.py's engine interface) ------------------------------------------
 
     def initial_g(self, p):
         s = self._setup(p)
         if p.cost == "l2":
-            return self.row_dot(p.k, p.k).mul_(-s["a"])
+            return self.row_dot(p.k, p.k, scale=-s["a"])
         return torch.zeros(s["B"], s["H"], s["nk"], dtype=torch.float32, device=p.q.device)
 
-    def _lse(self, p, other, rows):
+    def _lse(self, p, other, rows, out=None, out_shift=0.0, ref=None, ref_shift=0.0, g0_mode=0):
+        """out = out_shift - lse over the other side of (A x.y + other_y); ``ref``: the bound of a
+        shifted pass (ref_shift - ref_x, triton_kernels.py); ``g0_mode``: see _lse_online."""
         s = self._setup(p)
         X, Y, nx, ny, strides, meta = self._orient(p, s, rows)
-        out = self._vec(p, nx)
-        args = (X, Y, other.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"], s["A"], *strides)
+        out = self._vec(p, nx) if out is None else out
+        args = (X, Y, other, out if ref is None else ref, out, s["mask"], s["H"], nx, ny, s["D"], s["A"],
+                float(ref_shift), float(out_shift), *strides)
+        meta.update(BOUNDED=ref is not None, G0_MODE=g0_mode, MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX)
         _launch(K._lse_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, meta, p.tune)
         return out
 
     def lse_rows(self, p, g):
-        return self._lse(p, g, True)
+        """lse_j (L_ij + g_j)."""
+        return self._lse(p, g.contiguous(), True, out_shift=0.0).neg_()
 
     def lse_cols(self, p, f):
-        return self._lse(p, f, False)
+        """lse_i (L_ij + f_i)."""
+        return self._lse(p, f.contiguous(), False, out_shift=0.0).neg_()
 
-    def _wsum(self, p, xp, yp, w, rows):
+    def _wsum(self, p, xp, yp, w, rows, out=None, shift=0.0, out_scale=1.0):
         s = self._setup(p)
         X, Y, nx, ny, strides, meta = self._orient(p, s, rows)
-        out = self._vec(p, nx)
-        args = (X, Y, xp.contiguous(), yp.contiguous(), w.contiguous(), out, s["mask"], s["H"], nx, ny, s["D"],
-                s["A"], *strides)
+        out = self._vec(p, nx) if out is None else out
+        args = (X, Y, xp, yp, w, out, s["mask"], s["H"], nx, ny, s["D"], s["A"], float(shift), float(out_scale),
+                *strides)
+        meta.update(SPREAD_MAX=SPREAD_MAX)
         _launch(K._wsum_kernel, "scan", s["D"], nx, ny, s["BH"], X, args, meta, p.tune)
         return out
 
     def wsum_rows(self, p, a, b, w):
         """sum_j exp(L_ij + a_i + b_j) w_j."""
-        return self._wsum(p, a, b, w, True)
+        return self._wsum(p, a.contiguous(), b.contiguous(), w.contiguous(), True)
 
     def wsum_cols(self, p, a, b, w):
         """sum_i exp(L_ij + a_i + b_j) w_i."""
-        return self._wsum(p, b, a, w, False)
+        return self._wsum(p, b.contiguous(), a.contiguous(), w.contiguous(), False)
 
-    def attend(self, p, g):
+    def attend(self, p, g, ref=None, ref_shift=0.0):
+        """(out, lse) of softmax_j(L_ij + g_j) v_j; ``ref``: c - ref_i bounds row i's exponents."""
         s = self._setup(p)
         out = torch.empty(p.q.shape[:-1] + (s["DV"],), dtype=p.q.dtype, device=p.q.device)
         lse = self._vec(p, s["nq"])
-        args = (p.q, p.k, p.v, g.contiguous(), out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"], s["DV"],
-                s["A"], *s["rows"])
-        _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args,
-                dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"])), p.tune)
+        args = (p.q, p.k, p.v, g, lse if ref is None else ref, out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"],
+                s["DV"], s["A"], float(ref_shift), *s["rows"])
+        meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]), BOUNDED=ref is not None,
+                    MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX)
+        _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args, meta, p.tune)
         return out, lse
 
-    def grad_v_and_bias(self, p, g, lse, dout, delta):
+    def grad_v_and_bias(self, p, g, lse, dout, delta, dg=None, out=None):
+        """(dv, dg): dv = P^T dout, dg_j = sum_i dS_ij. With ``out`` given (and delta an empty vector)
+        delta_i = dout_i . out_i is computed by the same launch and written to ``delta``."""
         s = self._setup(p)
         dv = torch.empty_like(p.v)
-        dg = self._vec(p, s["nk"])
-        args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, dv, dg, s["mask"], s["H"], s["nk"], s["nq"],
-                s["D"], s["DV"], s["A"], *s["cols"])
-        _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
-                dict(s["meta"], MASK_SHAPE=s["shape_cols"], BLOCK_DV=_block(s["DV"])), p.tune)
+        dg = self._vec(p, s["nk"]) if dg is None else dg
+        args = (p.k, p.q, p.v, dout, dout if out is None else out, g, lse, delta, dv, dg, s["mask"], s["H"], s["nk"],
+                s["nq"], s["D"], s["DV"], s["A"], *s["cols"])
+        meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], BLOCK_DV=_block(s["DV"]), DELTA_HERE=out is not None,
+                    SPREAD_MAX=SPREAD_MAX)
+        _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args, meta, p.tune)
         return dv, dg
 
-    @staticmethod
-    def fold_terms(terms):
-        """(FT, GC, GR, DG, DF) of the adjoint -> (FQ, HK, U, RHO, DF) of _grad_qk_kernel.
-
-        Per term C_ij dg_j + R_ij df_i with C = exp(L + f_i + GC_j), R = exp(L + f_i + GR_j): both
-        share exp(L + f_i + max(GC, GR)_j) (<= 1: C's columns and R's rows sum to one) and differ by
-        rho_j = exp(-|GC_j - GR_j|) <= 1, so one exponential per term serves both without overflow."""
-        FT, GC, GR, DG, DF = terms
-        gap = GC - GR
-        rho = torch.exp(-gap.abs())
-        up = gap >= 0
-        U = torch.where(up, DG, DG * rho)
-        RHO = torch.where(up, rho, torch.ones_like(rho))
-        return FT.contiguous(), torch.maximum(GC, GR), U, RHO, DF.contiguous()
-
     def grad_qk(self, p, g, lse, dout, delta, terms):
+        """(dq, dk) from dL = dS - sum_t (C^t dg^t + R^t df^t); ``terms`` = (F, G, DG, DF) stacks
+        (streaming.py) or None. ``g`` is G[-1] (the final column potential)."""
         s = self._setup(p)
+        B, H, nq, nk, BH = s["B"], s["H"], s["nq"], s["nk"], s["BH"]
         if terms is None:
-            T, folded = 0, (lse,) * 5  # never read
+            T, G = 0, g.unsqueeze(0)
         else:
-            folded = self.fold_terms(terms)
-            T = folded[0].shape[0]
+            F, G, DG, DF = (t.contiguous() for t in terms)
+            T = F.shape[0]
+        if T > 0:
+            XF = torch.empty(B, H, nq, 2 * T, dtype=torch.float32, device=p.q.device)
+            UF = torch.empty(B, H, nk, 2 * T, dtype=torch.float32, device=p.q.device)
+            fast = torch.empty(T, BH, dtype=torch.int32, device=p.q.device)
+            block = 16 if INTERPRETED else 1024
+            opts = {} if INTERPRETED else dict(num_warps=4)
+            launcher(K._factors_kernel)[(T, BH)](F, G, lse, DF, DG, XF, UF, fast, T, nq, nk, float(p.col_target),
+                                                 FACTOR_MAX=FACTOR_MAX, BLOCK=block, **opts)
+        else:  # never read: no terms
+            F = DG = DF = XF = UF = lse
+            fast = stand_in(p.q, torch.int32)
         dq = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
         dk = torch.empty_like(p.k)
-        args = (p.k, p.q, p.v, dout, g.contiguous(), lse, delta, *folded, T, dq, dk, s["mask"], s["H"], s["nk"],
-                s["nq"], s["D"], s["DV"], s["A"], *s["cols"])
-        _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args,
-                dict(s["meta"], MASK_SHAPE=s["shape_cols"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"])), p.tune,
+        args = (p.k, p.q, p.v, dout, G, lse, delta, F, DG, DF, XF, UF, fast, T, float(p.col_target), dq, dk,
+                s["mask"], H, nk, nq, s["D"], s["DV"], s["A"], *s["cols"])
+        meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"]),
+                    KT=FACTOR_COLUMNS)
+        _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), nk, nq, BH, p.q, args, meta, p.tune,
                 reset=("DQ",))
         return dq.mul_(s["A"]), dk
+
+    # -- whole calls ------------------------------------------------------------------------------
+
+    def forward(self, p: Problem, n_iters: int):
+        """(out, lse, F, G): the output, the final row lse, F = f^1..f^T and G = g^0..g^T (reduced).
+
+        Passes: the first row pass (running maximum: nothing bounds it yet; it also writes g^0 when
+        the call is small or the cost is dot), then per iteration a column pass bounded by the row
+        pass before it and a row pass bounded by the column pass before it, and the final attend
+        bounded by the last column pass."""
+        s = self._setup(p)
+        T, c = n_iters, p.col_target
+        F = self._vec(p, s["nq"], T)
+        G = self._vec(p, s["nk"], T + 1)
+        f, g = F.unbind(0), G.unbind(0)   # one view op each, not one per pass
+        if p.cost == "dot":
+            g0_mode = 1
+        elif s["fold"] and T > 0:
+            g0_mode = 2
+        else:
+            g0_mode = 0
+            self.row_dot(p.k, p.k, out=g[0], scale=-s["a"])
+        if T == 0:
+            if g0_mode == 1:
+                g[0].zero_()
+            out, lse = self.attend(p, g[0])
+            return out, lse, F, G
+        self._lse(p, g[0], True, out=f[0], g0_mode=g0_mode)
+        for t in range(1, T + 1):
+            self._lse(p, f[t - 1], False, out=g[t], out_shift=c, ref=g[t - 1], ref_shift=0.0)
+            if t < T:
+                self._lse(p, g[t], True, out=f[t], ref=f[t - 1], ref_shift=c)
+        out, lse = self.attend(p, g[T], ref=f[T - 1], ref_shift=c)
+        return out, lse, F, G
+
+    def backward_unrolled(self, p: Problem, dout, out, lse, F, G):
+        """(dq, dk, dv) of the n_iters unrolled iterations (streaming._adjoint_unrolled's recursion),
+        every adjoint written in place into the DG / DF stacks by its pass."""
+        s = self._setup(p)
+        T, c = F.shape[0], p.col_target
+        dout = dout.contiguous()
+        delta = self._vec(p, s["nq"])
+        if not s["fold"]:
+            self.row_dot(dout, out, out=delta)
+        DG = self._vec(p, s["nk"], T)
+        DF = self._vec(p, s["nq"], T)
+        f, g, dg, df = (t.unbind(0) for t in (F, G, DG, DF))
+        dv, _ = self.grad_v_and_bias(p, g[T], lse, dout, delta, dg=dg[T - 1] if T else None,
+                                     out=out if s["fold"] else None)
+        for t in range(T - 1, -1, -1):
+            self._wsum(p, f[t], g[t + 1], dg[t], True, out=df[t], shift=-c, out_scale=-1.0)
+            if t > 0:
+                self._wsum(p, g[t], f[t], df[t], False, out=dg[t - 1], out_scale=-1.0)
+        dq, dk = self.grad_qk(p, g[T], lse, dout, delta, (F, G, DG, DF) if T else None)
+        return dq, dk, dv
 
 
 ENGINE = TritonEngine()
@@ -322,17 +422,16 @@ def sinkhorn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale:
     if tracing_only(q):
         return (q.new_empty(B, H, nq, v.shape[-1]), _empty(q, B, H, nq), _empty(q, n_iters, B, H, nq),
                 _empty(q, n_iters + 1, B, H, nk))
-    p = _problem(q, k, v, mask, scale, eps, l2, tune)
-    fs, gs = sinkhorn_potentials(ENGINE, p, n_iters)
-    out, lse = ENGINE.attend(p, gs[-1])
-    F = torch.stack(fs) if fs else _empty(q, 0, B, H, nq)
-    return out, lse, F, torch.stack(gs)
+    return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune), n_iters)
 
 
 def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode):
     p = _problem(q, k, v, mask, scale, eps, l2, tune)
-    dq, dk, dv = streaming_backward(ENGINE, p, dout, out, lse, list(F.unbind(0)), list(G.unbind(0)), grad_mode)
-    return dq.to(q.dtype), dk, dv
+    if grad_mode == "unrolled":
+        dq, dk, dv = ENGINE.backward_unrolled(p, dout, out, lse, F, G)
+    else:
+        dq, dk, dv = streaming_backward(ENGINE, p, dout, out, lse, list(F.unbind(0)), list(G.unbind(0)), grad_mode)
+    return (dq if dq.dtype == q.dtype else dq.to(q.dtype)), dk, dv
 
 
 @kernel_op("attnzoo::sinkhorn_bwd", mutates_args=())
@@ -412,7 +511,7 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     if why is not None:
         raise ValueError(why)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
     # the causal prefix loop never autotunes: every prefix is a new shape
     flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit", not is_causal)
 
