@@ -164,3 +164,21 @@ def test_the_cache_is_bounded(monkeypatch):
     for n in range(3, 12):
         AF.softmax(*_qkv(N=n))
         assert plan.size() <= 4
+
+
+@pytest.mark.parametrize("nq,nk,causal,plain", [(6, 6, False, True), (6, 6, True, True), (4, 6, True, False),
+                                                (6, 4, True, False)])
+def test_a_signature_needing_no_adjustment_runs_sdpa_itself(nq, nk, causal, plain):
+    """SDPA aligns is_causal top-left; attnzoo bottom-right. Only where they agree (Nq == Nk, no mask,
+    equal head dims) does the plan call SDPA as it is; elsewhere the adjusted route runs. Both give the
+    formula, on the first call and on the kept plan."""
+    from attnzoo.ops.kernels.sdpa import plain_sdpa
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, nq, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, nk, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    allow, add = formulas.allow_and_add(None, causal, 1, 2, nq, nk)
+    want = formulas.softmax(q, k, v, allow, add, 0.5)
+    for _ in range(2):
+        torch.testing.assert_close(AF.softmax(q, k, v, is_causal=causal), want)
+    key, _ = plan.signature("softmax", None, q, k, v, None, causal, None, 0.0, False, {})
+    assert (plan.lookup(key).fn is plain_sdpa) == plain

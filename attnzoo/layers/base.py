@@ -88,7 +88,11 @@ class AttentionLayer(nn.Module):
     # -- what a host with its own projections reads ----------------------------------------------
     @property
     def record(self) -> catalog.Variant:
-        return catalog.get(self.kind)
+        """The variant's record, looked up once (a layer's kind is fixed when it is built)."""
+        record = self.__dict__.get("_record")
+        if record is None or record.name != self.kind:
+            record = self.__dict__["_record"] = catalog.get(self.kind)
+        return record
 
     @property
     def keys_are_queries(self) -> bool:
@@ -143,13 +147,15 @@ class AttentionLayer(nn.Module):
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
                 **extra) -> torch.Tensor:
-        proxy = tracing.fx_proxy(x, attn_mask)
-        if proxy is not None:  # torch.fx symbolic tracing: this layer is one call of the graph (tracing.py)
-            return tracing.record_as_one_call(self, proxy, (x,), {"attn_mask": attn_mask, "is_causal": is_causal},
-                                              extra)
+        if type(x) is not torch.Tensor or (attn_mask is not None and type(attn_mask) is not torch.Tensor):
+            proxy = tracing.fx_proxy(x, attn_mask)
+            if proxy is not None:  # torch.fx symbolic tracing: this layer is one call of the graph (tracing.py)
+                return tracing.record_as_one_call(self, proxy, (x,), {"attn_mask": attn_mask,
+                                                                      "is_causal": is_causal}, extra)
         self._check_input(x)
         B, N, _ = x.shape
-        attn_mask = _heads_mask(attn_mask)
+        if attn_mask is not None and attn_mask.dim() == 3:  # timm and HF hand (B, N, N) masks (_heads_mask)
+            attn_mask = _heads_mask(attn_mask)
         q, k, v = self.project_qkv(x)
         out = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x, **extra)
         out = out.transpose(1, 2).reshape(B, N, self.attn_dim)
@@ -164,7 +170,11 @@ class AttentionLayer(nn.Module):
     def _check_input(self, x) -> None:
         """x must be (B, N, dim) in the weights' dtype (any dtype under autocast) and on their device:
         say so naming this layer, instead of letting the qkv matmul fail with torch's shape message."""
-        name, dim, w = type(self).__name__, self.qkv.in_features, self.qkv.weight
+        w = self.qkv.weight
+        if (type(x) is torch.Tensor and x.dim() == 3 and x.shape[2] == w.shape[1] and x.dtype == w.dtype
+                and x.device == w.device):
+            return  # the common case, decided without building the messages' pieces
+        name, dim = type(self).__name__, self.qkv.in_features
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: x must be a torch.Tensor of shape (B, N, dim={dim}), got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != dim:

@@ -54,6 +54,9 @@ class Backend:
     # True when the backend takes ``enable_gqa=True`` with k, v of fewer heads than q (each key/value
     # head shared by H / H_kv query heads, indexed in place); other backends get k, v expanded
     gqa: bool = False
+    # None, or ``specialize(q, k, v, **kwargs) -> fn or None``: a function of the backend's signature
+    # that does only what calls of this signature need (decided once per signature, ops/plan.py)
+    specialize: Optional[Callable] = None
 
 
 @dataclass
@@ -96,14 +99,17 @@ class _Default:
 
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
                      description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None,
-                     hides_query_nan_on: tuple = (), reads_values: bool = False, gqa: bool = False) -> None:
+                     hides_query_nan_on: tuple = (), reads_values: bool = False, gqa: bool = False,
+                     specialize: Optional[Callable] = None) -> None:
     """Add (or replace) backend ``name`` of ``variant``. ``supports`` and ``auto_prefers`` must decide
     from the call's shapes, dtypes, devices, ``requires_grad``, grad mode and plain option values, so
     a decision can be kept per call signature; one that reads tensor values says ``reads_values=True``.
-    ``gqa=True``: the backend takes ``enable_gqa=True`` (fewer key/value heads than query heads)."""
+    ``gqa=True``: the backend takes ``enable_gqa=True`` (fewer key/value heads than query heads).
+    ``specialize``: see :class:`Backend`."""
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
                                                    priority, description, tuple(auto_devices), auto_prefers,
-                                                   tuple(hides_query_nan_on), bool(reads_values), bool(gqa))
+                                                   tuple(hides_query_nan_on), bool(reads_values), bool(gqa),
+                                                   specialize)
     _changed()
 
 

@@ -37,9 +37,9 @@ class Plan:
     __slots__ = ("fn", "choice", "shared", "options", "restore_nan", "empty", "gqa_group")
 
     def __init__(self, choice: dispatch.Choice, shared: dict, options: Optional[dict], restore_nan: bool,
-                 empty: bool, gqa_group: int):
+                 empty: bool, gqa_group: int, fn: Optional[Callable] = None):
         self.choice = choice
-        self.fn: Callable = choice.backend.fn
+        self.fn: Callable = fn or choice.backend.fn  # the backend, or its form specialised to the signature
         self.shared = shared  # is_causal, scale, dropout_p (checked); attn_mask is per call
         self.options = options
         self.restore_nan = restore_nan

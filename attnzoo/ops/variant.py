@@ -111,7 +111,8 @@ class OptionsHook(LayerHook):
             setattr(layer, name, value)
 
     def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
-        super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
+        if forward_kwargs:
+            super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
         return {name: getattr(layer, name) for name in self.defaults}
 
 
@@ -289,8 +290,11 @@ def _make_plan(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout
         shared["enable_gqa"], group = True, 0
     kept_options = None if options_per_call else {n: a for n, a in kw.items() if n not in call.SHARED_KWARGS}
     restore_nan = q.device.type in choice.backend.hides_query_nan_on
+    special = None
+    if choice.backend.specialize is not None and group <= 1:
+        special = choice.backend.specialize(q, k, v, **kw, **{n: a for n, a in shared.items() if n == "enable_gqa"})
     return plan_cache.Plan(choice, shared, kept_options, restore_nan, q.shape[0] == 0 or q.shape[1] == 0,
-                           group if group > 1 else 0), kw
+                           group if group > 1 else 0, special), kw
 
 
 def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: dict, kw: Optional[dict] = None):
@@ -299,8 +303,11 @@ def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: 
         if attn_mask is not None:  # the value check of a float mask (eager, CPU by default)
             V.check_values("attn_mask", attn_mask)
             attn_mask = V.as_4d(attn_mask)
-        opts = p.options if p.options is not None else _checked_options(record, q, k, v, p.shared["scale"], options)
-        kw = {"attn_mask": attn_mask, **p.shared, **opts}
+        kw = {"attn_mask": attn_mask, **p.shared}
+        if p.options is None:
+            kw.update(_checked_options(record, q, k, v, p.shared["scale"], options))
+        elif p.options:
+            kw.update(p.options)
     else:
         kw = {**kw, **{n: a for n, a in p.shared.items() if n == "enable_gqa"}}
     if p.empty:  # no (batch, head) pair: nothing to attend, no kernel to launch

@@ -122,11 +122,30 @@ def mask_grad_on_cpu(q, k, v, **kw):
     return None
 
 
-def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION, gqa: bool = False):
+def plain_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
+    """SDPA itself, for the calls that need none of ``sdpa_attention``'s adjustments."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, **_):
+    """``plain_sdpa`` for a signature with no mask, a causal pattern SDPA aligns as attnzoo does (Nq ==
+    Nk), and head dims SDPA's fused kernels take as they are; None otherwise (``sdpa_attention`` then
+    builds masks, pads head dims and zeroes empty rows)."""
+    if attn_mask is not None or (is_causal and q.shape[-2] != k.shape[-2]):
+        return None
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk != dv or (q.device.type == "cuda" and dqk % 8):
+        return None
+    return plain_sdpa
+
+
+def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION, gqa: bool = False,
+             specialize=None):
     """Register ``fn`` (a variant's form of SDPA) as its "torch" backend. SDPA's fused CPU kernel
     returns a zero row for a query holding NaN, so the dispatcher puts the NaN back on CPU tensors
     (on CUDA that would cost a pass over q and the output per call; benchmarks/gpu_speed.py's
     "nan-query" rows check cuDNN / FlashAttention there)."""
     from ..dispatch import register_backend
     register_backend(variant, "torch", fn, supports=supports, priority=priority, description=description,
-                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa)
+                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa, specialize=specialize)

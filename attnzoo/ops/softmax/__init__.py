@@ -16,7 +16,7 @@ from .functional import softmax
 from .kernels import softmax_cpu, softmax_torch
 from .reference import softmax_attention
 
-sdpa.register("softmax", softmax_torch, priority=25, gqa=True)
+sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
 blockwise.register("softmax", softmax_cpu)
 register_triton("softmax", flash.softmax_attention, gqa=True,
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
