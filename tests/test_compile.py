@@ -146,7 +146,7 @@ def test_triton_backends_compile_and_match_eager_under_the_interpreter():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (make test sets it)")
 @pytest.mark.parametrize("name,kw", TRITON_LAYERS, ids=[_layer_id(n, kw) for n, kw in TRITON_LAYERS])
-def test_triton_layers_under_bf16_autocast_meet_the_flash_rule(name, kw):
+def test_triton_layers_under_bf16_autocast_meet_the_flash_rule_under_the_interpreter(name, kw):
     """Autocast hands the kernels bf16 q, k, v beside fp32 parameters (T5 table, sigmoid bias)."""
     assert_flash_rule(_layer_id(name, kw), torch.bfloat16, 1.0, _autocast_triples([(name, kw)]))
 

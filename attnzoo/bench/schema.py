@@ -97,15 +97,19 @@ def write_text(text: str, path) -> Path:
     return path
 
 
-def load(path) -> dict:
+def _read(path) -> object:
+    """The JSON of a saved result, or a ValueError naming the file."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"benchmark result {str(path)!r} does not exist") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"benchmark result {str(path)!r} is not valid JSON: {e}") from None
-    return validate(data)
+
+
+def load(path) -> dict:
+    return validate(_read(path))
 
 
 # -- the model benchmark (attnzoo bench --models) --------------------------------------------------
@@ -175,12 +179,6 @@ def validate_overhead(result: dict) -> dict:
 
 def load_any(path) -> dict:
     """A saved result of any of the three benchmarks, checked against its own layout."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"benchmark result {str(path)!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"benchmark result {str(path)!r} is not valid JSON: {e}") from None
+    data = _read(path)
     schema = data.get("schema") if isinstance(data, dict) else None
     return {MODELS_SCHEMA: validate_models, OVERHEAD_SCHEMA: validate_overhead}.get(schema, validate)(data)
