@@ -202,7 +202,3 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             return Choice(variant, cand, requested, reasons, ranked, reusable)
         reasons[name] = why
     raise ValueError(f"no backend can run this {variant} call: {reasons}")
-
-
-def call(variant: str, backend: Optional[str], q, k, v, **kwargs):
-    return choose(variant, backend, q, k, v, **kwargs).backend.fn(q, k, v, **kwargs)
