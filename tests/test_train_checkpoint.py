@@ -10,7 +10,7 @@ from attnzoo.cli import main
 from attnzoo.train import CheckpointError, CheckpointNotFoundError, load_checkpoint, train
 from attnzoo.train import checkpoint as C
 
-from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
+from .train_helpers import copy_run, tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 
@@ -34,12 +34,6 @@ def run_dir(tmp_path_factory):
     with pytest.raises(Stop):
         train(tiny_config(out, overrides=["train.epochs=3"]), log=lambda *a: None, on_epoch=stop_after(2))
     return out
-
-
-def _copy(run_dir, tmp_path):
-    import shutil
-    shutil.copytree(run_dir, tmp_path / "run")
-    return tmp_path / "run"
 
 
 def test_a_trained_run_holds_last_and_best_and_nothing_else(run_dir):
@@ -86,7 +80,7 @@ CORRUPTIONS = [  # (which file, damage, exception, message)
 
 @pytest.mark.parametrize("which,damage,exc,match", CORRUPTIONS)
 def test_damaged_checkpoints_give_a_clear_error(run_dir, tmp_path, which, damage, exc, match):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     ck = run / "checkpoints"
     ref = json.loads((ck / "last.json").read_text())
     target = {"weights": ck / ref["weights"], "state": ck / ref["state"], "pointer": ck / "last.json"}[which]
@@ -105,7 +99,7 @@ def test_missing_checkpoint_via_the_cli(tmp_path, capsys):
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(run_dir, tmp_path, monkeypatch):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     weights, state = load_checkpoint(run)
 
     def crash(tensors, path, metadata=None):
@@ -123,7 +117,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(run_dir, tmp_path, m
 
 def test_flipped_weight_bytes_are_found_through_a_direct_safetensors_path(run_dir, tmp_path):
     """Without a pointer naming the file, the checksum the state file records catches the damage."""
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     ck = run / "checkpoints"
     ref = json.loads((ck / "last.json").read_text())
     for pointer in ("last.json", "best.json"):
@@ -158,7 +152,7 @@ STATE_EDITS = [  # (edit, message)
 
 @pytest.mark.parametrize("edit,match", STATE_EDITS)
 def test_an_incomplete_state_is_a_one_line_cli_error(run_dir, tmp_path, capsys, edit, match):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     ref = json.loads((run / "checkpoints" / "last.json").read_text())
     _rewrite_state(run / "checkpoints" / ref["state"], edit)
     with pytest.raises(CheckpointError, match=match):
@@ -179,7 +173,7 @@ def _cli_resume(run, extra):
 
 
 def test_another_model_config_is_refused_on_resume(run_dir, tmp_path, capsys):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     with pytest.raises(CheckpointError, match="model.attention: checkpoint 'softmax', config 'sigmoid'"):
         train(tiny_config(run, overrides=["train.epochs=3", "model.attention=sigmoid"]), resume=str(run),
               log=lambda *a: None)
@@ -190,7 +184,7 @@ def test_another_model_config_is_refused_on_resume(run_dir, tmp_path, capsys):
 
 
 def test_another_architectures_weights_are_a_checkpoint_error(run_dir, tmp_path, capsys):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     weights, state = load_checkpoint(run)
     other = {k + "_renamed" if k.startswith("head") else k: v for k, v in weights.items()}
     C.save_checkpoint(run / "checkpoints", 2, other, {k: v for k, v in state.items() if k != "format"})
@@ -202,7 +196,7 @@ def test_another_architectures_weights_are_a_checkpoint_error(run_dir, tmp_path,
 
 @pytest.mark.parametrize("name", ["../../outside.safetensors", "/etc/passwd", "sub/epoch0002.safetensors", ".."])
 def test_a_pointer_may_only_name_files_beside_it(run_dir, tmp_path, name):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     pointer = run / "checkpoints" / "last.json"
     ref = json.loads(pointer.read_text())
     (tmp_path / "outside.safetensors").write_bytes((run / "checkpoints" / ref["weights"]).read_bytes())
@@ -220,7 +214,7 @@ def test_a_crash_at_any_write_leaves_both_pointers_loadable(run_dir, tmp_path, m
     half-written temporary as a killed process would. last.json and best.json stay loadable and
     verified, best.json never names an epoch older than last.json's best, and the next save
     removes the temporary."""
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     ck = run / "checkpoints"
     weights, state = load_checkpoint(run)
     best_before = load_checkpoint(run, "best")[1]["epoch"]
@@ -247,7 +241,7 @@ def test_a_crash_at_any_write_leaves_both_pointers_loadable(run_dir, tmp_path, m
 
 
 def test_training_start_removes_stale_temporaries(run_dir, tmp_path):
-    run = _copy(run_dir, tmp_path)
+    run = copy_run(run_dir, tmp_path)
     stale = [run / f".metrics.csv.abc{C.TMP_SUFFIX}", run / "checkpoints" / f".last.json.def{C.TMP_SUFFIX}"]
     for f in stale:
         f.write_bytes(b"left by a killed process")

@@ -14,7 +14,7 @@ from attnzoo.cli import main
 from attnzoo.train import CheckpointError, load_checkpoint, train
 from attnzoo.train import checkpoint as C
 
-from .train_helpers import tiny_config, no_system_datasets  # noqa: F401 (fixture)
+from .train_helpers import copy_run, tiny_config, no_system_datasets  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_system_datasets")
 QUIET = dict(log=lambda *a, **k: None)
@@ -36,11 +36,6 @@ def half_run(tmp_path_factory):
     with pytest.raises(Stop):
         train(tiny_config(out, overrides=["train.epochs=2"]), on_epoch=stop, **QUIET)
     return out
-
-
-def _copy(run, tmp_path):
-    shutil.copytree(run, tmp_path / "run")
-    return tmp_path / "run"
 
 
 def _lone_weights(run):
@@ -70,7 +65,7 @@ def _optimizer_state_offset(state_file):
 
 
 def test_a_flipped_bit_in_the_optimizer_state_is_found_without_a_pointer(half_run, tmp_path):
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     weights, state_file = _lone_weights(run)
     assert load_checkpoint(weights)[1]["epoch"] == 1      # intact: loads by its .safetensors path
     _flip_byte(state_file, _optimizer_state_offset(state_file))
@@ -82,7 +77,7 @@ def test_a_flipped_bit_in_the_optimizer_state_is_found_without_a_pointer(half_ru
 
 
 def test_flipped_weights_and_a_swapped_state_are_found_without_a_pointer(half_run, tmp_path):
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     weights, state_file = _lone_weights(run)
     other = tmp_path / "other"
     with pytest.raises(Stop):
@@ -91,7 +86,7 @@ def test_flipped_weights_and_a_swapped_state_are_found_without_a_pointer(half_ru
     shutil.copyfile(other_state, state_file)               # another run's (intact) state beside these weights
     with pytest.raises(CheckpointError, match="SHA-256"):
         load_checkpoint(weights)
-    run2 = _copy(half_run, tmp_path / "b")
+    run2 = copy_run(half_run, tmp_path / "b")
     weights2, _ = _lone_weights(run2)
     data = weights2.read_bytes()
     _flip_byte(weights2, len(data) - 5)                   # inside the last tensor's bytes
@@ -106,7 +101,7 @@ def _raise(row):
 def test_a_checkpoint_without_any_checksum_for_its_state_is_refused(half_run, tmp_path):
     """A weights file without the pair's checksums (as an older attnzoo wrote them) and no pointer:
     the state cannot be verified, so it is not read."""
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     weights, _ = _lone_weights(run)
     from safetensors.torch import load_file, save_file
     save_file(load_file(str(weights)), str(weights), metadata={"format": C.STATE_FORMAT})
@@ -125,7 +120,7 @@ CHANGES = [  # (override, key named in the refusal)
 
 @pytest.mark.parametrize("override,key", CHANGES)
 def test_a_changed_config_is_refused_unless_allowed(half_run, tmp_path, override, key):
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     before = (run / "checkpoints" / "last.json").read_text()
     with pytest.raises(CheckpointError, match=f"{key}: checkpoint .*--allow-config-change"):
         train(tiny_config(run, overrides=["train.epochs=2", override]), resume=str(run), **QUIET)
@@ -140,7 +135,7 @@ def test_a_changed_config_is_refused_unless_allowed(half_run, tmp_path, override
 
 
 def test_settings_that_change_no_number_may_differ(half_run, tmp_path):
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     summary = train(tiny_config(run, overrides=["train.epochs=2", "train.log_every=1", "data.pipeline=loader",
                                                 "train.plot=true"]), resume=str(run), **QUIET)
     assert summary["epochs_done"] == 2 and "config_changes" not in summary
@@ -148,7 +143,7 @@ def test_settings_that_change_no_number_may_differ(half_run, tmp_path):
 
 def test_the_cli_flag_allows_and_records_a_change(half_run, tmp_path, capsys):
     import yaml
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     cfg = tiny_config(run, overrides=["train.epochs=2"]).to_dict()
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -164,7 +159,7 @@ def test_the_cli_flag_allows_and_records_a_change(half_run, tmp_path, capsys):
 
 
 def test_resuming_a_finished_run_says_there_is_nothing_left_to_train(half_run, tmp_path, capsys):
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     train(tiny_config(run, overrides=["train.epochs=2"]), resume=str(run), **QUIET)   # finishes epoch 2
     before = {p.name: p.read_bytes() for p in (run / "checkpoints").iterdir()}
     lines = []
@@ -201,7 +196,7 @@ def test_a_time_budget_stops_between_epochs_and_resume_finishes(tmp_path, monkey
 
 def test_a_checkpoint_from_before_a_new_setting_resumes_with_its_default(half_run, tmp_path):
     """Settings a checkpoint predates count as their defaults (what it ran with), not as changes."""
-    run = _copy(half_run, tmp_path)
+    run = copy_run(half_run, tmp_path)
     weights, state = load_checkpoint(run)
     state = {k: v for k, v in state.items() if k not in ("format", "weights_tensors_sha256")}
     del state["config"]["optim"]["lr_scaling"], state["config"]["train"]["graph"]
@@ -209,5 +204,5 @@ def test_a_checkpoint_from_before_a_new_setting_resumes_with_its_default(half_ru
     summary = train(tiny_config(run, overrides=["train.epochs=2"]), resume=str(run), **QUIET)
     assert summary["epochs_done"] == 2 and "config_changes" not in summary
     with pytest.raises(CheckpointError, match="optim.lr_scaling: checkpoint 'none', config 'sqrt'"):
-        train(tiny_config(_copy(run, tmp_path / "b"), overrides=["train.epochs=3", "optim.lr_scaling=sqrt"]),
+        train(tiny_config(copy_run(run, tmp_path / "b"), overrides=["train.epochs=3", "optim.lr_scaling=sqrt"]),
               resume=str(tmp_path / "b" / "run"), **QUIET)

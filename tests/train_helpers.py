@@ -36,3 +36,10 @@ def no_system_datasets(tmp_path_factory, monkeypatch):
     import torchvision.datasets
     for name in ("FashionMNIST", "CIFAR10", "CIFAR100"):
         monkeypatch.setattr(torchvision.datasets, name, offline)
+
+
+def copy_run(run, tmp_path):
+    """A copy of a finished or interrupted run folder under tmp_path (each test resumes its own copy)."""
+    import shutil
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"

@@ -324,28 +324,36 @@ def _out_dir(args, device: str, what: str = "") -> Path:
     return Path("runs") / "bench" / f"{what}{slug(device_name(device))}-{stamp}"
 
 
-def _run_models(args, console) -> int:
+def _logged_run(args, run_fn, config, out, name, row_line):
+    """``run_fn(config, ...)`` with every row appended to ``<name>.jsonl`` as it finishes (a cut-off run
+    keeps them) and printed as one line when stdout is not a terminal (a progress bar is shown there).
+    Returns (result, the row log's file name)."""
     import sys
     import time
 
-    from ..bench import model_bench, write_models_outputs
-    from ..bench.report import model_row_line, models_summary_markdown, rich_models_table
     from ..bench.rowlog import RowLog
-    config = _model_config(args)
-    out, name = _out_dir(args, config.device, "models-"), _name(args, "models")
     tty = sys.stdout.isatty()
     start = time.perf_counter()
 
     def on_row(row):
         log.row(row)
         if not tty and not args.quiet:
-            print(model_row_line(row, time.perf_counter() - start), flush=True)
+            print(row_line(row, time.perf_counter() - start), flush=True)
 
     with RowLog(out / f"{name}.jsonl") as log:
-        result = model_bench.run(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
+        result = run_fn(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
+    return result, log.path.name
+
+
+def _run_models(args, console) -> int:
+    from ..bench import model_bench, write_models_outputs
+    from ..bench.report import model_row_line, models_summary_markdown, rich_models_table
+    config = _model_config(args)
+    out, name = _out_dir(args, config.device, "models-"), _name(args, "models")
+    result, log_name = _logged_run(args, model_bench.run, config, out, name, model_row_line)
     _print(console, lambda: rich_models_table(result), models_summary_markdown(result))
     files = write_models_outputs(result, out, name)
-    console.print(f"wrote {files['json']}, {files['markdown']} and {log.path.name} in {out}")
+    console.print(f"wrote {files['json']}, {files['markdown']} and {log_name} in {out}")
     return 0
 
 
@@ -364,8 +372,6 @@ def _run_overhead(args, console) -> int:
 
 
 def run(args) -> int:
-    import sys
-    import time
     compared = check_arguments(args)
     console = _console()
     if args.compare is not None and len(args.compare) == 2:
@@ -382,23 +388,13 @@ def run(args) -> int:
 
     from ..bench import markdown_compare, rich_compare, run as run_bench, write_outputs
     from ..bench.report import row_line
-    from ..bench.rowlog import RowLog
     old = compared[0] if compared else None   # loaded before a long run, not after it
     config = _config(args)
     out, name = _out_dir(args, config.device), _name(args, "bench")
-    tty = sys.stdout.isatty()
-    start = time.perf_counter()
-
-    def on_row(row):
-        log.row(row)
-        if not tty and not args.quiet:
-            print(row_line(row, time.perf_counter() - start), flush=True)
-
-    with RowLog(out / f"{name}.jsonl") as log:
-        result = run_bench(config, progress=tty and not args.quiet, on_start=log.start, on_row=on_row)
+    result, log_name = _logged_run(args, run_bench, config, out, name, row_line)
     _print_table(console, result)
     files = write_outputs(result, out, name)
-    console.print(f"wrote {files['json']}, {files['markdown']}, {log.path.name} and {len(files['plots'])} plots in {out}")
+    console.print(f"wrote {files['json']}, {files['markdown']}, {log_name} and {len(files['plots'])} plots in {out}")
     if old is not None:
         console.print(rich_compare(old, result, args.threshold))
         from ..bench.schema import write_text

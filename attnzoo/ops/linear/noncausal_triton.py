@@ -150,6 +150,16 @@ def _reduce(kernel, args, consts, bh, d, width, rows_total, cfg, acc, device):
 # ``scale`` reaches the kernels as a Python float (inductor types it fp64; the kernels cast it). An
 # absent input or output (mask, r of the identity map, the mask's gradient) is the one uint8 stand-in:
 # its flag compiles its loads and stores out.
+def _layout(q, v, feature, mask_kind):
+    """What both ops derive from their arguments: (launch config, flags, accumulator dtype, normalised,
+    count, the state's width)."""
+    D, DV = q.shape[-1], v.shape[-1]
+    normalised = feature != FEATURE_NONE
+    count = not normalised and mask_kind != MASK_NONE
+    return (launch_config(D, DV, q.dtype), flags(q.dtype), accumulator_dtype(q.dtype), normalised, count,
+            _width(D, DV, normalised, count, mask_kind == MASK_FLOAT))
+
+
 if HAVE_TRITON:
     @kernel_op("attnzoo::linear_noncausal_fwd", mutates_args=())
     def linear_noncausal_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, feature: int,
@@ -158,11 +168,7 @@ if HAVE_TRITON:
         state (B * H, width): S, then z or n, then a float mask's shift, both in the accumulator dtype)."""
         B, H, NQ, D = q.shape
         NK, DV = k.shape[2], v.shape[-1]
-        cfg, fl = launch_config(D, DV, q.dtype), flags(q.dtype)
-        acc = accumulator_dtype(q.dtype)
-        normalised = feature != FEATURE_NONE
-        count = not normalised and mask_kind != MASK_NONE
-        width = _width(D, DV, normalised, count, mask_kind == MASK_FLOAT)
+        cfg, fl, acc, normalised, count, width = _layout(q, v, feature, mask_kind)
         out = torch.empty(B, H, NQ, DV, dtype=q.dtype, device=q.device)
         rden = torch.empty(B * H, NQ if normalised else 0, dtype=acc, device=q.device)
         if tracing_only(q):
@@ -192,11 +198,7 @@ if HAVE_TRITON:
         accumulator dtype when ``mask_grad`` (a float mask that needs its gradient), else empty."""
         B, H, NQ, D = q.shape
         NK, DV = k.shape[2], v.shape[-1]
-        cfg, fl = launch_config(D, DV, q.dtype), flags(q.dtype)
-        acc = accumulator_dtype(q.dtype)
-        normalised = feature != FEATURE_NONE
-        count = not normalised and mask_kind != MASK_NONE
-        width = _width(D, DV, normalised, count, mask_kind == MASK_FLOAT)
+        cfg, fl, acc, normalised, count, width = _layout(q, v, feature, mask_kind)
         dwidth = _width(D, DV, normalised, False, False)
         dq = torch.empty(B, H, NQ, D, dtype=q.dtype, device=q.device)
         dk = torch.empty(B, H, NK, D, dtype=q.dtype, device=q.device)
