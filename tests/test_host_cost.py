@@ -235,3 +235,15 @@ def test_a_softmax_layer_is_timms_attention_plus_the_nan_rule(variant):
     base = count_ops(lambda: timm_layer(x).sum().backward())
     got = count_ops(lambda: ours(x).sum().backward())
     assert got - base == NAN_RULE and not base - got, (got - base, base - got)
+
+
+@needs_interpreter
+def test_a_parameter_alone_needing_a_gradient_takes_the_autograd_route():
+    """The eager route decides whether to record a backward from every argument: a T5 table (an
+    nn.Parameter, a tensor subclass) must get its gradient when q, k, v need none."""
+    from attnzoo.ops.fenchel.t5 import t5_bias_attention
+    q, k, v = _qkv(grad=False)
+    table = torch.nn.Parameter(torch.randn(8, 2))
+    out = t5_bias_attention(q, k, v, table, 8, 16, True, scale=0.25)
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0

@@ -118,8 +118,9 @@ class KernelOp:
     def __call__(self, *args):
         if not eager_call(args[0]):
             return self.op(*args)
+        # isinstance, not type(): a parameter handed over as it is (a T5 table) needs its gradient too
         if self._function is not None and torch.is_grad_enabled() and any(
-                type(a) is torch.Tensor and a.requires_grad for a in args):
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._function.apply(*args)
         return self.host(*args)
 
