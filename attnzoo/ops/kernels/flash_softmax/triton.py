@@ -203,7 +203,7 @@ if HAVE_TRITON:
         dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, mask, pref, table, lut,
                                                        ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p, seed)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
-        g_table = dtable.reshape(table.shape).to(table.dtype) if table is not None else None
+        g_table = dtable.to(table.dtype) if table is not None else None  # (num_buckets, H) already
         return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None
 
     softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)

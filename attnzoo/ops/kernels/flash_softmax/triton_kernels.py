@@ -26,6 +26,12 @@ dV = P^T dO, dS = P * (dO V^T - delta), and dS flows into
     dq_i = scale * sum_j dS_ij k_j             dk_j = scale * sum_i dS_ij q_i          (plain)
     dq_i = 2 scale sum_j dS_ij k_j             dk_j = 2 scale (sum_i dS_ij q_i - k_j sum_i dS_ij)   (L2)
     dg_j = sum_i dS_ij,      dtable[b, h] = sum over (i, j) with bucket(j - i) = b of dS_ij.
+T5 (HAS_T5): the kernels read bias[h, r] = table[bucket(r), h] over the offset indices r = j - i + Nq - 1
+(gathered on the host) and an int32 (2, Nq + Nk - 1) LUT: each offset's bucket and the end of its run
+of equal buckets. A tile whose offsets lie in one run adds one scalar bias and, in the backward, one
+tile sum of dS to its bucket; the others (near the diagonal) load one bias per score and sum dS once
+per run they span. The dK/dV program keeps its per-bucket sums in registers and stores one row per key
+block and query head; the host adds the rows (no atomics, deterministic).
 Dropout (DROPOUT flag, FlashAttention's way): P and lse are the undropped softmax; the forward
 accumulates out = sum_j Z_ij P_ij v_j / (1 - p) with Z regenerated per tile from (seed, offset) by
 ops/triton_dropout.py, and the backward regenerates the same Z:
@@ -322,8 +328,9 @@ if HAVE_TRITON:
             BIASh = BIAS + h * sbh
             LSEh = LSE + pid_bh * Nq
             DELTAh = DELTA + pid_bh * Nq
-            # per-key logit terms, hoisted out of the query loop; -inf past Nk keeps those keys out of the
-            # T5 atomics (other flavours let them compute gradients that are never stored)
+            # per-key logit terms, hoisted out of the query loop; -inf past Nk makes dS exactly 0 for those
+            # keys, which keeps them out of the T5 table sums (other flavours let them compute gradients
+            # that are never stored)
             key_bias = key_terms(k, offs_n, Nk, PREFh, spn, qk_scale, L2, HAS_PREF, True)
             ds_colsum = tl.zeros([BLOCK_N], tl.float32)
             dtab = tl.zeros([BUCKETS], tl.float32)
