@@ -87,18 +87,37 @@ if HAVE_TRITON:
         return r_lo, r_hi
 
     @triton.jit
-    def add_t5_bias(s, rel, r_lo, one_run, bias_ptr):
-        """s + log2(e) * bias[rel] (bias: this head's (Nq + Nk - 1,) vector table[bucket(r), h]). A tile
-        whose offsets form one run of equal buckets (``one_run``; far from the diagonal nearly every
-        tile) adds one scalar; the others load one bias per score from the small, cached vector."""
+    def offsets(qi_at, kj_at, Nq, KEYS_FIRST: tl.constexpr):
+        """The tile of LUT indices j - i + Nq - 1, (queries, keys) or, KEYS_FIRST, (keys, queries). Computed
+        only where a tile needs it and again where it is used, so no int tile stays live across the
+        tile's products (registers)."""
+        if KEYS_FIRST:
+            rel = kj_at[:, None] - qi_at[None, :] + (Nq - 1)
+        else:
+            rel = kj_at[None, :] - qi_at[:, None] + (Nq - 1)
+        return rel
+
+    @triton.jit
+    def add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, bias_ptr, lut_ptr, lut_rows,
+                    KEYS_FIRST: tl.constexpr):
+        """s + log2(e) * bias[j - i + Nq - 1] (bias: this head's (Nq + Nk - 1,) vector table[bucket(r), h]).
+        A tile whose offsets form one run of equal buckets (``one_run``; far from the diagonal nearly
+        every tile) adds one scalar. The others add one scalar per run they span, where the offset falls
+        in the run: a few runs per near-diagonal tile, and no per-score gather, whose tile of 64-bit
+        addresses made the forward spill registers (benchmarks/compile_triton_kernels.py)."""
         if one_run:
             s = s + tl.load(bias_ptr + r_lo).to(tl.float32) * LOG2E
         else:
-            s = s + tl.load(bias_ptr + rel).to(tl.float32) * LOG2E
+            r = r_lo
+            while r <= r_hi:
+                end = tl.minimum(tl.load(lut_ptr + lut_rows + r), r_hi)
+                rel = offsets(qi_at, kj_at, Nq, KEYS_FIRST)
+                s = s + tl.where((rel >= r) & (rel <= end), tl.load(bias_ptr + r).to(tl.float32) * LOG2E, 0.0)
+                r = end + 1
         return s
 
     @triton.jit
-    def t5_table_grad(dtab, ds, rel, r_lo, r_hi, one_run, lut_ptr, lut_rows, BUCKETS: tl.constexpr):
+    def t5_table_grad(dtab, ds, qi_at, kj_at, Nq, r_lo, r_hi, one_run, lut_ptr, lut_rows, BUCKETS: tl.constexpr):
         """dtab (BUCKETS,) += the tile's dS summed per bucket, without atomics.
 
         LUT row 0 holds the bucket of each offset index, row 1 (``lut_rows`` further) the last index of
@@ -111,6 +130,7 @@ if HAVE_TRITON:
         if one_run:
             dtab = tl.where(every == tl.load(lut_ptr + r_lo), dtab + tl.sum(tl.sum(ds, 1), 0), dtab)
         else:
+            rel = offsets(qi_at, kj_at, Nq, True)
             r = r_lo
             while r <= r_hi:
                 end = tl.minimum(tl.load(lut_ptr + lut_rows + r), r_hi)
@@ -140,7 +160,7 @@ if HAVE_TRITON:
         if HAS_T5:  # bias_ptr: this head's bias vector; lut_ptr + lut_rows: the LUT's run-end row
             r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL and EDGE)
             one_run = tl.load(lut_ptr + lut_rows + r_lo) >= r_hi
-            s = add_t5_bias(s, kj_at[None, :] - qi_at[:, None] + (Nq - 1), r_lo, one_run, bias_ptr)
+            s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, bias_ptr, lut_ptr, lut_rows, False)
         return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
                            mask_ptr, stride_mm, stride_mn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
 
@@ -254,8 +274,7 @@ if HAVE_TRITON:
             if HAS_T5:
                 r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK)
                 one_run = tl.load(LUT + slut + r_lo) >= r_hi
-                rel = kj_at[:, None] - qi_at[None, :] + (Nq - 1)
-                s = add_t5_bias(s, rel, r_lo, one_run, BIAS)
+                s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, BIAS, LUT, slut, True)
             s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
                             MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
             p = tl.math.exp2(s - lse2[None, :])  # -inf logits and +inf lse (empty rows) both give 0
@@ -277,7 +296,7 @@ if HAVE_TRITON:
                 # (saved inputs of the backward, the table a parameter; tests/mutation_probe.py). The
                 # per-bucket sums stay in registers; the kernel stores them at addresses made of
                 # program ids alone.
-                dtab = t5_table_grad(dtab, ds, rel, r_lo, r_hi, one_run, LUT, slut, BUCKETS)
+                dtab = t5_table_grad(dtab, ds, qi_at, kj_at, Nq, r_lo, r_hi, one_run, LUT, slut, BUCKETS)
         return dk, dv, ds_colsum, dtab
 
     @triton.jit
