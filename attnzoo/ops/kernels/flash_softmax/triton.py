@@ -65,7 +65,8 @@ def _prepare(q, k, mask, pref, table, lut):
     has_t5 = table is not None
     if has_t5:
         # the kernels read bias[h, r] = table[bucket(r), h] (H, Nq + Nk - 1): one tiny gather here, then one
-        # load per score (or per tile) from a small cached vector instead of a bucket load then a table load
+        # scalar per tile (per run of equal buckets near the diagonal) instead of a bucket load then a
+        # table load per score
         bias = table.t().index_select(1, lut[0])
         table, table_strides = bias, (lut.stride(0), bias.stride(0))  # the LUT's run-end row, a head's bias
     else:
@@ -299,8 +300,8 @@ def bucket_bias_attention(q, k, v, table, lut, *, attn_mask=None, is_causal=Fals
     ``offset_lut``), added tile by tile; the gradient reaches ``table`` (summed per head and bucket).
 
     The kernels read bias[h, r] = table[lut[0, r], h], gathered once per call on the host (H x (Nq + Nk - 1)
-    floats): a tile whose offsets lie in one run of equal buckets adds one scalar, the others one load per
-    score. The backward sums dS per bucket in registers (one tile sum per run the tile spans) and writes
+    floats): a tile whose offsets lie in one run of equal buckets adds one scalar, the others one scalar per
+    run they span (where the offset falls in it). The backward sums dS per bucket in registers (one tile sum per run the tile spans) and writes
     one row of partial sums per key block; the host adds the rows. Arguments are checked by the caller
     (ops/fenchel/t5.py builds and caches T5's lut, t5.reason checked the call)."""
     return _run(q, k, v, attn_mask, is_causal, scale, table=table, lut=lut, dropout_p=dropout_p)

@@ -29,8 +29,8 @@ dV = P^T dO, dS = P * (dO V^T - delta), and dS flows into
 T5 (HAS_T5): the kernels read bias[h, r] = table[bucket(r), h] over the offset indices r = j - i + Nq - 1
 (gathered on the host) and an int32 (2, Nq + Nk - 1) LUT: each offset's bucket and the end of its run
 of equal buckets. A tile whose offsets lie in one run adds one scalar bias and, in the backward, one
-tile sum of dS to its bucket; the others (near the diagonal) load one bias per score and sum dS once
-per run they span. The dK/dV program keeps its per-bucket sums in registers and stores one row per key
+tile sum of dS to its bucket; the others (near the diagonal) add one bias and sum dS once per run
+they span (no per-score gather: its tile of addresses cost registers). The dK/dV program keeps its per-bucket sums in registers and stores one row per key
 block and query head; the host adds the rows (no atomics, deterministic).
 Dropout (DROPOUT flag, FlashAttention's way): P and lse are the undropped softmax; the forward
 accumulates out = sum_j Z_ij P_ij v_j / (1 - p) with Z regenerated per tile from (seed, offset) by
