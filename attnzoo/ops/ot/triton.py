@@ -102,13 +102,13 @@ def _config(q, dv):
 
 def pair_bytes(nq, nk, na, d, dv, dtype, backward, need_dlu=True):
     """Bytes of temporaries per (batch, head) pair: EC, EG, R, flags, key ranges, lz, fp32 out
-    (forward); EDW, RG, UG (only when log u needs a gradient), dC, dG and the fp32 gradient buffers on
-    top (backward)."""
+    (forward); EDW, RG, UG (only when log u needs a gradient), dC, dG, delta and the fp32 gradient
+    buffers on top (backward)."""
     op = _operand_dtype(dtype).itemsize
     el = torch.finfo(dtype).bits // 8
     per = (nq + nk) * na * op + nq * nk * (op + 1) + nq * dv * 4 + nq * 12
     if backward:
-        per += (nq * na * op + nq * nk * (op + (4 if need_dlu else 0)) + (nq + nk) * na * el
+        per += (nq * na * op + nq * nk * (op + (4 if need_dlu else 0)) + (nq + nk) * na * el + nq * 4
                 + (nq + nk + na) * d * 4 + na * dv * 4)
     return per
 
@@ -161,10 +161,10 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, av.shape[2])
     launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
-        q, ak, m, lu, ec, lz, lo, hi, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms,
+        q, ak, m, lu, ec, lz, lo, hi, unused, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms,
         IS_QUERY=True, HAS_DOUT=False, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
     launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
-        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
         heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
         **launch["exp"])
     pbm, pbn, pbk = tiles["pair"]
@@ -188,10 +188,10 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     return out.to(q.dtype)
 
 
-def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
+def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
                     launch):
-    """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; delta (n, Nq) fp32
-    shifts dW (_dc_kernel)."""
+    """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; _exp_kernel writes
+    delta = dout . out (n, Nq) fp32, which shifts dW (_dc_kernel)."""
     n, nq, d = q.shape
     nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
     dev, op = q.device, _operand_dtype(q.dtype)
@@ -199,6 +199,7 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
     edw = torch.empty((n, nq, na), dtype=op, device=dev)
     eg = torch.empty((n, nk, na), dtype=op, device=dev)
     lz = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    delta = torch.empty((n, nq), dtype=torch.float32, device=dev)
     skip = _skips(kind, causal)
     unused = _unused(dev)
     lo, hi = _key_ranges(n, nq, skip, unused)
@@ -207,10 +208,10 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, dv)
     launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
-        q, ak, m, lu, ec, lz, lo, hi, dout, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
+        q, ak, m, lu, ec, lz, lo, hi, dout, out, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
         HAS_DOUT=True, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
     launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
-        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
         heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
         **launch["exp"])
     pbm, pbn, pbk = tiles["pair_bwd"]
@@ -287,8 +288,8 @@ if HAVE_TRITON:
         m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
         cfg, tiles, launch = _config(q, dv)
         step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True, need_dlu=need_dlu)
-        delta = (dout.float() * out.float()).sum(-1)
-        parts = [_backward_chunk(dout[b0:b0 + step], delta[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step],
+        out = out.contiguous()      # read by rows in _exp_kernel (delta); a no-op for the saved output
+        parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step],
                                  av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
                                  need_dlu, cfg, tiles, launch)
                  for b0 in range(0, bh, step)]
