@@ -197,16 +197,18 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
 
 
 @triton.jit
-def _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, t_lo, t_hi, NQ, NK, NA,
+def _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, t_lo, t_hi, t_bound, NQ, NK, NA,
                 BACKWARD: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += EC[:, t] @ EG[:, t]^T (and acc_t += EDW[:, t] @ EG[:, t]^T) over templates t_lo <= t < t_hi."""
+    """acc += EC[:, t] @ EG[:, t]^T (and acc_t += EDW[:, t] @ EG[:, t]^T) over the template blocks from
+    t_lo to t_hi, loads cut at t_bound (NK or NA: a bound the JIT knows to be a multiple of 16 keeps
+    the loads vectorised and pipelined; EC is zero between a row block's hi and NK anyway)."""
     rk = tl.arange(0, BK)
     for t0 in range(t_lo, t_hi, BK):
-        ec = _load2(EC, ri, t0 + rk, NQ, t_hi, NA, 0.0)
-        eg_t = tl.trans(_load2(EG, rj, t0 + rk, NK, t_hi, NA, 0.0))
+        ec = _load2(EC, ri, t0 + rk, NQ, t_bound, NA, 0.0)
+        eg_t = tl.trans(_load2(EG, rj, t0 + rk, NK, t_bound, NA, 0.0))
         acc += mm(ec, eg_t, UPCAST, PRECISION)
         if BACKWARD:
-            edw = _load2(EDW, ri, t0 + rk, NQ, t_hi, NA, 0.0)
+            edw = _load2(EDW, ri, t0 + rk, NQ, t_bound, NA, 0.0)
             acc_t += mm(edw, eg_t, UPCAST, PRECISION)
     return acc, acc_t
 
@@ -232,12 +234,13 @@ def _pair_kernel(EC, EG, EDW, LU, LZ, LO, HI, MASK, R, RG, UG, BAD, TBAD,
         lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, ri, NQ, NK, SKIP)
         dead = (pj * BN >= hi) | (pj * BN + BN <= lo)
         start = (lo // BK) * BK
-        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, start, tl.where(dead, start, hi), NQ, NK, NA,
-                                 BACKWARD, BK, UPCAST, PRECISION)
-        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, NK, tl.where(dead, NK, NA), NQ, NK, NA,
+        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, start, tl.where(dead, start, hi), NK, NQ, NK,
+                                 NA, BACKWARD, BK, UPCAST, PRECISION)
+        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, NK, tl.where(dead, NK, NA), NA, NQ, NK, NA,
                                  BACKWARD, BK, UPCAST, PRECISION)
     else:
-        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, 0, NA, NQ, NK, NA, BACKWARD, BK, UPCAST, PRECISION)
+        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, 0, NA, NA, NQ, NK, NA, BACKWARD, BK, UPCAST,
+                                 PRECISION)
     mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
     u = _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND, CAUSAL)
     live = u > 0
@@ -258,24 +261,24 @@ def _pair_kernel(EC, EG, EDW, LU, LZ, LO, HI, MASK, R, RG, UG, BAD, TBAD,
 
 @triton.jit
 def _template_blocks(lo, hi, NK, NA, BT: tl.constexpr, SKIP: tl.constexpr):
-    """(first block start, end of the key part, number of key blocks, number of blocks) of the
-    template blocks a row block visits: SKIP, the blocks of [lo, hi) (aligned) then those of the
-    extras [NK, NA); otherwise the blocks of [0, NA). Block b < n_key starts at first + b BT and ends
-    at key_end, a later one starts at NK + (b - n_key) BT and ends at NA."""
+    """(first block start, bound of the first part, blocks in the first part, number of blocks) of
+    the template blocks a row block visits: SKIP, the blocks of [lo, hi) (aligned, cut at NK: EC is
+    zero from hi to NK) then those of the extras [NK, NA); otherwise the blocks of [0, NA), all in
+    the first part. Block b < n_first starts at first + b BT, a later one at NK + (b - n_first) BT
+    (cut at NA)."""
     if SKIP:
         first = (lo // BT) * BT
-        key_end = tl.maximum(hi, first)
-        n_key = tl.cdiv(key_end - first, BT)
-        return first, key_end, n_key, n_key + tl.cdiv(NA - NK, BT)
+        n_first = tl.cdiv(tl.maximum(hi, first) - first, BT)
+        return first, NK, n_first, n_first + tl.cdiv(NA - NK, BT)
     else:
         return 0, NA, tl.cdiv(NA, BT), tl.cdiv(NA, BT)
 
 
 @triton.jit
-def _block_at(b, first, key_end, n_key, NK, NA, BT: tl.constexpr):
-    """(start, end) of template block b (see _template_blocks)."""
-    in_keys = b < n_key
-    return tl.where(in_keys, first + b * BT, NK + (b - n_key) * BT), tl.where(in_keys, key_end, NA)
+def _block_at(b, first, first_bound, n_first, NK, NA, BT: tl.constexpr):
+    """(start, bound) of template block b (see _template_blocks)."""
+    in_first = b < n_first
+    return tl.where(in_first, first + b * BT, NK + (b - n_first) * BT), tl.where(in_first, first_bound, NA)
 
 
 @triton.jit
@@ -289,15 +292,16 @@ def _out_kernel(EC, EG, R, AV, LO, HI, OUT, NQ, NK, NA, DV,
     EC, EG, R, AV = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, AV + bh * NA * DV
     lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, ri, NQ, NK, SKIP)
     j_first = (lo // BN) * BN
-    first, key_end, n_key, n_all = _template_blocks(lo, hi, NK, NA, BT, SKIP)
+    first, first_bound, n_first, n_all = _template_blocks(lo, hi, NK, NA, BT, SKIP)
     out = tl.zeros((BM, BDV), tl.float32)
     for b in range(0, n_all):
-        t0, t_end = _block_at(b, first, key_end, n_key, NK, NA, BT)
+        t0, t_end = _block_at(b, first, first_bound, n_first, NK, NA, BT)
         rt = t0 + tl.arange(0, BT)
         acc = tl.zeros((BM, BT), tl.float32)
         for j0 in range(j_first, hi, BN):
             rj = j0 + tl.arange(0, BN)
-            acc += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), _load2(EG, rj, rt, NK, t_end, NA, 0.0), UPCAST, PRECISION)
+            # EG cut at NA only: columns past t_end meet EC = 0 below
+            acc += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), _load2(EG, rj, rt, NK, NA, NA, 0.0), UPCAST, PRECISION)
         w = _load2(EC, ri, rt, NQ, t_end, NA, 0.0).to(tl.float32) * acc
         av = _load2(AV, rt, rdv, t_end, DV, DV, 0.0)
         out += mm(w.to(av.dtype), av, UPCAST, PRECISION)
