@@ -8,7 +8,8 @@ log-preference lu (B*H, Nk) fp32 (zeros: uniform u) and the user's mask as it ca
 strides, read tile by tile in the kernels, never expanded in memory).
 
 Work and memory. The forward is 4 Nq Nk |A| flops in tensor-core matmuls (S = EC EG^T, then
-R EG), the backward 12 Nq Nk |A|; nothing is saved but the inputs. The per-(batch, head)
+R EG), the backward 12 Nq Nk |A|, less where a mask or causal empties whole tiles (skipped, see
+triton_kernels.py); nothing is saved but the inputs. The per-(batch, head)
 temporaries (EC, EG, R, flags; in the backward also EDW, RG, dC, dG: about
 (Nq + Nk) |A| + Nq Nk elements each) are made for ``CHUNK_BYTES`` worth of (batch, head) pairs at a
 time, so the extra memory stays near CHUNK_BYTES whatever B * H is. dq, dk, d a_k are cuBLAS matmuls

@@ -21,6 +21,12 @@ and dq, dk, d a_k are matmuls of dC, dG on the host. Every accumulator, maximum 
 float32 whatever the input dtype; the exponentials and R, RG (values in [0, 1] times u / S) are
 matmul operands in bfloat16 for 16-bit inputs, as FlashAttention rounds P before P V.
 
+Every grid is one flat axis with (batch, head) slowest (_grid1, _grid2), so the tiles running side by
+side share one pair's EC, EG, R rows through L2. With a mask or causal (SKIP), _exp_kernel also writes
+each query's range [lo, hi) of kept keys; as a removed key is both an inactive template (C = -inf,
+EC = 0) and a source with u = 0, the other kernels visit only the template and source blocks of
+their row block's range plus the extra templates, by loop bounds (_key_range).
+
 Exact where the shift underflows: S_ij >= exp(max_t (C_it + G_jt) - max C_i - max G_j), which is tiny
 when the best template of pair (i, j) scores far below both row maxima (logits of ~90 and more).
 Pairs with S_ij <= SAFE (and u_ij > 0) are flagged ``bad`` (R_ij = 0) and recomputed by the
