@@ -290,8 +290,8 @@ if HAVE_TRITON:
         cfg, tiles, launch = _config(q, dv)
         step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True, need_dlu=need_dlu)
         out = out.contiguous()      # read by rows in _exp_kernel (delta); a no-op for the saved output
-        parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step],
-                                 av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
+        parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step],
+                                 ak[b0:b0 + step], av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
                                  need_dlu, cfg, tiles, launch)
                  for b0 in range(0, bh, step)]
         grads = []

@@ -142,9 +142,9 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
     are keys). Queries also get lz (logsumexp of lu over kept keys), with SKIP the range [LO, HI) of
     the keys each row keeps (_key_range), and with HAS_DOUT delta_i = dout_i . out_i (fp32, written
     for the later kernels; the host made two fp32 copies of dout and out for it) and EDW = E * dW,
-    dW_it = dout_i . a_v_t - delta_i (see _dc_kernel for the shift). The row max, lz and the range are one pass over A (lz by
-    an online rescale); the second pass recomputes the logit tile to write E, since the shift must be
-    the final max before a 16-bit E is rounded."""
+    dW_it = dout_i . a_v_t - delta_i (see _dc_kernel for the shift). The row max, lz and the range are
+    one pass over A (lz by an online rescale); the second pass recomputes the logit tile to write E,
+    since the shift must be the final max before a 16-bit E is rounded."""
     sc = tl.cast(sc, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi = _grid1(tl.cdiv(NR, BM))
     ri, rd = pi * BM + tl.arange(0, BM), tl.arange(0, BD)
