@@ -90,6 +90,8 @@ def _cases():
                                                             attn_mask=leaf(2100), is_causal=False),
         "ot+templates": lambda: ot_attention_triton(q, k, v, scale=0.25, templates_k=leaf(1, 2, 5, 16),
                                                     templates_v=leaf(1, 2, 5, 16)),
+        # causal: the exp kernel writes each query's kept-key range (tile skipping, issue 21)
+        "ot-causal": lambda: ot_attention_triton(q, k, v, scale=0.25, is_causal=True),
     }
 
 

@@ -48,7 +48,7 @@ OUTPUTS = {
     f"{LN}._queries_output_kernel": {"O", "RDEN"},
     f"{LN}._queries_grad_kernel": {"PART", "DQ"},
     f"{LN}._keys_grad_kernel": {"DK", "DV_OUT", "DM"},
-    f"{O}._exp_kernel": {"E", "LZ", "EDW"},
+    f"{O}._exp_kernel": {"E", "LZ", "EDW", "DELTA", "LO", "HI"},  # DELTA, LO, HI: host-allocated scratch
     f"{O}._pair_kernel": {"R", "RG", "BAD", "TBAD"},
     f"{O}._out_kernel": {"OUT"},
     f"{O}._fallback_fwd_kernel": {"OUT"},
