@@ -95,7 +95,7 @@ class Result:
 # - the default configuration of each list in the most demanding flavours the host code launches
 #   (masks as tiles, L2, preferences, T5 with its fixed dK/dV tiles, row biases), widths 64 and 128.
 
-INT_ARGS = {"H", "Nq", "Nk", "D", "DV"}
+INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}
 FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
 _SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False)
 _POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
@@ -110,6 +110,16 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True), "default", ("bf16", "fp32"), (64, 128)),
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
+]
+# the softmax forward's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on sm_90 only):
+# every row of triton_tuning.FORWARD_HOPPER in the flavours it computes, fp16 / bf16 (its only dtypes);
+# masks varying along both axes are not among them (kernels/flash_softmax/hopper.py)
+HOPPER_JOBS = [
+    ("hopper causal", dict(_SOFTMAX), ("bf16", "fp16"), (64, 128)),
+    ("hopper non-causal", dict(_SOFTMAX, CAUSAL=False), ("bf16", "fp16"), (64, 128)),
+    ("hopper l2+key-padding+pref+causal", dict(_SOFTMAX, L2=True, MASK_KIND=1, MASK_SHAPE=1, HAS_PREF=True),
+     ("bf16",), (64, 128)),
+    ("hopper float-key-padding+causal", dict(_SOFTMAX, MASK_KIND=2, MASK_SHAPE=1), ("bf16",), (64, 128)),
 ]
 POINTWISE_JOBS = [
     ("sigmoid+causal", dict(_POINTWISE), "all", ("bf16", "fp16", "fp32"), (64, 128, 256)),
@@ -140,6 +150,32 @@ def signature(fn, dtype, pointer_types, constexprs):
     return sig
 
 
+def selector_defaults(fn):
+    """HOPPER / WARP_SPEC = False for the forward's selector kernel (hopper_kernels.py): the classic
+    rows leave them to their defaults, and a constexpr must be named here to be typed as one."""
+    return {name: False for name in ("HOPPER", "WARP_SPEC") if name in fn.arg_names}
+
+
+def hopper_specs(dtype, precision):
+    """The Hopper rows of the forward (none where this Triton cannot build them)."""
+    tuned = softmax_host.FORWARD
+    pointers = {"LSE": "*fp32", "PREF": "*fp32", "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64"}
+    for name, flags, dtypes, widths in HOPPER_JOBS:
+        if dtype not in dtypes:
+            continue
+        for width in widths:
+            rows = tuned.configs_for(TORCH_DTYPES[dtype], width, width, False, variants=True)
+            for i, cfg in enumerate(rows):
+                if not cfg.kwargs.get("HOPPER"):
+                    continue
+                meta = dict(selector_defaults(tuned.fn), **cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
+                            HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
+                mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
+                yield (tuned.fn, dict(pointers, MASK=mask), meta,
+                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                       f"softmax {dtype} {name} D={width} config {i}")
+
+
 def softmax_family_specs(dtype):
     """(kernel, pointer types, constexprs, launch options, label) of every specialisation to compile."""
     precision = "ieee" if dtype == "fp32" else "tf32"
@@ -166,10 +202,11 @@ def softmax_family_specs(dtype):
                     if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
                         configs = configs[:1]
                     for i, cfg in enumerate(configs):
-                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
-                                    PRECISION=precision, **flags)
+                        meta = dict(selector_defaults(tuned.fn), **cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
+                                    HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
                         yield (tuned.fn, pointers, meta, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                                f"{family} {dtype} {name} D={width} config {i}")
+    yield from hopper_specs(dtype, precision)
     yield (dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64),
            {"num_warps": 4, "num_stages": 2}, "dropout keep-mask")
 
