@@ -150,12 +150,6 @@ def signature(fn, dtype, pointer_types, constexprs):
     return sig
 
 
-def selector_defaults(fn):
-    """HOPPER / WARP_SPEC = False for the forward's selector kernel (hopper_kernels.py): the classic
-    rows leave them to their defaults, and a constexpr must be named here to be typed as one."""
-    return {name: False for name in ("HOPPER", "WARP_SPEC") if name in fn.arg_names}
-
-
 def hopper_specs(dtype, precision):
     """The Hopper rows of the forward (none where this Triton cannot build them)."""
     tuned = softmax_host.FORWARD
@@ -168,7 +162,7 @@ def hopper_specs(dtype, precision):
             for i, cfg in enumerate(rows):
                 if not cfg.kwargs.get("HOPPER"):
                     continue
-                meta = dict(selector_defaults(tuned.fn), **cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
+                meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
                             HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
                 mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
                 yield (tuned.fn, dict(pointers, MASK=mask), meta,
@@ -202,7 +196,7 @@ def softmax_family_specs(dtype):
                     if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
                         configs = configs[:1]
                     for i, cfg in enumerate(configs):
-                        meta = dict(selector_defaults(tuned.fn), **cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
+                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
                                     HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
                         yield (tuned.fn, pointers, meta, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                                f"{family} {dtype} {name} D={width} config {i}")

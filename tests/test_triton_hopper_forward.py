@@ -11,6 +11,8 @@ as attnzoo's eager references do (fp32 on the bf16 inputs, stored in bf16).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import zlib
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 from attnzoo.ops import triton_tuning as tuning
 from attnzoo.ops.kernels.flash_softmax import hopper, hopper_kernels
 from attnzoo.ops.kernels.flash_softmax import triton as fused
-from tests.common import needs_interpreter
+from tests.common import needs_gpu, needs_interpreter
 from tests.flash_rule import assert_flash_rule, yardstick_dtype
 
 needs_descriptors = pytest.mark.skipif(not hopper_kernels.TENSOR_DESCRIPTORS,
@@ -38,9 +40,10 @@ def formula(q, k, v, *, scale, causal, l2=False, pref=None, keep=None, dtype=tor
     if pref is not None:
         logits = logits + pref.to(dtype)[:, :, None, :]
     nq, nk = q.shape[2], k.shape[2]
-    allowed = torch.ones(nq, nk, dtype=torch.bool)
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if causal:
-        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        ar = functools.partial(torch.arange, device=q.device)
+        allowed = ar(nk)[None, :] <= ar(nq)[:, None] + (nk - nq)
     if keep is not None:
         allowed = allowed & keep
     logits = logits.masked_fill(~allowed, float("-inf"))
@@ -74,17 +77,20 @@ CASES = [  # (name, B, H, Nq, Nk, D, causal, l2, pref, key mask)
 ]
 
 
-def _run_case(name, B, H, nq, nk, d, causal, l2, pref, masked, monkeypatch, row=0):
+def _run_case(name, B, H, nq, nk, d, causal, l2, pref, masked, monkeypatch, row=0, device="cpu",
+              pin=True):
+    """One case through the Hopper row ``row`` of the class (``pin``; else the autotuner's choice)."""
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    q, k, v = (torch.randn(B, H, n, d, generator=gen).to(dtype) for n in (nq, nk, nk))
-    g = (torch.randn(B, H, nk, generator=gen) * 0.5) if pref else None
+    q, k, v = (torch.randn(B, H, n, d, generator=gen).to(dtype).to(device) for n in (nq, nk, nk))
+    g = (torch.randn(B, H, nk, generator=gen) * 0.5).to(device) if pref else None
     keep = None
     if masked:
         keep = torch.ones(nk, dtype=torch.bool)
         keep[::5] = False
+        keep = keep.to(device)
     scale = d ** -0.5
-    grad_out = torch.randn(B, H, nq, d, generator=gen).to(dtype)
+    grad_out = torch.randn(B, H, nq, d, generator=gen).to(dtype).to(device)
     kw = dict(scale=scale, causal=causal, l2=l2, pref=g, keep=keep)
 
     def tested(q, k, v):
@@ -95,7 +101,8 @@ def _run_case(name, B, H, nq, nk, d, causal, l2, pref, masked, monkeypatch, row=
         return run(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
     monkeypatch.setattr(hopper, "device_ready", lambda device: True)
-    with tuning.pinned_config(hopper_row_index(dtype, 64) + row):
+    pinned = tuning.pinned_config(hopper_row_index(dtype, d) + row) if pin else contextlib.nullcontext()
+    with pinned:
         got = _with_grads(tested, (q, k, v), grad_out)
     want = _with_grads(lambda q, k, v: formula(q, k, v, **kw), (q.double(), k.double(), v.double()),
                        grad_out.double())
@@ -139,7 +146,43 @@ def test_pinned_hopper_row_launches_the_hopper_path_under_the_interpreter():
         _, tiles = fused.FORWARD.launch(torch.bfloat16, 64, 64, False, variants=True)
         assert tiles["HOPPER"] is True and tiles == {**tiles, **tuning.INTERPRETER_TILES}
         _, classic = fused.FORWARD.launch(torch.bfloat16, 64, 64, False)
-        assert "HOPPER" not in classic
+        assert classic["HOPPER"] is False and classic["WARP_SPEC"] is False
+
+
+# --- on an sm_90 GPU: every Hopper row compiled and run, and the autotuner's choice -------------------
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the Hopper variant is offered on sm_90 and newer only")
+GPU_CASES = [  # (name, B, H, Nq, Nk, D, causal, l2, pref, key mask): lengths no tile divides, Nq != Nk
+    ("gpu causal", 2, 2, 333, 517, 64, True, False, False, False),
+    ("gpu l2+pref+key-mask", 2, 2, 517, 333, 64, False, True, True, True),
+    ("gpu causal D128", 2, 2, 333, 517, 128, True, False, False, False),
+    ("gpu pref causal D96", 1, 2, 300, 300, 96, True, False, True, False),
+]
+
+
+@needs_gpu
+@needs_sm90
+@needs_descriptors
+@pytest.mark.parametrize("row", range(3))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c[0])
+def test_every_hopper_row_on_the_gpu(case, row, monkeypatch):
+    rows = fused.FORWARD.variants.get((False, False, 64 if case[5] <= 64 else 128), [])
+    if row >= len(rows):
+        pytest.skip(f"{len(rows)} Hopper rows in this tile class")
+    _run_case(*case, monkeypatch=monkeypatch, row=row, device="cuda")
+
+
+@needs_gpu
+@needs_sm90
+@needs_descriptors
+def test_autotuner_choosing_between_classic_and_hopper_rows_on_the_gpu(monkeypatch):
+    monkeypatch.setenv(tuning.AUTOTUNE_ENV, "1")
+    _run_case("gpu autotuned causal", 2, 4, 1000, 1000, 64, True, False, False, False, monkeypatch, device="cuda",
+              pin=False)
 
 
 # --- which launches may run it (host rules; no kernel launch) ----------------------------------------
@@ -173,6 +216,8 @@ def test_variants_offered_only_to_supported_launches(monkeypatch):
     shifted = torch.randn(2 * 2 * 40 * 64 + 1).to(torch.bfloat16)[1:].view(2, 2, 40, 64)  # base off by 2 B
     assert not hopper.forward_variants(q, shifted, v, _meta(q, v), _flags())
     assert hopper.tma_ready(torch.randn(1, 3, 7, 48).to(torch.bfloat16))  # 96-byte rows are fine
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # traced calls keep the classic kernel
+    assert not hopper.forward_variants(q, k, v, _meta(q, v), _flags())
 
 
 def test_classic_kernel_when_triton_cannot_build_the_variant(monkeypatch):

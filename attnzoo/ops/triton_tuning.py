@@ -87,6 +87,13 @@ def configs(table):
             for cls, rows in table.items()}
 
 
+def _with(constants, rows):
+    """The rows with ``constants`` added to each one's constexprs (a row's own values win)."""
+    for row in rows:
+        row.kwargs = {**constants, **row.kwargs}
+    return rows
+
+
 class TunedKernel:
     """One ``@triton.jit`` kernel, its configurations per tile class and its autotuning key.
 
@@ -95,12 +102,15 @@ class TunedKernel:
     itself with BLOCK_M / BLOCK_N / num_warps / num_stages. One Autotuner per tile class is kept for
     the process, so its cache of tuned keys persists across calls."""
 
-    def __init__(self, fn, table, dropout_table, key, variants=None):
+    def __init__(self, fn, table, dropout_table, key, variants=None, constants=None):
         self.fn = fn
-        self.configs = {(False,) + cls: rows for cls, rows in configs(table).items()}
-        self.configs.update({(True,) + cls: rows for cls, rows in configs(dropout_table).items()})
+        # constants: constexprs every row passes unless it sets its own (the variant switches, off):
+        # explicit values, not signature defaults, so every launcher (inductor's included) sees them
+        constants = dict(constants or {})
+        self.configs = {(False,) + cls: _with(constants, rows) for cls, rows in configs(table).items()}
+        self.configs.update({(True,) + cls: _with(constants, rows) for cls, rows in configs(dropout_table).items()})
         # {(dropout, fp32, width): [triton.Config]}: rows of another code path, offered per launch
-        self.variants = {(False,) + cls: rows for cls, rows in configs(variants or {}).items()}
+        self.variants = {(False,) + cls: _with(constants, rows) for cls, rows in configs(variants or {}).items()}
         self.key = list(key)
         self._tuners = {}
         # (dropout, dtype, block_d, block_dv, shape_key, variants) -> the launch keywords tuned for it
@@ -114,7 +124,7 @@ class TunedKernel:
 
     def launch(self, dtype, block_d, block_dv, dropout=False, tune=True, variants=False):
         candidates = self.configs_for(dtype, block_d, block_dv, dropout, variants)
-        if INTERPRETED:  # the interpreter's tiles; a pinned row's other constexprs (a variant's) kept
+        if INTERPRETED:  # the interpreter's tiles; the row's other constexprs (a variant's switches) kept
             chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
             return self.fn, {**chosen.kwargs, **INTERPRETER_TILES}
         if _pinned or not tune or not autotune_enabled() or len(candidates) == 1:

@@ -45,6 +45,8 @@ def _rows(table):
 
 
 FORWARD_VARIANTS = _rows(tuning.FORWARD_HOPPER)
+# what the classic rows of the selector kernel pass (every row names both switches)
+FORWARD_CONSTANTS = {"HOPPER": False, "WARP_SPEC": False} if TENSOR_DESCRIPTORS else {}
 
 
 @functools.lru_cache(maxsize=16)
@@ -91,14 +93,13 @@ def _ensure_allocator() -> bool:
 
 def forward_variants(q, k, v, meta, flags) -> bool:
     """Whether this forward launch may also time the Hopper rows (see the module docstring)."""
-    if not FORWARD_VARIANTS or not HAVE_TRITON or not device_ready(q.device):
+    # cheapest tests first; while tracing the tensors are fake (no data_ptr to test)
+    if not FORWARD_VARIANTS or not HAVE_TRITON or torch.compiler.is_compiling() or not device_ready(q.device):
         return False
     if not flavour_ready(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], meta["DROPOUT"], flags["HAS_T5"],
                          flags["MASK_KIND"], flags["MASK_SHAPE"]):
         return False
-    if torch.compiler.is_compiling() or not (tma_ready(k) and tma_ready(v)):
-        return False
-    return _ensure_allocator()
+    return tma_ready(k) and tma_ready(v) and _ensure_allocator()
 
 
 def forward_kernel(classic):

@@ -14,9 +14,9 @@ Queries are loaded once per program and the output stored once, as in the classi
 pointer accesses: no alignment condition on q or out).
 
 ``softmax_fwd_select_kernel`` is the kernel the forward's autotuner launches when this module can be
-built: the classic kernel's arguments plus two constexprs, HOPPER (this variant) and WARP_SPEC, both
-False by default, so the classic configurations launch exactly the classic kernel and the Hopper ones
-are further autotune configurations (ops/triton_tuning.py ``variants``) that the host code offers only
+built: the classic kernel's arguments plus two constexprs, HOPPER (this variant) and WARP_SPEC, which
+every classic configuration sets False (hopper.FORWARD_CONSTANTS), so those launch exactly the classic
+kernel, and the Hopper rows are further autotune configurations (ops/triton_tuning.py ``variants``) that the host code offers only
 for launches this variant supports (hopper.py decides). Flavours it does not compute (dropout, the T5
 bias) never get those configurations; the static asserts below catch a host that offers them anyway.
 
@@ -159,7 +159,7 @@ if TENSOR_DESCRIPTORS:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, HOPPER: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
+            DROPOUT: tl.constexpr, HOPPER: tl.constexpr, WARP_SPEC: tl.constexpr):
         """The forward the autotuner launches: the classic kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_fwd_kernel's plus HOPPER and WARP_SPEC (a test keeps them equal)."""
         if HOPPER:

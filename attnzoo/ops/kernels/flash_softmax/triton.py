@@ -48,7 +48,7 @@ if HAVE_TRITON:
     # on Triton versions that can build it, the forward is a selector between the classic kernel and
     # the Hopper variant, whose rows a launch offers the autotuner when hopper.forward_variants says so
     FORWARD = tuning.TunedKernel(hopper.forward_kernel(softmax_fwd_kernel), tuning.FORWARD, tuning.FORWARD_DROPOUT,
-                                 TUNING_KEY, variants=hopper.FORWARD_VARIANTS)
+                                 TUNING_KEY, variants=hopper.FORWARD_VARIANTS, constants=hopper.FORWARD_CONSTANTS)
     KEYS_BACKWARD = tuning.TunedKernel(softmax_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
                                        TUNING_KEY)
     QUERIES_BACKWARD = tuning.TunedKernel(softmax_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
