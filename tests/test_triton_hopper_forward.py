@@ -240,3 +240,30 @@ def test_selector_takes_the_classic_kernels_arguments():
     assert fused.FORWARD.fn is hopper_kernels.softmax_fwd_select_kernel
     for rows in fused.FORWARD.variants.values():
         assert rows and all(row.kwargs["HOPPER"] is True for row in rows)
+
+
+@needs_descriptors
+def test_scratch_allocator_installed_only_where_none_is_set():
+    """Device-side descriptors need Triton's launch-time scratch allocation: attnzoo installs one in a
+    context (thread) that has none, and keeps a caller's own."""
+    import contextvars
+
+    import triton
+
+    if hopper._CURRENT_ALLOCATOR is None:
+        pytest.skip("this Triton keeps its allocator elsewhere: the variant is never offered")
+
+    def installed():
+        assert hopper._ensure_allocator()
+        return hopper._CURRENT_ALLOCATOR.get()
+
+    assert contextvars.Context().run(installed) is hopper._scratch  # an empty context: Triton's null allocator
+
+    def mine(size, alignment, stream):
+        return None
+
+    def kept():
+        triton.set_allocator(mine)
+        return installed()
+
+    assert contextvars.Context().run(kept) is mine

@@ -76,16 +76,19 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+try:  # where Triton keeps its allocator (private: without it, no variant rather than a failed launch)
+    from triton.runtime import _allocation as _triton_allocation
+    _CURRENT_ALLOCATOR, _NULL_ALLOCATOR = _triton_allocation._allocator, _triton_allocation.NullAllocator
+except (ImportError, AttributeError):
+    _CURRENT_ALLOCATOR = _NULL_ALLOCATOR = None
+
+
 def _ensure_allocator() -> bool:
     """Install the allocator above unless the caller set one (Triton keeps it in a ContextVar: per
     thread). False when this Triton's allocator state cannot be read (then no variant)."""
-    try:
-        from triton.runtime import _allocation
-        current = _allocation._allocator.get()
-        null = _allocation.NullAllocator
-    except (ImportError, AttributeError):
+    if _CURRENT_ALLOCATOR is None:
         return False
-    if isinstance(current, null):
+    if isinstance(_CURRENT_ALLOCATOR.get(), _NULL_ALLOCATOR):
         import triton
         triton.set_allocator(_scratch)
     return True
