@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import multiprocessing
 import os
 import re
@@ -111,8 +112,8 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
 ]
-# the softmax forward's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on sm_90 only):
-# every row of triton_tuning.FORWARD_HOPPER in the flavours it computes, fp16 / bf16 (its only dtypes);
+# the softmax forward's and dQ's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on sm_90
+# only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER in the flavours it computes, fp16 / bf16 (its only dtypes);
 # masks varying along both axes are not among them (kernels/flash_softmax/hopper.py)
 HOPPER_JOBS = [
     ("hopper causal", dict(_SOFTMAX), ("bf16", "fp16"), (64, 128)),
@@ -151,10 +152,10 @@ def signature(fn, dtype, pointer_types, constexprs):
 
 
 def hopper_specs(dtype, precision):
-    """The Hopper rows of the forward (none where this Triton cannot build them)."""
-    tuned = softmax_host.FORWARD
-    pointers = {"LSE": "*fp32", "PREF": "*fp32", "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64"}
-    for name, flags, dtypes, widths in HOPPER_JOBS:
+    """The Hopper rows of the forward and dQ (none where this Triton cannot build them)."""
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64"}
+    for (name, flags, dtypes, widths), tuned in itertools.product(
+            HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD)):
         if dtype not in dtypes:
             continue
         for width in widths:
@@ -167,7 +168,7 @@ def hopper_specs(dtype, precision):
                 mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
                 yield (tuned.fn, dict(pointers, MASK=mask), meta,
                        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                       f"softmax {dtype} {name} D={width} config {i}")
+                       f"softmax {dtype} {name} {tuned.fn.fn.__name__} D={width} config {i}")
 
 
 def softmax_family_specs(dtype):

@@ -1,11 +1,13 @@
-"""The Hopper variant of the softmax-family forward (kernels/flash_softmax/hopper_kernels.py) against
-float64 math, and the host rules that decide which launches may run it (hopper.py).
+"""The Hopper variants of the softmax-family forward and dQ kernels (kernels/flash_softmax/
+hopper_kernels.py) against float64 math, and the host rules that decide which launches may run them
+(hopper.py).
 
 The variant is offered to the autotuner on sm_90 only; here ``hopper.device_ready`` is patched to say
 yes and ``pinned_config`` picks a Hopper row, so the interpreter runs the descriptor kernel on CPU
 tensors (Triton 3.8's interpreter executes ``tl.make_tensor_descriptor`` loads, zero fill past the
-bounds included, and accepts ``warp_specialize``, which it ignores). The backward is the classic one; it
-reads the lse the Hopper forward stored, so the gradients check that too. bf16 inputs, FlashAttention's
+bounds included, and accepts ``warp_specialize``, which it ignores). One pinned index selects the Hopper rows of
+both the forward and dQ; dK / dV is the classic kernel, reading the lse the Hopper forward stored, so
+every gradient checks that too. bf16 inputs, FlashAttention's
 rule (tests/flash_rule.py): the error against float64 at most twice that of the same formula computed
 as attnzoo's eager references do (fp32 on the bf16 inputs, stored in bf16).
 """
@@ -63,8 +65,11 @@ def _with_grads(fn, inputs, grad_out):
 
 
 def hopper_row_index(dtype, width):
-    """Where the class's first Hopper row sits in the list a launch with variants sees."""
-    return len(fused.FORWARD.configs_for(dtype, width, width))
+    """Where the class's first Hopper row sits in the list a launch with variants sees: the same index
+    for the forward and dQ lists (asserted), so one pinned index runs both Hopper kernels."""
+    index = len(fused.FORWARD.configs_for(dtype, width, width))
+    assert len(fused.QUERIES_BACKWARD.configs_for(dtype, width, width)) == index
+    return index
 
 
 CASES = [  # (name, B, H, Nq, Nk, D, causal, l2, pref, key mask)
@@ -239,6 +244,16 @@ def test_selector_takes_the_classic_kernels_arguments():
                                                                                                  "WARP_SPEC"]
     assert fused.FORWARD.fn is hopper_kernels.softmax_fwd_select_kernel
     for rows in fused.FORWARD.variants.values():
+        assert rows and all(row.kwargs["HOPPER"] is True for row in rows)
+
+
+@needs_descriptors
+def test_dq_selector_takes_the_classic_kernels_arguments():
+    from attnzoo.ops.kernels.flash_softmax.triton_kernels import softmax_bwd_dq_kernel
+
+    assert hopper_kernels.softmax_dq_select_kernel.arg_names == softmax_bwd_dq_kernel.arg_names + ["HOPPER"]
+    assert fused.QUERIES_BACKWARD.fn is hopper_kernels.softmax_dq_select_kernel
+    for rows in fused.QUERIES_BACKWARD.variants.values():
         assert rows and all(row.kwargs["HOPPER"] is True for row in rows)
 
 

@@ -235,3 +235,11 @@ FORWARD_HOPPER = {
                   (128, 64, 4, 4, {"HOPPER": True})],
     (False, 128): [(128, 64, 8, 3, {"HOPPER": True}), (128, 128, 8, 2, {"HOPPER": True})],
 }
+# The Hopper variant of dQ (same descriptors and conditions as the forward's): QUERIES_BACKWARD's
+# shapes that build without spills as the Hopper kernel. Unmeasured.
+# (Spilled in the build check, left out: 128 x 64 with 4 warps at D 64; 128 x 64 / 8 warps / 2 stages
+# and 64 x 64 / 4 warps in the L2 flavour at D 128.)
+QUERIES_BACKWARD_HOPPER = {
+    (False, 64): [(128, 64, 8, 3, {"HOPPER": True}), (128, 32, 8, 4, {"HOPPER": True})],
+    (False, 128): [(128, 32, 8, 3, {"HOPPER": True})],
+}

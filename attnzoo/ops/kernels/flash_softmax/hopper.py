@@ -1,6 +1,6 @@
-"""Which forward launches may run the Hopper variant (hopper_kernels.py), decided on the host.
+"""Which forward and dQ launches may run the Hopper variants (hopper_kernels.py), decided on the host.
 
-The variant's rows are offered to the forward's autotuner (ops/triton_tuning.py ``variants``) only
+The variants' rows are offered to the forward's (and the dQ launch's) autotuner (ops/triton_tuning.py ``variants``) only
 when every condition holds; otherwise the launch tunes the classic rows alone, exactly as before:
 - Triton can build it (``hopper_kernels.TENSOR_DESCRIPTORS``; the warp-specialised rows also need
   ``WARP_SPECIALIZE``) -- checked once at import;
@@ -45,8 +45,10 @@ def _rows(table):
 
 
 FORWARD_VARIANTS = _rows(tuning.FORWARD_HOPPER)
-# what the classic rows of the selector kernel pass (every row names both switches)
+QUERIES_BACKWARD_VARIANTS = _rows(tuning.QUERIES_BACKWARD_HOPPER)
+# what the classic rows of the selector kernels pass (every row names each switch)
 FORWARD_CONSTANTS = {"HOPPER": False, "WARP_SPEC": False} if TENSOR_DESCRIPTORS else {}
+QUERIES_BACKWARD_CONSTANTS = {"HOPPER": False} if TENSOR_DESCRIPTORS else {}
 
 
 @functools.lru_cache(maxsize=16)
@@ -95,7 +97,8 @@ def _ensure_allocator() -> bool:
 
 
 def forward_variants(q, k, v, meta, flags) -> bool:
-    """Whether this forward launch may also time the Hopper rows (see the module docstring)."""
+    """Whether this forward (or dQ) launch may also time the Hopper rows (see the module docstring);
+    both read K and V the same way, so one answer serves both."""
     # cheapest tests first; while tracing the tensors are fake (no data_ptr to test)
     if not FORWARD_VARIANTS or not HAVE_TRITON or torch.compiler.is_compiling() or not device_ready(q.device):
         return False
@@ -112,3 +115,11 @@ def forward_kernel(classic):
         return classic
     from .hopper_kernels import softmax_fwd_select_kernel
     return softmax_fwd_select_kernel
+
+
+def queries_backward_kernel(classic):
+    """The same for the backward's dQ launch."""
+    if not TENSOR_DESCRIPTORS:
+        return classic
+    from .hopper_kernels import softmax_dq_select_kernel
+    return softmax_dq_select_kernel

@@ -1,5 +1,5 @@
-"""Hopper (sm_90) variant of the softmax-family forward kernel: K and V tiles through TMA tensor
-descriptors, the key loop optionally warp-specialised.
+"""Hopper (sm_90) variants of the softmax-family forward and dQ kernels: K and V tiles through TMA
+tensor descriptors, the forward's key loop optionally warp-specialised.
 
 Same mathematics, units and outputs as ``softmax_fwd_kernel`` (triton_kernels.py: base-2 logits, the
 L2 logits without the row constant, lse2 = +inf for rows with no key); what changes is how the key
@@ -19,6 +19,9 @@ every classic configuration sets False (hopper.FORWARD_CONSTANTS), so those laun
 kernel, and the Hopper rows are further autotune configurations (ops/triton_tuning.py ``variants``) that the host code offers only
 for launches this variant supports (hopper.py decides). Flavours it does not compute (dropout, the T5
 bias) never get those configurations; the static asserts below catch a host that offers them anyway.
+``softmax_dq_select_kernel`` does the same for the backward's dQ launch (HOPPER only): the same key
+loop as the forward with the same descriptors, so the same launches qualify. dK / dV, which streams
+queries against a resident key block, has no variant yet.
 
 Capability gates (an older Triton silently keeps the classic kernel): ``TENSOR_DESCRIPTORS`` needs
 ``tl.make_tensor_descriptor`` and ``triton.set_allocator`` (device-side descriptors live in a
@@ -44,21 +47,15 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import load_tile, mm, mma, tile_logits, visible_keys
-    from .triton_kernels import LOG2E, key_terms, softmax_fwd_kernel
+    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys
+    from .triton_kernels import LOG2E, key_terms, softmax_bwd_dq_kernel, softmax_fwd_kernel
 
     @triton.jit
-    def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
-                        MASK, smm, smn, PREF, spn,
-                        BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
-                        HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr, EDGE: tl.constexpr):
-        """One key block of the online softmax (base 2): the classic fwd_stage's body with K / V from
-        the descriptors (zero-filled past Nk and D, so only the logits need the bounds)."""
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = k_desc.load([start_n, 0])
-        v = v_desc.load([start_n, 0])
+    def hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                      L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+                      CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (k
+        arrives zero-filled past Nk, so only the logits need the bounds)."""
         if L2:
             s = mm(q, tl.trans(k), UPCAST, PRECISION) * (2.0 * qk_scale)
         else:
@@ -69,8 +66,23 @@ if TENSOR_DESCRIPTORS:
             kj_at = tl.minimum(offs_n, Nk - 1)
         else:
             kj_at = offs_n
-        s = tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
-                        MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                           MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+
+    @triton.jit
+    def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
+                        MASK, smm, smn, PREF, spn,
+                        BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                        HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """One key block of the online softmax (base 2): the classic fwd_stage's body with K / V from
+        the descriptors."""
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        s = hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                          L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
         p = tl.math.exp2(s - m_safe[:, None])
@@ -176,3 +188,103 @@ if TENSOR_DESCRIPTORS:
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
                                CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+
+    # --- dQ: the backward's query-block kernel, K / V through descriptors --------------------------------
+
+    @triton.jit
+    def hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                        MASK, smm, smn, PREF, spn,
+                        BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                        HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """dQ (unscaled: sum_j dS_ij k_j) over the key blocks [lo, hi): triton_kernels.dq_stage without
+        dropout or T5, K / V from the descriptors."""
+        for start_n in tl.range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+            s = hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                              L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = mm(do, tl.trans(v), UPCAST, PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
+        return dq
+
+    @triton.jit
+    def softmax_dq_hopper(
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
+            sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
+            smb, smh, smm, smn, spb, sph, spn,
+            H, Nq, Nk, D, DV, GROUP, scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """dQ of one query block of one head (softmax_bwd_dq_kernel's program), K / V through descriptors."""
+        scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1).to(tl.int64)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qi_at = tl.minimum(offs_m, Nq - 1)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        Q += b * sqb + h * sqh
+        DO += b * sdob + h * sdoh
+        MASK += b * smb + h * smh
+        PREF += b * spb + h * sph
+        k_desc = tl.make_tensor_descriptor(K + b * skb + (h // GROUP) * skh, shape=[Nk, D], strides=[skn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + b * svb + (h // GROUP) * svh, shape=[Nk, DV], strides=[svn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
+        do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, True, HEAD_MASK)
+        lse2 = load_rows(LSE + pid_bh * Nq, offs_m, Nq, float("inf"), True)
+        delta = load_rows(DELTA + pid_bh * Nq, offs_m, Nq, 0.0, True)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, 0, lo, offs_m, qi_at, Nq, Nk, qk_scale,
+                             MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL,
+                             UPCAST, PRECISION, False)
+        dq = hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                             MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL,
+                             UPCAST, PRECISION, True)
+        if L2:
+            dq = (2.0 * scale) * dq
+        else:
+            dq = scale * dq
+        DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
+        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+
+    @triton.jit
+    def softmax_dq_select_kernel(
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr, HOPPER: tl.constexpr):
+        """The dQ launch the autotuner runs: softmax_bwd_dq_kernel, or (HOPPER) the descriptor variant.
+        The argument list is softmax_bwd_dq_kernel's plus HOPPER (a test keeps them equal)."""
+        if HOPPER:
+            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dQ computes neither T5 nor dropout")
+            softmax_dq_hopper(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
+                              sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
+                              smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
+                              BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                              CAUSAL, HEAD_MASK, UPCAST, PRECISION)
+        else:
+            softmax_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
+                                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                                  smb, smh, smm, smn, spb, sph, spn, stb, sth,
+                                  H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
+                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)

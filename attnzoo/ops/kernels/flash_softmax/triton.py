@@ -51,8 +51,10 @@ if HAVE_TRITON:
                                  TUNING_KEY, variants=hopper.FORWARD_VARIANTS, constants=hopper.FORWARD_CONSTANTS)
     KEYS_BACKWARD = tuning.TunedKernel(softmax_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
                                        TUNING_KEY)
-    QUERIES_BACKWARD = tuning.TunedKernel(softmax_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
-                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
+    QUERIES_BACKWARD = tuning.TunedKernel(hopper.queries_backward_kernel(softmax_bwd_dq_kernel),
+                                          tuning.QUERIES_BACKWARD, tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY,
+                                          variants=hopper.QUERIES_BACKWARD_VARIANTS,
+                                          constants=hopper.QUERIES_BACKWARD_CONSTANTS)
 
 
 def _prepare(q, k, mask, pref, table, lut):
@@ -182,7 +184,8 @@ if HAVE_TRITON:
                           {**meta, **flags}, tune=not flags["HAS_T5"], shape_key=shape_key, **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                              (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
-                             {**meta, **flags}, shape_key=shape_key, **tiles)
+                             {**meta, **flags}, shape_key=shape_key,
+                             variants=hopper.forward_variants(q, k, v, meta, flags), **tiles)
         return dq, dk, dv, dpref, dtable
 
     def _setup_context(ctx, inputs, output):
