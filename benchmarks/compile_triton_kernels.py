@@ -96,7 +96,7 @@ class Result:
 # - the default configuration of each list in the most demanding flavours the host code launches
 #   (masks as tiles, L2, preferences, T5 with its fixed dK/dV tiles, row biases), widths 64 and 128.
 
-INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}
+INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}  # GROUP: query heads per key/value head (GQA)
 FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
 _SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False)
 _POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
@@ -153,7 +153,7 @@ def signature(fn, dtype, pointer_types, constexprs):
 
 def hopper_specs(dtype, precision):
     """The Hopper rows of the forward and dQ (none where this Triton cannot build them)."""
-    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64"}
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64"}
     for (name, flags, dtypes, widths), tuned in itertools.product(
             HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD)):
         if dtype not in dtypes:
@@ -188,7 +188,7 @@ def softmax_family_specs(dtype):
                 flags["SIGMOID_IMPL"] = SIGMOID_IMPL_OF[dtype] if flags["SIGMOID"] else 0
             mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
-                        "TABLE": "*fp32", "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
+                        "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
                         "BIAS": "*fp32", "DBIAS": "*fp32"}
             for tuned in kernels:
                 for width in widths:
@@ -197,8 +197,10 @@ def softmax_family_specs(dtype):
                     if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
                         configs = configs[:1]
                     for i, cfg in enumerate(configs):
-                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
-                                    HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
+                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
+                                    PRECISION=precision, **flags)
+                        if tuned is softmax_host.KEYS_BACKWARD:  # T5's per-bucket gradient registers (32 buckets)
+                            meta["BUCKETS"] = 32 if flags.get("HAS_T5") else 1
                         yield (tuned.fn, pointers, meta, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                                f"{family} {dtype} {name} D={width} config {i}")
     yield from hopper_specs(dtype, precision)

@@ -167,6 +167,37 @@ def test_the_host_code_around_the_fused_kernels_only_allocates(variant, launches
     assert (sorted(forward), sorted(backward)) == tuple(sorted(x) for x in ALLOCATIONS[variant])
 
 
+# The T5 bias (ops/fenchel/t5.py): its offset -> bucket LUT is cached per shape, so a call's only extra
+# host work is the per-head bias vector bias[h, r] = table[bucket(r), h] (t, select of the LUT's bucket
+# row, index_select), in the forward and again in the backward (the dQ and dK/dV kernels read it). The
+# backward also allocates the per-key-block table-gradient rows the dK/dV kernel writes and sums them
+# (sum, and a slice to the table's buckets); the (num_buckets, H) result is cast to the table's dtype.
+T5_HOST_OPS = (["aten::empty"] * 2 + ["aten::t", "aten::select", "aten::index_select"],
+               ["aten::empty"] * 6 + ["aten::t", "aten::select", "aten::index_select"]
+               + ["aten::sum", "aten::slice", "aten::to"])
+
+
+@needs_interpreter
+def test_t5_bias_launches_and_host_ops(launches):
+    """The softmax family's launches (1 forward, 3 backward) and, around them, the bias gather, the
+    allocations and the one reduction of the table gradient's rows: no LUT rebuilt per call, no atomics
+    buffer to zero."""
+    from attnzoo.ops.fenchel.t5 import t5_bias_attention
+    q, k, v = _qkv()
+    table = torch.nn.Parameter(torch.randn(8, 2))
+    cot = torch.ones(1, 2, 40, 16)
+    out = t5_bias_attention(q, k, v, table, 8, 16, True, scale=0.25)  # first call: LUT, plan, stand-ins
+    torch.autograd.grad(out, (q, k, v, table), cot)
+    launches.clear()
+    outs = []
+    forward = top_level_aten(lambda: outs.append(t5_bias_attention(q, k, v, table, 8, 16, True, scale=0.25)))
+    fwd_launches = [name for name, _ in launches]
+    launches.clear()
+    backward = top_level_aten(lambda: torch.autograd.grad(outs[0], (q, k, v, table), cot))
+    assert (fwd_launches, [name for name, _ in launches]) == LAUNCHES[("softmax", ())]
+    assert (sorted(forward), sorted(backward)) == tuple(sorted(x) for x in T5_HOST_OPS)
+
+
 @needs_interpreter
 def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
     """With enable_gqa the softmax family reads each shared key/value head in place: the same three

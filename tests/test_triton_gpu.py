@@ -1,6 +1,6 @@
 """The Triton kernels on a real GPU: the same tables as the interpreter tests in bf16 and fp16 (compiled
 kernels, tensor-core dots), every autotune configuration of the softmax-family and pointwise kernels
-pinned in turn, autotuned launches (including the T5 gradient's atomics), the sigmoid evaluations
+pinned in turn, autotuned launches (including the T5 gradient's fixed dK/dV tiles), the sigmoid evaluations
 (hardware tanh and exp2), and torch.compile(fullgraph=True) of every layer with backend="triton"
 against eager, also under autocast. Skipped (and reported as skipped) without CUDA or under
 TRITON_INTERPRET=1, where the kernels are interpreted and take CPU tensors only.
@@ -158,9 +158,9 @@ def test_autotuned_launches_compute_the_same_attention(monkeypatch):
 
 
 def test_autotuned_t5_table_gradient_is_not_accumulated_twice(monkeypatch):
-    """The T5 table gradient is summed with atomics into a zeroed buffer; autotuning runs a kernel several
-    times on the same output, so that kernel runs its fixed default tiles: the gradient must equal the one
-    of a run without autotuning (it would be a multiple of it otherwise)."""
+    """The T5 table gradient is summed from one row of partial sums per key block, sized from the dK/dV
+    launch's default tiles before it runs, so that launch keeps them with autotuning on: the gradient must
+    equal the one of a run without autotuning (rows missed or counted twice would change it)."""
     from attnzoo.ops.fenchel.t5 import t5_bias_attention
 
     q, k, v = _leaves((1, 2, 200, 64), (1, 2, 200, 64), torch.float32, seed=2)

@@ -62,7 +62,7 @@ def test_interpreter_uses_fixed_small_tiles(monkeypatch):
 
 def test_gpu_launches_autotune_unless_told_not_to(monkeypatch):
     """On a GPU: an Autotuner over the class's list (one per class, reused), the default configuration
-    with ATTNZOO_TRITON_AUTOTUNE=0 or tune=False (the T5 atomics), configuration i inside pinned_config(i)."""
+    with ATTNZOO_TRITON_AUTOTUNE=0 or tune=False (T5's dK/dV launch), configuration i inside pinned_config(i)."""
     from triton.runtime.autotuner import Autotuner
 
     monkeypatch.setattr(tuning, "INTERPRETED", False)

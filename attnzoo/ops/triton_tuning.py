@@ -16,9 +16,8 @@ How a launch picks its tiles (``TunedKernel.launch``):
 - on a GPU: ``triton.autotune`` over the class's list, keyed on the tuning key (the kernel's
   flavour constexprs, D, DV, a power-of-two bucket of Nq and of Nk, and the dtypes of the tensor
   arguments, which Triton adds itself). Each key is tuned once per process;
-- on a GPU with ``ATTNZOO_TRITON_AUTOTUNE=0``, or for a launch that must not be repeated (the T5
-  table gradient accumulates with atomics, and autotuning runs each candidate several times on the
-  same output): the default configuration;
+- on a GPU with ``ATTNZOO_TRITON_AUTOTUNE=0``, or for a launch whose tiles the host must know
+  beforehand (T5's dK/dV launch sizes its table-gradient rows from BLOCK_N): the default configuration;
 - inside ``pinned_config(i)`` (tests): configuration i of the list, without tuning.
 
 *Variants*: a kernel may also have configurations of another code path, picked by constexprs in the

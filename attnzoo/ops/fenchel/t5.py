@@ -1,8 +1,9 @@
 """Fenchel attention with T5's relative-position preference (paper 004 eqs 16-18) on fused kernels.
 
 softmax_j(alpha * scale * q_i.k_j + table[bucket(j - i), h] + mask_ij) v_j can run on
-- "triton": the online-softmax kernel, which adds the bias tile by tile from the table and the
-  offset -> bucket vector, and accumulates the table's gradient (``t5_bias_attention``);
+- "triton": the online-softmax kernel, which adds the bias tile by tile from a per-head vector
+  bias[h, r] = table[bucket(r), h] (one scalar for a tile whose offsets share a bucket) and sums the
+  table's gradient per bucket (``t5_bias_attention``);
 - "flex":   FlexAttention with the table lookup as a score_mod (CUDA; kernels.py, t5_flex);
 - any other fenchel backend: the dense (1, H, Nq, Nk) log u (``dense_log_u``) through the fenchel
   dispatcher (``t5_attention`` returns None).
@@ -11,13 +12,15 @@ Triton kernel when it can run the call.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
 from .. import dispatch, measured
 from .. import validate as V
-from ..kernels.flash_softmax.triton import bucket_bias_attention
+from ..kernels.flash_softmax.triton import bucket_bias_attention, offset_lut
 from ..kernels.flex import flex_reason
 from ..triton_utils import common_reason
 from .kernels import t5_flex
@@ -39,6 +42,21 @@ class T5Bias(NamedTuple):
 def dense_log_u(bias: T5Bias, nq: int, nk: int) -> Tensor:
     """log u_ij = table[bucket(j - i), h] as a (1, H, Nq, Nk) tensor (bottom-right aligned offsets)."""
     return t5_log_preference(bias.table, bias.num_buckets, bias.max_distance, bias.bidirectional, nq, nk)
+
+
+def kernel_lut(nq: int, nk: int, num_buckets: int, max_distance: int, bidirectional: bool, like: Tensor) -> Tensor:
+    """T5's int32 (2, Nq + Nk - 1) offset table for the fused kernels (``offset_lut``: row 0 the bucket of
+    offset index j - i + Nq - 1, row 1 the end of its run of equal buckets), made once per shape and
+    device in eager mode (building it is some twenty small ops); made afresh while torch.compile traces,
+    where a cached real tensor cannot enter the graph."""
+    if type(like) is not Tensor or torch.compiler.is_compiling():
+        return offset_lut(t5_offset_lut(nq, nk, num_buckets, max_distance, bidirectional, like.device))
+    return _cached_lut(nq, nk, num_buckets, max_distance, bidirectional, like.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_lut(nq, nk, num_buckets, max_distance, bidirectional, device):
+    return offset_lut(t5_offset_lut(nq, nk, num_buckets, max_distance, bidirectional, device))
 
 
 def check_t5_args(table, num_buckets, max_distance, q, bidirectional=True) -> None:
@@ -74,7 +92,7 @@ def t5_bias_attention(q, k, v, table, num_buckets, max_distance, bidirectional, 
     alpha = V.check_positive("alpha", alpha)
     check_t5_args(table, num_buckets, max_distance, q, bidirectional)
     dropout_p = V.check_dropout(dropout_p)
-    lut = t5_offset_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q.device)
+    lut = kernel_lut(q.shape[2], k.shape[2], num_buckets, max_distance, bool(bidirectional), q)
     return bucket_bias_attention(q, k, v, table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=scale * alpha,
                                  dropout_p=dropout_p)
 
@@ -115,7 +133,6 @@ def t5_attention(q, k, v, bias: T5Bias, *, attn_mask=None, is_causal=False, scal
                                  attn_mask=attn_mask, is_causal=is_causal, scale=scale, alpha=alpha,
                                  dropout_p=dropout_p)
     if name == "flex":
-        lut = t5_offset_lut(q.shape[2], k.shape[2], bias.num_buckets, bias.max_distance, bool(bias.bidirectional),
-                            q.device)
-        return t5_flex(q, k, v, bias.table, lut, attn_mask=attn_mask, is_causal=is_causal, scale=alpha * scale)
+        lut = kernel_lut(q.shape[2], k.shape[2], bias.num_buckets, bias.max_distance, bool(bias.bidirectional), q)
+        return t5_flex(q, k, v, bias.table, lut[0], attn_mask=attn_mask, is_causal=is_causal, scale=alpha * scale)
     return None

@@ -8,7 +8,8 @@ log-preference lu (B*H, Nk) fp32 (zeros: uniform u) and the user's mask as it ca
 strides, read tile by tile in the kernels, never expanded in memory).
 
 Work and memory. The forward is 4 Nq Nk |A| flops in tensor-core matmuls (S = EC EG^T, then
-R EG), the backward 12 Nq Nk |A|; nothing is saved but the inputs. The per-(batch, head)
+R EG), the backward 12 Nq Nk |A|, less where a mask or causal empties whole tiles (skipped, see
+triton_kernels.py); nothing is saved but the inputs. The per-(batch, head)
 temporaries (EC, EG, R, flags; in the backward also EDW, RG, dC, dG: about
 (Nq + Nk) |A| + Nq Nk elements each) are made for ``CHUNK_BYTES`` worth of (batch, head) pairs at a
 time, so the extra memory stays near CHUNK_BYTES whatever B * H is. dq, dk, d a_k are cuBLAS matmuls
@@ -38,8 +39,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A pair (i, j) whose shifted normaliser S_ij falls to this or below goes to the exact fallback:
 # above it every term within 2^-24 of S_ij is a normal float32 (2^-114 > 2^-126).
 SAFE_NORMALISER = 2.0 ** -90
-# Temporaries of one chunk of (batch, head) pairs, bytes (read at every call; tests lower it).
-CHUNK_BYTES = 1 << 30
+# Temporaries of one chunk of (batch, head) pairs, bytes (read at every call; tests lower it). 768 MiB:
+# the extra peak is this plus O(B H N D) buffers (measured 1 GiB + 85 MB on an H200 at 1 GiB), under
+# issue 21's 1 GB; each chunk still holds ~35 (backward) to ~100 (forward) pairs at N = |A| = 1024,
+# thousands of programs per launch.
+CHUNK_BYTES = 768 << 20
 
 
 def supports_ot_triton(q, k, v, attn_mask=None, dropout_p=0.0, **kw):
@@ -97,26 +101,43 @@ def _config(q, dv):
     return cfg, tiles, launch
 
 
-def pair_bytes(nq, nk, na, d, dv, dtype, backward):
-    """Bytes of temporaries per (batch, head) pair: EC, EG, R, flags, fp32 out (forward); EDW, RG, UG,
-    dC, dG and the fp32 gradient buffers on top (backward)."""
+def pair_bytes(nq, nk, na, d, dv, dtype, backward, need_dlu=True):
+    """Bytes of temporaries per (batch, head) pair: EC, EG, R, flags, key ranges, lz, fp32 out
+    (forward); EDW, RG, UG (only when log u needs a gradient), dC, dG, delta and the fp32 gradient
+    buffers on top (backward)."""
     op = _operand_dtype(dtype).itemsize
     el = torch.finfo(dtype).bits // 8
-    per = (nq + nk) * na * op + nq * nk * (op + 1) + nq * dv * 4
+    per = (nq + nk) * na * op + nq * nk * (op + 1) + nq * dv * 4 + nq * 12
     if backward:
-        per += nq * na * op + nq * nk * (op + 4) + (nq + nk) * na * el + (nq + nk + na) * d * 4 + na * dv * 4
+        per += (nq * na * op + nq * nk * (op + (4 if need_dlu else 0)) + (nq + nk) * na * el + nq * 4
+                + (nq + nk + na) * d * 4 + na * dv * 4)
     return per
 
 
-def _chunk_size(bh, nq, nk, na, d, dv, dtype, backward):
+def _chunk_size(bh, nq, nk, na, d, dv, dtype, backward, need_dlu=True):
     """(batch, head) pairs per chunk: as many as fit CHUNK_BYTES of temporaries (at least one)."""
-    return max(1, min(bh, CHUNK_BYTES // pair_bytes(nq, nk, na, d, dv, dtype, backward)))
+    return max(1, min(bh, CHUNK_BYTES // pair_bytes(nq, nk, na, d, dv, dtype, backward, need_dlu)))
 
 
 def _unused(device):
     """The pointer handed for an argument the launch's constexprs never touch (one per launch, so no
     written tensor is ever aliased by another argument)."""
     return torch.empty((1,), dtype=torch.float32, device=device)
+
+
+def _skips(kind, causal):
+    """Whether the kernels skip template and source tiles outside each row block's key range: only a
+    mask or causal removes keys (without them every range is [0, Nk) and the plain loops run)."""
+    return kind != 0 or bool(causal)
+
+
+def _key_ranges(n, nq, skip, unused):
+    """(lo, hi) int32 (n, Nq): the first and one past the last key each query keeps, which _exp_kernel
+    writes and the other kernels read (kernels._key_range); ``unused`` stand-ins when not skipping."""
+    if not skip:
+        return unused, unused
+    return (torch.empty((n, nq), dtype=torch.int32, device=unused.device),
+            torch.empty((n, nq), dtype=torch.int32, device=unused.device))
 
 
 def _mask_args(mask, bh, heads, nq, nk, device):
@@ -134,29 +155,33 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     ec = torch.empty((n, nq, na), dtype=op, device=dev)
     eg = torch.empty((n, nk, na), dtype=op, device=dev)
     lz = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    skip = _skips(kind, causal)
+    unused = _unused(dev)
+    lo, hi = _key_ranges(n, nq, skip, unused)
     flags = dict(MASK_KIND=kind, CAUSAL=causal)
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, av.shape[2])
-    unused = _unused(dev)
-    launcher(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
-        q, ak, m, lu, ec, lz, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
-        HAS_DOUT=False, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
-    launcher(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
-        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
-        IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
+    launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
+        q, ak, m, lu, ec, lz, lo, hi, unused, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms,
+        IS_QUERY=True, HAS_DOUT=False, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+    launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
+        heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
+        **launch["exp"])
     pbm, pbn, pbk = tiles["pair"]
     r = torch.empty((n, nq, nk), dtype=op, device=dev)
     bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
-    grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
-    tbad = torch.empty(grid, dtype=torch.int32, device=dev)
+    tbad = torch.empty((n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn)), dtype=torch.int32, device=dev)
+    grid = (tbad.numel(),)      # flat, (batch, head) slowest: one program per entry of tbad
     small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
     launcher(kern._pair_kernel)[grid](
-        ec, eg, unused, lu, lz, m, r, unused, unused, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
-        BACKWARD=False, NEED_UG=False, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
+        ec, eg, unused, lu, lz, lo, hi, m, r, unused, unused, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads,
+        *ms, BACKWARD=False, NEED_UG=False, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
     out = torch.empty((n, nq, dv), dtype=torch.float32, device=dev)
     obm, obn, obt = tiles["out"]
-    launcher(kern._out_kernel)[(n, triton.cdiv(nq, obm))](
-        ec, eg, r, av, out, nq, nk, na, dv, BM=obm, BN=obn, BT=obt, BDV=cfg["BDV"], **small, **launch["out"])
+    launcher(kern._out_kernel)[(n * triton.cdiv(nq, obm),)](
+        ec, eg, r, av, lo, hi, out, nq, nk, na, dv, SKIP=skip, BM=obm, BN=obn, BT=obt, BDV=cfg["BDV"], **small,
+        **launch["out"])
     fb, fbt = tiles["fallback"]
     launcher(kern._fallback_fwd_kernel)[grid](
         q, k, ak, av, m, lu, lz, bad, tbad, out, nq, nk, na, d, dv, sc, sg, b0, heads, *ms,
@@ -164,10 +189,10 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     return out.to(q.dtype)
 
 
-def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
+def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
                     launch):
-    """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; delta (n, Nq) fp32
-    shifts dW (_dc_kernel)."""
+    """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; _exp_kernel writes
+    delta = dout . out (n, Nq) fp32, which shifts dW (_dc_kernel)."""
     n, nq, d = q.shape
     nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
     dev, op = q.device, _operand_dtype(q.dtype)
@@ -175,37 +200,41 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
     edw = torch.empty((n, nq, na), dtype=op, device=dev)
     eg = torch.empty((n, nk, na), dtype=op, device=dev)
     lz = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    delta = torch.empty((n, nq), dtype=torch.float32, device=dev)
+    skip = _skips(kind, causal)
+    unused = _unused(dev)
+    lo, hi = _key_ranges(n, nq, skip, unused)
     flags = dict(MASK_KIND=kind, CAUSAL=causal)
     small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, dv)
-    unused = _unused(dev)
-    launcher(kern._exp_kernel)[(n, triton.cdiv(nq, ebm))](
-        q, ak, m, lu, ec, lz, dout, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True, HAS_DOUT=True,
-        BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
-    launcher(kern._exp_kernel)[(n, triton.cdiv(nk, ebm))](
-        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, nk, *common, sg, b0, heads, *ms,
-        IS_QUERY=False, HAS_DOUT=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg, **launch["exp"])
+    launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
+        q, ak, m, lu, ec, lz, lo, hi, dout, out, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
+        HAS_DOUT=True, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+    launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
+        k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
+        heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
+        **launch["exp"])
     pbm, pbn, pbk = tiles["pair_bwd"]
     r = torch.empty((n, nq, nk), dtype=op, device=dev)
     rg = torch.empty((n, nq, nk), dtype=op, device=dev)
     ug = torch.empty((n, nq, nk), dtype=torch.float32, device=dev) if need_dlu else unused
     bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
-    grid = (n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn))
-    tbad = torch.empty(grid, dtype=torch.int32, device=dev)
+    tbad = torch.empty((n, triton.cdiv(nq, pbm), triton.cdiv(nk, pbn)), dtype=torch.int32, device=dev)
+    grid = (tbad.numel(),)
     launcher(kern._pair_kernel)[grid](
-        ec, eg, edw, lu, lz, m, r, rg, ug, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
-        BACKWARD=True, NEED_UG=need_dlu, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
+        ec, eg, edw, lu, lz, lo, hi, m, r, rg, ug, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
+        BACKWARD=True, NEED_UG=need_dlu, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
     dc = torch.empty((n, nq, na), dtype=q.dtype, device=dev)
     dav = torch.empty((n, na, dv), dtype=torch.float32, device=dev)
     cbm, cbn, cbt = tiles["dc"]
-    launcher(kern._dc_kernel)[(n, triton.cdiv(na, cbt))](
-        ec, eg, r, rg, av, dout, delta, dc, dav, nq, nk, na, dv, sc, BM=cbm, BN=cbn, BT=cbt, BDV=cfg["BDV"],
-        **small, **launch["dc"])
+    launcher(kern._dc_kernel)[(n * triton.cdiv(na, cbt),)](
+        ec, eg, r, rg, av, dout, delta, lo, hi, dc, dav, nq, nk, na, dv, sc, SKIP=skip, BM=cbm, BN=cbn, BT=cbt,
+        BDV=cfg["BDV"], **small, **launch["dc"])
     dg = torch.empty((n, nk, na), dtype=q.dtype, device=dev)
     gbn, gbt, gbm = tiles["dg"]
-    launcher(kern._dg_kernel)[(n, triton.cdiv(nk, gbn), triton.cdiv(na, gbt))](
-        ec, eg, r, rg, edw, dg, nq, nk, na, sg, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"])
+    launcher(kern._dg_kernel)[(n * triton.cdiv(nk, gbn) * triton.cdiv(na, gbt),)](
+        ec, eg, r, rg, edw, lo, hi, dg, nq, nk, na, sg, SKIP=skip, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"])
     dq_fb = torch.zeros((n, nq, d), dtype=torch.float32, device=dev)
     dk_fb = torch.zeros((n, nk, d), dtype=torch.float32, device=dev)
     dak_fb = torch.zeros((n, na, d), dtype=torch.float32, device=dev)
@@ -222,7 +251,7 @@ def _backward_chunk(dout, delta, q, k, ak, av, lu, m, kind, ms, b0, heads, causa
         row_sums = ug.sum(-1).contiguous()
         dlu = torch.empty((n, nk), dtype=torch.float32, device=dev)
         t = 16 if INTERPRETED else 64
-        launcher(kern._dlu_kernel)[(n, triton.cdiv(nk, t))](
+        launcher(kern._dlu_kernel)[(n * triton.cdiv(nk, t),)](
             ug, row_sums, lu, lz, m, dlu, nq, nk, b0, heads, *ms, BM=t, BN=t, **flags)
     return dq.to(q.dtype), dk.to(k.dtype), dak.to(ak.dtype), dav.to(av.dtype), dlu
 
@@ -259,10 +288,10 @@ if HAVE_TRITON:
             return tuple(torch.empty(s, dtype=t, device=q.device) for s, t in shapes)
         m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
         cfg, tiles, launch = _config(q, dv)
-        step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True)
-        delta = (dout.float() * out.float()).sum(-1)
-        parts = [_backward_chunk(dout[b0:b0 + step], delta[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step],
-                                 av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
+        step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True, need_dlu=need_dlu)
+        out = out.contiguous()      # read by rows in _exp_kernel (delta); a no-op for the saved output
+        parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step],
+                                 ak[b0:b0 + step], av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
                                  need_dlu, cfg, tiles, launch)
                  for b0 in range(0, bh, step)]
         grads = []

@@ -163,9 +163,9 @@ if TENSOR_DESCRIPTORS:
 
     @triton.jit
     def softmax_fwd_select_kernel(
-            Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
+            Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
@@ -182,9 +182,9 @@ if TENSOR_DESCRIPTORS:
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
                                CAUSAL, HEAD_MASK, UPCAST, PRECISION, WARP_SPEC)
         else:
-            softmax_fwd_kernel(Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
+            softmax_fwd_kernel(Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
                                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-                               smb, smh, smm, smn, spb, sph, spn, stb, sth,
+                               smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
                                CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
@@ -263,9 +263,9 @@ if TENSOR_DESCRIPTORS:
 
     @triton.jit
     def softmax_dq_select_kernel(
-            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
@@ -282,9 +282,9 @@ if TENSOR_DESCRIPTORS:
                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
                               CAUSAL, HEAD_MASK, UPCAST, PRECISION)
         else:
-            softmax_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
+            softmax_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-                                  smb, smh, smm, smn, spb, sph, spn, stb, sth,
+                                  smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                   H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
                                   CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)

@@ -70,8 +70,11 @@ def _prepare(q, k, mask, pref, table, lut):
         p = stand_in(q, torch.float32)
     has_t5 = table is not None
     if has_t5:
-        table = table.contiguous()
-        table_strides = tuple(table.stride())
+        # the kernels read bias[h, r] = table[bucket(r), h] (H, Nq + Nk - 1): one tiny gather here, then one
+        # scalar per tile (per run of equal buckets near the diagonal) instead of a bucket load then a
+        # table load per score
+        bias = table.t().index_select(1, lut[0])
+        table, table_strides = bias, (lut.stride(0), bias.stride(0))  # the LUT's run-end row, a head's bias
     else:
         table, table_strides, lut = stand_in(q, torch.float32), (0, 0), stand_in(q, torch.int32)
     flags = dict(MASK_KIND=mask_kind, MASK_SHAPE=mask_shape(mask_strides), HAS_PREF=pref is not None, HAS_T5=has_t5)
@@ -160,11 +163,20 @@ if HAVE_TRITON:
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         dpref = (torch.empty((B, H, Nk), dtype=torch.float32, device=q.device) if flags["HAS_PREF"]
                  else torch.empty(0, dtype=torch.float32, device=q.device))
-        dtable = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
-                  else torch.empty(0, dtype=torch.float32, device=q.device))
         dropout = dropout_flag(dropout_p, seed)
         meta = _flags(q, v, is_causal, l2, dropout)
+        buckets, partials = 1, p
+        if flags["HAS_T5"]:
+            # the table gradient per (key block, batch, bucket, head), each row written by one program,
+            # summed below in a fixed order (deterministic). The dK/dV launch runs its default tiles: their
+            # BLOCK_N sizes the rows before the launch (an autotuner would pick it only at the launch)
+            buckets = triton.next_power_of_2(table.shape[0])
+            key_tiles = KEYS_BACKWARD.launch(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], dropout, tune=False)[1]
+            partials = torch.empty((triton.cdiv(Nk, key_tiles["BLOCK_N"]), B, buckets, H), dtype=torch.float32,
+                                   device=q.device)
         if tracing_only(q):
+            dtable = (torch.empty(table.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
+                      else torch.empty(0, dtype=torch.float32, device=q.device))
             return dq, dk, dv, dpref, dtable
         # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
         rows = 16 if INTERPRETED else DELTA_ROWS
@@ -176,16 +188,17 @@ if HAVE_TRITON:
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p)
         shape_key = _shape_key(meta, flags, sizes)
         tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], dropout=dropout)
-        # the T5 table gradient accumulates with atomics: autotuning would rerun it on the same
-        # output, so that flavour launches the default tiles
         KEYS_BACKWARD.run(lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H_kv),
                           (q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
-                           dtable if flags["HAS_T5"] else t, m, p, t, lut, seed_ptr, *common),
-                          {**meta, **flags}, tune=not flags["HAS_T5"], shape_key=shape_key, **tiles)
+                           partials, m, p, t, lut, seed_ptr, *common),
+                          {**meta, **flags, "BUCKETS": buckets}, tune=not flags["HAS_T5"],
+                          shape_key=shape_key, **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                              (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
                              {**meta, **flags}, shape_key=shape_key,
                              variants=hopper.forward_variants(q, k, v, meta, flags), **tiles)
+        dtable = (partials.sum((0, 1))[:table.shape[0]] if flags["HAS_T5"]
+                  else torch.empty(0, dtype=torch.float32, device=q.device))
         return dq, dk, dv, dpref, dtable
 
     def _setup_context(ctx, inputs, output):
@@ -199,7 +212,7 @@ if HAVE_TRITON:
         dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, mask, pref, table, lut,
                                                        ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p, seed)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
-        g_table = dtable.reshape(table.shape).to(table.dtype) if table is not None else None
+        g_table = dtable.to(table.dtype) if table is not None else None  # (num_buckets, H) already
         return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None
 
     softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -275,13 +288,32 @@ def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, 
     return _run(q, k, v, attn_mask, is_causal, scale, l2=l2, pref=log_pref, dropout_p=dropout_p)
 
 
+def offset_lut(buckets: Tensor) -> Tensor:
+    """The int32 (2, Nq + Nk - 1) offset table ``bucket_bias_attention`` takes, from the bucket of each
+    offset index r = j - i + Nq - 1 (``buckets``, (Nq + Nk - 1,) ints): row 0 the bucket, row 1 the last
+    index of the run of equal buckets r belongs to. With the runs a kernel sees from a tile's two
+    extreme offsets whether all its pairs share one bucket (one bias, one gradient sum for the tile)
+    and walks the few runs of the others. Build it once per shape (ops/fenchel/t5.py caches T5's)."""
+    b = buckets.reshape(-1).to(torch.int32)
+    at = torch.arange(b.numel(), device=b.device)
+    last = torch.ones(b.numel(), dtype=torch.bool, device=b.device)
+    last[:-1] = b[1:] != b[:-1]
+    ends = at[last]
+    return torch.stack([b, ends[torch.searchsorted(ends, at)].to(torch.int32)])
+
+
 def bucket_bias_attention(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
-    """softmax_j(scale q_i.k_j + table[lut[j - i + Nq - 1], h] + mask_ij) v_j: a per-head bias looked up
-    by the query-key offset (``table`` (num_buckets, H) float, ``lut`` int32 (Nq + Nk - 1,)), added tile
-    by tile; the gradient reaches ``table`` (summed per head and bucket). Arguments are checked by the
-    caller (ops/fenchel/t5.py builds T5's lut, t5.reason checked the call)."""
+    """softmax_j(scale q_i.k_j + table[lut[0, j - i + Nq - 1], h] + mask_ij) v_j: a per-head bias looked up
+    by the query-key offset (``table`` (num_buckets, H) float, ``lut`` the int32 (2, Nq + Nk - 1) table of
+    ``offset_lut``), added tile by tile; the gradient reaches ``table`` (summed per head and bucket).
+
+    The kernels read bias[h, r] = table[lut[0, r], h], gathered once per call on the host (H x (Nq + Nk - 1)
+    floats): a tile whose offsets lie in one run of equal buckets adds one scalar, the others one scalar per
+    run they span (where the offset falls in it). The backward sums dS per bucket in registers (one tile sum per run the tile spans) and writes
+    one row of partial sums per key block; the host adds the rows. Arguments are checked by the caller
+    (ops/fenchel/t5.py builds and caches T5's lut, t5.reason checked the call)."""
     return _run(q, k, v, attn_mask, is_causal, scale, table=table, lut=lut, dropout_p=dropout_p)
 
 
 __all__ = ["softmax_attention", "l2_attention", "fenchel_attention", "preference_attention", "bucket_bias_attention",
-           "key_preference"]
+           "offset_lut", "key_preference"]

@@ -26,6 +26,12 @@ dV = P^T dO, dS = P * (dO V^T - delta), and dS flows into
     dq_i = scale * sum_j dS_ij k_j             dk_j = scale * sum_i dS_ij q_i          (plain)
     dq_i = 2 scale sum_j dS_ij k_j             dk_j = 2 scale (sum_i dS_ij q_i - k_j sum_i dS_ij)   (L2)
     dg_j = sum_i dS_ij,      dtable[b, h] = sum over (i, j) with bucket(j - i) = b of dS_ij.
+T5 (HAS_T5): the kernels read bias[h, r] = table[bucket(r), h] over the offset indices r = j - i + Nq - 1
+(gathered on the host) and an int32 (2, Nq + Nk - 1) LUT: each offset's bucket and the end of its run
+of equal buckets. A tile whose offsets lie in one run adds one scalar bias and, in the backward, one
+tile sum of dS to its bucket; the others (near the diagonal) add one bias and sum dS once per run
+they span (no per-score gather: its tile of addresses cost registers). The dK/dV program keeps its per-bucket sums in registers and stores one row per key
+block and query head; the host adds the rows (no atomics, deterministic).
 Dropout (DROPOUT flag, FlashAttention's way): P and lse are the undropped softmax; the forward
 accumulates out = sum_j Z_ij P_ij v_j / (1 - p) with Z regenerated per tile from (seed, offset) by
 ops/triton_dropout.py, and the backward regenerates the same Z:
@@ -49,7 +55,6 @@ if HAVE_TRITON:
                                 visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
-    ABSENT = tl.constexpr(2147483647)  # LUT-load sentinel of the T5 gradient: this key does not take part
 
     @triton.jit
     def key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale,
@@ -71,14 +76,72 @@ if HAVE_TRITON:
         return t
 
     @triton.jit
-    def t5_bias(qi_at, kj_at, Nq, table_ptr, stride_tb, lut_ptr):
-        """log2(e) * table[bucket(j - i), h] at clamped indices; the LUT is indexed by j - i + Nq - 1."""
-        bucket = tl.load(lut_ptr + (kj_at - qi_at + (Nq - 1)))
-        return tl.load(table_ptr + bucket * stride_tb).to(tl.float32) * LOG2E
+    def offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK: tl.constexpr):
+        """LUT indices (j - i + Nq - 1) of the smallest and largest offset of a tile, from its (clamped)
+        query and key indices; with the causal mask, offsets past the diagonal (j - i > Nk - Nq) are
+        hidden and left out. Every index of the tile lies in [r_lo, r_hi] except hidden ones."""
+        r_lo = tl.min(kj_at, 0) - tl.max(qi_at, 0) + (Nq - 1)
+        r_hi = tl.max(kj_at, 0) - tl.min(qi_at, 0) + (Nq - 1)
+        if CAUSAL_MASK:
+            r_hi = tl.minimum(r_hi, Nk - 1)
+        return r_lo, r_hi
+
+    @triton.jit
+    def offsets(qi_at, kj_at, Nq, KEYS_FIRST: tl.constexpr):
+        """The tile of LUT indices j - i + Nq - 1, (queries, keys) or, KEYS_FIRST, (keys, queries). Computed
+        only where a tile needs it and again where it is used, so no int tile stays live across the
+        tile's products (registers)."""
+        if KEYS_FIRST:
+            rel = kj_at[:, None] - qi_at[None, :] + (Nq - 1)
+        else:
+            rel = kj_at[None, :] - qi_at[:, None] + (Nq - 1)
+        return rel
+
+    @triton.jit
+    def add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, bias_ptr, lut_ptr, lut_rows,
+                    KEYS_FIRST: tl.constexpr):
+        """s + log2(e) * bias[j - i + Nq - 1] (bias: this head's (Nq + Nk - 1,) vector table[bucket(r), h]).
+        A tile whose offsets form one run of equal buckets (``one_run``; far from the diagonal nearly
+        every tile) adds one scalar. The others add one scalar per run they span, where the offset falls
+        in the run: a few runs per near-diagonal tile, and no per-score gather, whose tile of 64-bit
+        addresses made the forward spill registers (benchmarks/compile_triton_kernels.py)."""
+        if one_run:
+            s = s + tl.load(bias_ptr + r_lo).to(tl.float32) * LOG2E
+        else:
+            r = r_lo
+            while r <= r_hi:
+                end = tl.minimum(tl.load(lut_ptr + lut_rows + r), r_hi)
+                rel = offsets(qi_at, kj_at, Nq, KEYS_FIRST)
+                s = s + tl.where((rel >= r) & (rel <= end), tl.load(bias_ptr + r).to(tl.float32) * LOG2E, 0.0)
+                r = end + 1
+        return s
+
+    @triton.jit
+    def t5_table_grad(dtab, ds, qi_at, kj_at, Nq, r_lo, r_hi, one_run, lut_ptr, lut_rows, BUCKETS: tl.constexpr):
+        """dtab (BUCKETS,) += the tile's dS summed per bucket, without atomics.
+
+        LUT row 0 holds the bucket of each offset index, row 1 (``lut_rows`` further) the last index of
+        the run of equal buckets it belongs to. A one-run tile adds its whole sum to one bucket; a tile
+        that spans several runs (near the diagonal) walks them: one masked tile sum per run, on the
+        offsets [r, run end] of the run. dS is exactly 0 at pairs that do not take part (p = 0), so no
+        `keep` mask enters the sums. Each bucket's sum lands in a register of this program; the kernel
+        stores the vector once per head (no address ever derives from a load or a mask)."""
+        every = tl.arange(0, BUCKETS)
+        if one_run:
+            dtab = tl.where(every == tl.load(lut_ptr + r_lo), dtab + tl.sum(tl.sum(ds, 1), 0), dtab)
+        else:
+            rel = offsets(qi_at, kj_at, Nq, True)
+            r = r_lo
+            while r <= r_hi:
+                end = tl.minimum(tl.load(lut_ptr + lut_rows + r), r_hi)
+                part = tl.sum(tl.sum(tl.where((rel >= r) & (rel <= end), ds, 0.0), 1), 0)
+                dtab = tl.where(every == tl.load(lut_ptr + r), dtab + part, dtab)
+                r = end + 1
+        return dtab
 
     @triton.jit
     def scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale,
-               mask_ptr, stride_mm, stride_mn, pref_ptr, stride_pn, table_ptr, stride_tb, lut_ptr,
+               mask_ptr, stride_mm, stride_mn, pref_ptr, stride_pn, bias_ptr, lut_rows, lut_ptr,
                L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
                HAS_T5: tl.constexpr,
                CAUSAL: tl.constexpr, EDGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -94,14 +157,16 @@ if HAVE_TRITON:
             kj_at = tl.minimum(offs_n, Nk - 1)
         else:
             kj_at = offs_n
-        if HAS_T5:
-            s = s + t5_bias(qi_at[:, None], kj_at[None, :], Nq, table_ptr, stride_tb, lut_ptr)
+        if HAS_T5:  # bias_ptr: this head's bias vector; lut_ptr + lut_rows: the LUT's run-end row
+            r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL and EDGE)
+            one_run = tl.load(lut_ptr + lut_rows + r_lo) >= r_hi
+            s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, bias_ptr, lut_ptr, lut_rows, False)
         return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
                            mask_ptr, stride_mm, stride_mn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
 
     @triton.jit
     def fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
                   BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                   HAS_PREF: tl.constexpr,
                   HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
@@ -112,7 +177,7 @@ if HAVE_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT,
+            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT,
                        L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
@@ -127,9 +192,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_fwd_kernel(
-            Q, K, V, O, LSE, MASK, PREF, TABLE, LUT, SEED,
+            Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
@@ -155,7 +220,7 @@ if HAVE_TRITON:
         V += b * svb + (h // GROUP) * svh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
-        TABLE += h * sth
+        BIAS += h * sbh
 
         q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -163,11 +228,11 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # keys from hi on are skipped
         acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
-                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh,
+                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh,
                                   dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
                                   UPCAST, PRECISION, DROPOUT, False)
         acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh,
+                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh,
                                   dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
                                   UPCAST, PRECISION, DROPOUT, True)
         nonempty = l_i > 0.0
@@ -179,15 +244,16 @@ if HAVE_TRITON:
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
-    def dkdv_stage(dk, dv, ds_colsum, k, v, key_bias, Q, DO, LSE, DELTA, DTABLE,
+    def dkdv_stage(dk, dv, ds_colsum, dtab, k, v, key_bias, Q, DO, LSE, DELTA,
                    sqm, sqd, sdom, sdod, offs_n, kj_at, offs_d, offs_dv, lo, hi,
-                   Nq, Nk, D, DV, qk_scale, MASK, smm, smn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                   Nq, Nk, D, DV, qk_scale, MASK, smm, smn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
                    BLOCK_M: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                    HAS_PREF: tl.constexpr,
                    HAS_T5: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr, QUERY_BOUND: tl.constexpr):
-        """dK, dV (and column sums of dS, T5 table atomics) over the query blocks [lo, hi), on
-        transposed (keys x queries) tiles."""
+                   DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr, QUERY_BOUND: tl.constexpr,
+                   BUCKETS: tl.constexpr):
+        """dK, dV (and column sums of dS, the T5 table gradient per bucket in ``dtab``) over the query
+        blocks [lo, hi), on transposed (keys x queries) tiles."""
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -206,7 +272,9 @@ if HAVE_TRITON:
             if L2 or HAS_PREF or HAS_T5:
                 s = s + key_bias[:, None]  # also -inf for keys past Nk
             if HAS_T5:
-                s = s + t5_bias(qi_at[None, :], kj_at[:, None], Nq, TABLE, stb, LUT)
+                r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK)
+                one_run = tl.load(LUT + slut + r_lo) >= r_hi
+                s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, BIAS, LUT, slut, True)
             s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
                             MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
             p = tl.math.exp2(s - lse2[None, :])  # -inf logits and +inf lse (empty rows) both give 0
@@ -222,37 +290,32 @@ if HAVE_TRITON:
             if L2 or HAS_PREF:
                 ds_colsum += tl.sum(ds, 1)
             if HAS_T5:
-                keep = s > float("-inf")
-                rel = kj_at[:, None] - qi_at[None, :] + (Nq - 1)
-                # Every atomic address is computed from the LUT load alone, not from `keep`: inductor's
-                # mutation analysis follows an atomic's address back through everything it is computed
-                # from, and an address derived from `keep` made it mark TABLE, LUT, MASK and PREF as
-                # written (saved inputs of the backward, the table a parameter). The load's sentinel
-                # (`other`) marks the keys that do not take part, so the tile's bucket range needs no `keep`.
-                loaded = tl.load(LUT + rel, mask=keep, other=ABSENT)
-                absent = loaded == ABSENT
-                bucket = tl.where(absent, 0, loaded)
-                lo_b = tl.min(loaded)
-                hi_b = tl.max(tl.where(absent, -1, loaded))
-                if lo_b == hi_b:  # far from the diagonal the whole tile is one bucket: one atomic
-                    tl.atomic_add(DTABLE + lo_b * stb, tl.sum(tl.sum(ds, 1), 0))
-                elif lo_b <= hi_b:
-                    tl.atomic_add(DTABLE + bucket * stb, ds, mask=keep)
-        return dk, dv, ds_colsum
+                # No atomics and no address derived from `keep` (p > 0): inductor's mutation analysis
+                # follows a store's or atomic's address back through everything it is computed from,
+                # and an address derived from `keep` made it mark the table, LUT, MASK and PREF as written
+                # (saved inputs of the backward, the table a parameter; tests/mutation_probe.py). The
+                # per-bucket sums stay in registers; the kernel stores them at addresses made of
+                # program ids alone.
+                dtab = t5_table_grad(dtab, ds, qi_at, kj_at, Nq, r_lo, r_hi, one_run, LUT, slut, BUCKETS)
+        return dk, dv, ds_colsum, dtab
 
     @triton.jit
     def softmax_bwd_dkdv_kernel(
-            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, TABLE, LUT, SEED,
+            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr):
         # One program per key block of one key/value head; it walks the GROUP query heads that share the
         # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
+        # T5 (BIAS: the per-head bias vectors, LUT: offset -> bucket and run end, slut apart): each query
+        # head's table gradient, summed per bucket over this key block, is stored in DTABLE
+        # (cdiv(Nk, BLOCK_N), B, BUCKETS, H) fp32, one row per program and head; the host sums the rows
+        # (a fixed order: deterministic, and no atomics).
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
@@ -281,32 +344,37 @@ if HAVE_TRITON:
             DOh = DO + b * sdob + h * sdoh
             MASKh = MASK + b * smb + h * smh
             PREFh = PREF + b * spb + h * sph
-            TABLEh = TABLE + h * sth
-            DTABLEh = DTABLE + h * sth
+            BIASh = BIAS + h * sbh
             LSEh = LSE + pid_bh * Nq
             DELTAh = DELTA + pid_bh * Nq
-            # per-key logit terms, hoisted out of the query loop; -inf past Nk keeps those keys out of the
-            # T5 atomics (other flavours let them compute gradients that are never stored)
+            # per-key logit terms, hoisted out of the query loop; -inf past Nk makes dS exactly 0 for those
+            # keys, which keeps them out of the T5 table sums (other flavours let them compute gradients
+            # that are never stored)
             key_bias = key_terms(k, offs_n, Nk, PREFh, spn, qk_scale, L2, HAS_PREF, True)
             ds_colsum = tl.zeros([BLOCK_N], tl.float32)
+            dtab = tl.zeros([BUCKETS], tl.float32)
             if CAUSAL:  # diagonal blocks: causal masking
-                dk, dv, ds_colsum = dkdv_stage(
-                    dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n,
-                    kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT,
+                dk, dv, ds_colsum, dtab = dkdv_stage(
+                    dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
                     seed, pid_bh, dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST,
-                    PRECISION, DROPOUT, True, False)
-            dk, dv, ds_colsum = dkdv_stage(  # whole query blocks that see every key of the block
-                dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n, kj_at,
-                offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT, seed, pid_bh,
+                    PRECISION, DROPOUT, True, False, BUCKETS)
+            dk, dv, ds_colsum, dtab = dkdv_stage(  # whole query blocks that see every key of the block
+                dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n, kj_at,
+                offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed, pid_bh,
                 dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
-                DROPOUT, False, False)
-            dk, dv, ds_colsum = dkdv_stage(  # the partial last query block
-                dk, dv, ds_colsum, k, v, key_bias, Qh, DOh, LSEh, DELTAh, DTABLEh, sqm, sqd, sdom, sdod, offs_n, kj_at,
-                offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, TABLEh, stb, LUT, seed, pid_bh,
+                DROPOUT, False, False, BUCKETS)
+            dk, dv, ds_colsum, dtab = dkdv_stage(  # the partial last query block
+                dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n, kj_at,
+                offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed, pid_bh,
                 dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
-                DROPOUT, CAUSAL, True)
+                DROPOUT, CAUSAL, True, BUCKETS)
             if HAS_PREF:  # the preference is the query head's own: its gradient too
                 tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
+            if HAS_T5:
+                B = tl.num_programs(1) // H_kv
+                every = tl.arange(0, BUCKETS)
+                tl.store(DTABLE + ((pid_n * B + b) * BUCKETS + every) * H + h, dtab)
             colsum += ds_colsum
         if L2:
             dk = 2.0 * scale * (dk - k.to(tl.float32) * colsum[:, None])
@@ -322,7 +390,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                 Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                 Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
                  BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                  HAS_PREF: tl.constexpr,
                  HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
@@ -333,7 +401,7 @@ if HAVE_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT,
+            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT,
                        L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
             p = tl.math.exp2(s - lse2[:, None])
             dp = mm(do, tl.trans(v), UPCAST, PRECISION)
@@ -345,9 +413,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_bwd_dq_kernel(
-            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, TABLE, LUT, SEED,
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            smb, smh, smm, smn, spb, sph, spn, stb, sth,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
@@ -372,7 +440,7 @@ if HAVE_TRITON:
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
-        TABLE += h * sth
+        BIAS += h * sbh
 
         q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, True, HEAD_MASK)
@@ -381,11 +449,11 @@ if HAVE_TRITON:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
         dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
-                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
                       BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
                       DROPOUT, False)
         dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, TABLE, stb, LUT, seed, pid_bh, dropout_p,
+                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
                       BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
                       DROPOUT, True)
         if L2:
