@@ -195,7 +195,7 @@ def gpu_rows(head_dims, seq_lens, n_iters: int, tokens: int = 16384, hidden: int
             eng = sk.ENGINE
             with torch.no_grad():
                 p = sk._problem(q.detach(), k.detach(), v.detach(), None, d ** -0.5, 1.0, True, True)
-                out, lse, F, G = eng.forward(p, n_iters)
+                out, lse, F, G, _ = eng.forward(p, n_iters)
                 T, c = n_iters, p.col_target
                 dout = grad.contiguous()
                 delta = eng.row_dot(dout, out)

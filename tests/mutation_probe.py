@@ -67,6 +67,7 @@ def _cases():
         return torch.randn(*shape, generator=g).requires_grad_(True)
 
     q, k, v = leaf(1, 2, 37, 16), leaf(1, 2, 37, 16), leaf(1, 2, 37, 16)
+    half = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
     bool_mask = torch.rand(1, 1, 37, 37, generator=g) > 0.3
     float_mask = torch.randn(1, 1, 37, 37, generator=g)
     return {
@@ -81,11 +82,16 @@ def _cases():
         "sinkhorn": lambda: sinkhorn_attention(q, k, v, attn_mask=bool_mask, scale=0.25, n_iters=2),
         "sinkhorn-implicit": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, grad_mode="implicit"),
         "linear-causal": lambda: linear_attention_triton(q, k, v, is_causal=True),
+        # half inputs: the attend / output kernels also write the unrounded output (issue 21)
+        "sinkhorn-bf16": lambda: sinkhorn_attention(*half, scale=0.25, n_iters=2),
+        "linear-causal-bf16": lambda: linear_attention_triton(*half, is_causal=True),
         # 2100 keys: the key reduction is split (and summed); a float key mask that needs its gradient
         "linear-noncausal": lambda: linear_attention_triton(q, leaf(1, 2, 2100, 16), leaf(1, 2, 2100, 16),
                                                             attn_mask=leaf(2100), is_causal=False),
         "ot+templates": lambda: ot_attention_triton(q, k, v, scale=0.25, templates_k=leaf(1, 2, 5, 16),
                                                     templates_v=leaf(1, 2, 5, 16)),
+        # causal: the exp kernel writes each query's kept-key range (tile skipping, issue 21)
+        "ot-causal": lambda: ot_attention_triton(q, k, v, scale=0.25, is_causal=True),
     }
 
 

@@ -130,26 +130,21 @@ def _check_kernel(fm, causal, nq, nk, mask_kind, dtype, B=2, H=2, D=5, Dv=3, sca
                       + [(f"d{n}", g, lo, w) for n, g, lo, w in zip("qkv", got_g, low_g, want_g)])
 
 
-# A measured failure of FlashAttention's rule (interpreter, rounding to bf16 as a GPU does; the GPU runs
-# of the table were checked with a floor of one bf16 ulp of max(1, scale), 5% of this dq's scale).
-ELU_37_BF16 = ("Triton linear, causal elu 37 x 37, bf16: dq error 10.6x the reference backend's (1.7% of its "
-               "scale; the rule allows 2x plus one ulp). The chunk states are kept in the input dtype "
-               "(ops/linear/triton.py, state_dtype), the likely cause")
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
 @pytest.mark.parametrize("fm,causal,nq,nk,mask", TRITON_CASES)
-def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype, request):
-    if dtype == torch.bfloat16 and (fm, causal, nq, nk, mask) == TRITON_CASES[0]:  # GPU only: not yet measured there
-        request.applymarker(pytest.mark.xfail(reason=ELU_37_BF16))
+def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
     _check_kernel(fm, causal, nq, nk, mask, dtype)
 
 
+# Issue 21: this case was a strict xfail (dq error 10.6x the reference's). The normaliser's gradient
+# c_i = -r_i dO_i . out_i cancels against r dO H_c^T and dA phi(k) in dq; taken from the output rounded
+# to bf16 it cost most of that error (measured: docs/kernels_linear_ot.md), so the forward also keeps its
+# output unrounded for the backward. Interpreter and GPU, half inputs (the table above runs them on a GPU).
 @needs_kernels
-@pytest.mark.xfail(strict=True, reason=ELU_37_BF16)
-def test_triton_bf16_causal_elu_meets_the_flash_rule():
-    _check_kernel(*TRITON_CASES[0], torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_half_causal_elu_meets_the_flash_rule(dtype):
+    _check_kernel(*TRITON_CASES[0], dtype)
 
 
 # fp64 inputs run fp64 kernels (fp64 state and products): agreement with the float64 formula is then

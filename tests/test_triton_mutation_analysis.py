@@ -37,14 +37,14 @@ OUTPUTS = {
     f"{P}.pointwise_bwd_dkdv_kernel": {"DK", "DV_OUT"},
     f"{P}.pointwise_bwd_dq_kernel": {"DQ", "DBIAS"},
     f"{SK}._lse_kernel": {"OUT", "OTHER"},          # OTHER: g^0, written by the first row pass of a small call
-    f"{SK}._attend_kernel": {"OUT", "LSE"},
+    f"{SK}._attend_kernel": {"OUT", "LSE", "OUT32"},   # OUT32: the unrounded output of half inputs
     f"{SK}._wsum_kernel": {"OUT"},
     f"{SK}._grad_v_kernel": {"DVOUT", "DG", "DELTA"},  # DELTA: dout.out, computed there in a small call
     f"{SK}._factors_kernel": {"XF", "UF", "FAST"},
     f"{SK}._grad_qk_kernel": {"DQ", "DK"},
     f"{SK}._row_dot_kernel": {"OUT"},
     f"{L}._states_kernel": {"HS", "ZS"},
-    f"{L}._output_kernel": {"O", "RDEN"},
+    f"{L}._output_kernel": {"O", "RDEN", "O32"},       # O32: the unrounded output of half inputs
     f"{L}._normaliser_grad_kernel": {"CG"},
     f"{L}._reverse_states_kernel": {"DHS", "DZS"},
     f"{L}._dv_kernel": {"DV_OUT"},
@@ -54,7 +54,7 @@ OUTPUTS = {
     f"{LN}._queries_output_kernel": {"O", "RDEN"},
     f"{LN}._queries_grad_kernel": {"PART", "DQ"},
     f"{LN}._keys_grad_kernel": {"DK", "DV_OUT", "DM"},
-    f"{O}._exp_kernel": {"E", "LZ", "EDW"},
+    f"{O}._exp_kernel": {"E", "LZ", "EDW", "DELTA", "LO", "HI"},  # DELTA, LO, HI: host-allocated scratch
     f"{O}._pair_kernel": {"R", "RG", "BAD", "TBAD"},
     f"{O}._out_kernel": {"OUT"},
     f"{O}._fallback_fwd_kernel": {"OUT"},

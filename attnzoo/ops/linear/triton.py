@@ -51,6 +51,9 @@ INTERPRETER_TILE = 16
 # Input dtypes whose stored states are means (H_c / keys summed): fp16's range (65504) is too small for
 # a sum of N outer products (v with a mean over a long sequence); bf16 has fp32's range.
 MEAN_STATE_DTYPES = (torch.float16,)
+# Input dtypes whose normalised forward also writes its output unrounded (fp32) for the backward (issue 21):
+# the normaliser gradient c_i = -r_i dO_i . out_i cancels against other terms of dq (chunk_kernels).
+EXACT_OUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 
@@ -124,9 +127,11 @@ if HAVE_TRITON:
     @kernel_op("attnzoo::linear_causal_fwd", mutates_args=())
     def linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor], z0: Optional[Tensor],
                           eps_bh: Optional[Tensor], prefix_rows: int, scale: float, feature: int, mode: int,
-                          count_offset: int) -> tuple[Tensor, Tensor]:
+                          count_offset: int) -> tuple[Tensor, Tensor, Tensor]:
         """(out (B, H, N, Dv) in q's dtype, rden (B * H, N) accumulator dtype: the normaliser's r_i,
-        kept for the backward; (B * H, 0) unless mode is MODE_NORMALISED), with
+        kept for the backward; (B * H, 0) unless mode is MODE_NORMALISED, exact: out before its
+        rounding (fp32, (B, H, N, Dv)) for half inputs in MODE_NORMALISED, else (0,): the backward's
+        normaliser gradient takes dO . out from it), with
         out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels)."""
         B, H, N, D = q.shape
         DV = v.shape[-1]
@@ -135,17 +140,21 @@ if HAVE_TRITON:
         acc = torch.float64 if flags["FP64"] else torch.float32
         out = torch.empty(B, H, N, DV, dtype=q.dtype, device=q.device)
         rden = torch.empty(B * H, N if normalised else 0, dtype=acc, device=q.device)
+        store_exact = normalised and q.dtype in EXACT_OUT_DTYPES
+        exact = torch.empty(out.shape if store_exact else (0,), dtype=acc, device=q.device)
         if tracing_only(q):
-            return out, rden
+            return out, rden, exact
         with torch.cuda.device(_device_index(q)):   # launch on q's GPU, not the current one
             hs, zs = _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags)
             c = cfg["output"]
             grid = (B * H * triton.cdiv(DV, c["BV"]), triton.cdiv(N, c["CHUNK"]))
-            launcher(ck._output_kernel)[grid](q, k, v, hs, zs, out, rden, rden if eps_bh is None else eps_bh, N, D,
+            launcher(ck._output_kernel)[grid](q, k, v, hs, zs, out, exact if store_exact else out, rden,
+                                              rden if eps_bh is None else eps_bh, N, D,
                                               DV, H, scale, count_offset, prefix_rows, *_bhn(q), *_bhn(k), *_bhn(v),
                                               FEATURE=feature, MODE=mode, EPS_PER_HEAD=eps_bh is not None,
-                                              MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, **flags, **c)
-        return out, rden
+                                              MEAN_STATE=q.dtype in MEAN_STATE_DTYPES, STORE_EXACT=store_exact,
+                                              **flags, **c)
+        return out, rden, exact
 
     @kernel_op("attnzoo::linear_causal_bwd", mutates_args=())
     def linear_causal_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, rden: Tensor,
@@ -193,11 +202,12 @@ if HAVE_TRITON:
 
     def _setup_context(ctx, inputs, output):
         q, k, v, s0, z0, eps_bh, prefix_rows, scale, feature, mode, count_offset = inputs
-        out, rden = output
-        ctx.save_for_backward(q, k, v, out, rden, s0, z0)
+        out, rden, exact = output
+        # the backward reads out only for c_i = -r_i dO_i . out_i: the unrounded one where it was rounded
+        ctx.save_for_backward(q, k, v, exact if exact.numel() else out, rden, s0, z0)
         ctx.args = (prefix_rows, scale, feature, mode, count_offset)
 
-    def _backward(ctx, dout, _drden):
+    def _backward(ctx, dout, _drden, _dexact):
         q, k, v, out, rden, s0, z0 = ctx.saved_tensors
         dq, dk, dv, ds0, dz0 = linear_causal_bwd(dout.to(q.dtype).contiguous(), q, k, v, out, rden, s0, z0,
                                                  *ctx.args)
@@ -245,7 +255,7 @@ def _causal(q, k, v, attn_mask, scale, feature_map):
     elif off < 0:                          # queries that see no key
         q_in = q_in[..., -off:, :]
     q_in, k_in, v = (_unit_columns(t) for t in (q_in, k_in, v))
-    out, _ = linear_causal_fwd(q_in, k_in, v, s0, z0, eps_bh, max(off, 0), float(kscale), feature, mode,
+    out, _, _ = linear_causal_fwd(q_in, k_in, v, s0, z0, eps_bh, max(off, 0), float(kscale), feature, mode,
                                1 + max(off, 0))
     if shift is not None and not normalised:
         out = (out.to(acc) * torch.exp(shift)).to(q.dtype)

@@ -51,6 +51,7 @@ from .cpu import check_options
 from .streaming import Problem, causal_by_prefix, streaming_backward
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
 COSTS = ("l2", "dot")
 # Largest head dim (D and Dv) the kernels are built for: every candidate below fits an H100's
 # 227 KB of shared memory per block up to it (benchmarks/compile_triton_kernels.py).
@@ -216,7 +217,7 @@ class TritonEngine:
         a = p.logit_scale
         s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
                  mask=mask, rows=rows, cols=cols, shape_rows=shape(rows), shape_cols=shape(cols),
-                 fold=B * H * nq * nk < FOLD_BELOW,
+                 fold=B * H * nq * nk < FOLD_BELOW, split_p=p.q.dtype in HALF,
                  meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype)))
         p._triton = s
         return s
@@ -290,15 +291,24 @@ class TritonEngine:
 
     def attend(self, p, g, ref=None, ref_shift=0.0):
         """(out, lse) of softmax_j(L_ij + g_j) v_j; ``ref``: c - ref_i bounds row i's exponents."""
+        return self.attend_exact(p, g, ref, ref_shift)[:2]
+
+    def attend_exact(self, p, g, ref=None, ref_shift=0.0):
+        """(out, lse, exact): ``attend``'s results and, for half inputs, the output before its rounding
+        to the dtype (float32; an empty placeholder for float32 inputs, whose out is that): the backward's
+        delta = dout.out must come from it (triton_kernels._plan_product). fp16 inputs take the running
+        maximum walk: under a bound that is not the row's maximum the plan tile falls under fp16's range."""
         s = self._setup(p)
         out = torch.empty(p.q.shape[:-1] + (s["DV"],), dtype=p.q.dtype, device=p.q.device)
+        exact = torch.empty(out.shape if s["split_p"] else (0,), dtype=torch.float32, device=p.q.device)
         lse = self._vec(p, s["nq"])
-        args = (p.q, p.k, p.v, g, lse if ref is None else ref, out, lse, s["mask"], s["H"], s["nq"], s["nk"], s["D"],
-                s["DV"], s["A"], float(ref_shift), *s["rows"])
-        meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]), BOUNDED=ref is not None,
-                    MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX)
+        args = (p.q, p.k, p.v, g, lse if ref is None else ref, out, exact if s["split_p"] else out, lse, s["mask"],
+                s["H"], s["nq"], s["nk"], s["D"], s["DV"], s["A"], float(ref_shift), *s["rows"])
+        meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]),
+                    BOUNDED=ref is not None and p.q.dtype != torch.float16, MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX,
+                    SPLIT_P=s["split_p"])
         _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args, meta, p.tune)
-        return out, lse
+        return out, lse, exact
 
     def grad_v_and_bias(self, p, g, lse, dout, delta, dg=None, out=None):
         """(dv, dg): dv = P^T dout, dg_j = sum_i dS_ij. With ``out`` given (and delta an empty vector)
@@ -308,8 +318,10 @@ class TritonEngine:
         dg = self._vec(p, s["nk"]) if dg is None else dg
         args = (p.k, p.q, p.v, dout, dout if out is None else out, g, lse, delta, dv, dg, s["mask"], s["H"], s["nk"],
                 s["nq"], s["D"], s["DV"], s["A"], *s["cols"])
+        # fp16: the row potential stays in the exponent (SPREAD_MAX -1), so the plan tile rounded to fp16
+        # is the plan itself (<= 1), not the plan scaled down by up to 2^SPREAD_MAX below fp16's range
         meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], BLOCK_DV=_block(s["DV"]), DELTA_HERE=out is not None,
-                    SPREAD_MAX=SPREAD_MAX)
+                    SPREAD_MAX=-1.0 if p.q.dtype == torch.float16 else SPREAD_MAX, SPLIT_P=s["split_p"])
         _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args, meta, p.tune)
         return dv, dg
 
@@ -347,7 +359,8 @@ class TritonEngine:
     # -- whole calls ------------------------------------------------------------------------------
 
     def forward(self, p: Problem, n_iters: int):
-        """(out, lse, F, G): the output, the final row lse, F = f^1..f^T and G = g^0..g^T (reduced).
+        """(out, lse, F, G, exact): the output, the final row lse, F = f^1..f^T, G = g^0..g^T (reduced)
+        and the unrounded output of half inputs (``attend_exact``), which the backward takes as ``out``.
 
         Passes: the first row pass (running maximum: nothing bounds it yet; it also writes g^0 when
         the call is small or the cost is dot), then per iteration a column pass bounded by the row
@@ -368,15 +381,18 @@ class TritonEngine:
         if T == 0:
             if g0_mode == 1:
                 g[0].zero_()
-            out, lse = self.attend(p, g[0])
-            return out, lse, F, G
+            return self._finish(self.attend_exact(p, g[0]), F, G)
         self._lse(p, g[0], True, out=f[0], g0_mode=g0_mode)
         for t in range(1, T + 1):
             self._lse(p, f[t - 1], False, out=g[t], out_shift=c, ref=g[t - 1], ref_shift=0.0)
             if t < T:
                 self._lse(p, g[t], True, out=f[t], ref=f[t - 1], ref_shift=c)
-        out, lse = self.attend(p, g[T], ref=f[T - 1], ref_shift=c)
-        return out, lse, F, G
+        return self._finish(self.attend_exact(p, g[T], ref=f[T - 1], ref_shift=c), F, G)
+
+    @staticmethod
+    def _finish(attended, F, G):
+        out, lse, exact = attended
+        return out, lse, F, G, exact
 
     def backward_unrolled(self, p: Problem, dout, out, lse, F, G):
         """(dq, dk, dv) of the n_iters unrolled iterations (streaming._adjoint_unrolled's recursion),
@@ -413,15 +429,17 @@ def _empty(q, *shape):
 
 @kernel_op("attnzoo::sinkhorn_fwd", mutates_args=())
 def sinkhorn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, eps: float, l2: bool,
-                 n_iters: int, implicit: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 n_iters: int, implicit: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, Nq, Dv) in q's dtype, final row lse (B, H, Nq), F = f^1..f^T (T, B, H, Nq),
-    G = g^0..g^T (T + 1, B, H, Nk)), float32 reduced potentials. ``implicit`` picks the backward,
-    ``tune`` whether large launches may autotune (forward and backward)."""
+    G = g^0..g^T (T + 1, B, H, Nk), float32 reduced potentials, and for half inputs the unrounded
+    output (float32, (B, H, Nq, Dv); (0,) for float32 inputs), which the backward's delta is taken from.
+    ``implicit`` picks the backward, ``tune`` whether large launches may autotune (forward and backward)."""
     B, H, nq, _ = q.shape
     nk = k.shape[2]
     if tracing_only(q):
+        exact = (B, H, nq, v.shape[-1]) if q.dtype in HALF else (0,)
         return (q.new_empty(B, H, nq, v.shape[-1]), _empty(q, B, H, nq), _empty(q, n_iters, B, H, nq),
-                _empty(q, n_iters + 1, B, H, nk))
+                _empty(q, n_iters + 1, B, H, nk), _empty(q, *exact))
     return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune), n_iters)
 
 
@@ -462,12 +480,13 @@ def _(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, eps, l2, n_iters, implicit, tune = inputs
-    out, lse, F, G = output
-    ctx.save_for_backward(q, k, v, mask, out, lse, F, G)
+    out, lse, F, G, exact = output
+    # the backward reads out only for delta = dout.out: the unrounded one where the output was rounded
+    ctx.save_for_backward(q, k, v, mask, exact if q.dtype in HALF else out, lse, F, G)
     ctx.args = (scale, eps, l2, implicit, tune)
 
 
-def _grad(ctx, dout, _dlse, _dF, _dG):
+def _grad(ctx, dout, _dlse, _dF, _dG, _dexact):
     q, k, v, mask, out, lse, F, G = ctx.saved_tensors
     scale, eps, l2, implicit, tune = ctx.args
     op = sinkhorn_bwd_implicit if implicit and F.shape[0] > 0 else sinkhorn_bwd

@@ -50,6 +50,18 @@ Precision: dots take the input dtype with a float32 accumulator (tensor cores fo
 reduction and accumulator is float32 whatever dtype the host hands in (bf16 under autocast too).
 The adjoint terms of _grad_qk_kernel are a float32 product of factor matrices, on the tensor
 cores as three TF32 products (``tf32x3``, float32 accuracy).
+
+Half inputs (issue 21). At small eps the backward's dL = dS - sum_t (C^t dg^t + R^t df^t) is a small
+residual of large terms, and it cancels only if every term sees the same plan. The plan tile that
+multiplies v (attend) or dout (_grad_v_kernel) goes to the tensor cores in the input dtype, while the
+backward's other sums (delta's row sums, sum_y P delta, the dq / dk tiles) use the float32 plan; a
+plan rounded to bf16's 8 bits there left dq / dk of the eps = 0.05 test at 7.7x / 23x the reference's
+error. So with SPLIT_P (half inputs) the plan tile is taken as hi + lo parts in the dtype, two products
+(_plan_product: ~16 bits), and the attend also stores its float32 output (OUT32), from which the
+backward takes delta = dout.out. Each alone was not enough (measured: docs/kernels_sinkhorn.md).
+fp16 has a narrow range: a plan tile shifted by a bound that is not its row's maximum (up to 2^-40
+in a program) falls below fp16's smallest numbers, so fp16 inputs run the attend with the running
+maximum and keep the row potential in _grad_v_kernel's exponent (the host decides, per dtype).
 """
 from __future__ import annotations
 
@@ -71,6 +83,20 @@ def _load_rows(ptr, offs, n, offs_d, d):
 @triton.jit
 def _load_vec(ptr, offs, n, fill):
     return tl.load(ptr + offs, mask=offs < n, other=fill)
+
+
+@triton.jit
+def _plan_product(p, b, acc, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + p @ b for a float32 plan tile p and a tile b in the input dtype, on the tensor cores with p
+    in b's dtype. SPLIT_P (half inputs): p as hi + lo parts in that dtype (hi = p rounded, lo = the
+    rounded rest), two products: ~16 significant bits of p instead of 8 (bf16) / 11 (fp16). The
+    backward's column adjoint v.dv - sum P delta and the dq / dk terms cancel to a small residual at
+    small eps, so a plan rounded to 8 bits here is not cancelled by the float32 plan there (module doc)."""
+    hi = p.to(b.dtype)
+    acc = mma(hi, b, acc, UPCAST, PRECISION)
+    if SPLIT_P:
+        acc = mma((p - hi.to(tl.float32)).to(b.dtype), b, acc, UPCAST, PRECISION)
+    return acc
 
 
 @triton.jit
@@ -267,7 +293,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
 @triton.jit
 def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """(m, l, acc) of FlashAttention's online softmax over the tiles of A x.y + G_y."""
     m = tl.full([BLOCK_X], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_X], tl.float32)
@@ -283,7 +309,7 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
         p = tl.exp2(t - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = _load_rows(Vh, offs_y, Ny, offs_dv, DV)
-        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, UPCAST, PRECISION)
+        acc = _plan_product(p, v, acc * alpha[:, None], SPLIT_P, UPCAST, PRECISION)
         m = m_new
     return tl.where(m == float("-inf"), 0.0, m), l, acc
 
@@ -291,7 +317,8 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
 @triton.jit
 def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                     MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
-                    BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (per_row: s_row_x), the shift an upper
     bound of every t of its row (one loop, as _lse_shifted)."""
     l = tl.zeros([BLOCK_X], tl.float32)
@@ -306,16 +333,16 @@ def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv
         p = tl.exp2(t)
         l += tl.sum(p, 1)
         v = _load_rows(Vh, offs_y, Ny, offs_dv, DV)
-        acc = mm(p.to(v.dtype), v, UPCAST, PRECISION) + acc
+        acc = _plan_product(p, v, acc, SPLIT_P, UPCAST, PRECISION)
     return l, acc
 
 
 @triton.jit
-def _attend_kernel(X, Y, V, G, REF, OUT, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shift,
+def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shift,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
     the exponents of row x (the last column pass normalised the columns), so the block is summed
@@ -337,19 +364,21 @@ def _attend_kernel(X, Y, V, G, REF, OUT, LSE, MASK, H, Nx, Ny, D, DV, A, ref_shi
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
         l, acc = _attend_shifted(x, Yh, Vh, G, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d,
                                  offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y,
-                                 BLOCK_DV, UPCAST, PRECISION)
+                                 BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
+                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
     else:
         m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, UPCAST, PRECISION)
+                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
     nonempty = l != 0  # a NaN l (a NaN logit) stays NaN, it is not an empty row
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
     tl.store(LSE + bh * Nx + offs_x, tl.where(nonempty, (m + tl.log2(l_safe)) * LN2, 0.0), mask=offs_x < Nx)
-    tl.store(OUT + bh * Nx * DV + offs_x[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty),
-             mask=(offs_x[:, None] < Nx) & (offs_dv[None, :] < DV))
+    out_at = bh * Nx * DV + offs_x[:, None] * DV + offs_dv[None, :]
+    tl.store(OUT + out_at, out.to(OUT.dtype.element_ty), mask=(offs_x[:, None] < Nx) & (offs_dv[None, :] < DV))
+    if SPLIT_P:  # the unrounded output too: the backward's delta = dout.out (see _plan_product)
+        tl.store(OUT32 + out_at, out, mask=(offs_x[:, None] < Nx) & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -367,7 +396,7 @@ def _row_dot_kernel(A, B, OUT, R, D, scale, BLOCK_R: tl.constexpr, BLOCK_D: tl.c
 @triton.jit
 def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, Mh, offs_x, offs_d, offs_dv, Nx, Ny,
                  D, DV, a2, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
-                 BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """(sum_y P'_yx dout_y, sum_y P'_yx DELTA_y) with P'_yx = exp2(A' x.y - LSE_y + s [+ inner_x if
     row_in_exp]); one loop with a uniform branch per tile (see _lse_shifted)."""
@@ -388,7 +417,7 @@ def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, 
             tl.store(DELTA + offs_y, delta, mask=(offs_y < Ny) & store_delta)
         else:
             delta = _load_vec(DELTA, offs_y, Ny, 0.0)
-        dv += mm(p.to(do.dtype), do, UPCAST, PRECISION)
+        dv = _plan_product(p, do, dv, SPLIT_P, UPCAST, PRECISION)
         pd += p * delta[None, :]
     return dv, tl.sum(pd, 1)
 
@@ -398,7 +427,7 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries).
@@ -422,7 +451,7 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     s = tl.where(factor_out, s, 0.0)
     dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, s, not factor_out, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx,
                           Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, BLOCK_X, BLOCK_Y, BLOCK_DV,
-                          UPCAST, PRECISION)
+                          SPLIT_P, UPCAST, PRECISION)
     row = tl.exp2(tl.where(factor_out, g - s, 0.0))
     dv = dv * row[:, None]
     pd = pd * row
