@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import multiprocessing
 import os
 import re
@@ -111,6 +112,16 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
 ]
+# the softmax forward's and dQ's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on sm_90
+# only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER in the flavours it computes, fp16 / bf16 (its only dtypes);
+# masks varying along both axes are not among them (kernels/flash_softmax/hopper.py)
+HOPPER_JOBS = [
+    ("hopper causal", dict(_SOFTMAX), ("bf16", "fp16"), (64, 128)),
+    ("hopper non-causal", dict(_SOFTMAX, CAUSAL=False), ("bf16", "fp16"), (64, 128)),
+    ("hopper l2+key-padding+pref+causal", dict(_SOFTMAX, L2=True, MASK_KIND=1, MASK_SHAPE=1, HAS_PREF=True),
+     ("bf16",), (64, 128)),
+    ("hopper float-key-padding+causal", dict(_SOFTMAX, MASK_KIND=2, MASK_SHAPE=1), ("bf16",), (64, 128)),
+]
 POINTWISE_JOBS = [
     ("sigmoid+causal", dict(_POINTWISE), "all", ("bf16", "fp16", "fp32"), (64, 128, 256)),
     ("relu+causal+dropout", dict(_POINTWISE, SIGMOID=False, DROPOUT=True), "all", ("bf16", "fp32"), (64, 128, 256)),
@@ -138,6 +149,26 @@ def signature(fn, dtype, pointer_types, constexprs):
         else:
             sig[name] = "i32"
     return sig
+
+
+def hopper_specs(dtype, precision):
+    """The Hopper rows of the forward and dQ (none where this Triton cannot build them)."""
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64"}
+    for (name, flags, dtypes, widths), tuned in itertools.product(
+            HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD)):
+        if dtype not in dtypes:
+            continue
+        for width in widths:
+            rows = tuned.configs_for(TORCH_DTYPES[dtype], width, width, False, variants=True)
+            for i, cfg in enumerate(rows):
+                if not cfg.kwargs.get("HOPPER"):
+                    continue
+                meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
+                            HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
+                mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
+                yield (tuned.fn, dict(pointers, MASK=mask), meta,
+                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                       f"softmax {dtype} {name} {tuned.fn.fn.__name__} D={width} config {i}")
 
 
 def softmax_family_specs(dtype):
@@ -172,6 +203,7 @@ def softmax_family_specs(dtype):
                             meta["BUCKETS"] = 32 if flags.get("HAS_T5") else 1
                         yield (tuned.fn, pointers, meta, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                                f"{family} {dtype} {name} D={width} config {i}")
+    yield from hopper_specs(dtype, precision)
     yield (dropout.dropout_mask_kernel, {"KEEP": "*u8", "SEED": "*i64"}, dict(BLOCK_M=64, BLOCK_N=64),
            {"num_warps": 4, "num_stages": 2}, "dropout keep-mask")
 

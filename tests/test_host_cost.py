@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 import attnzoo.functional as AF
+from attnzoo.ops.kernels.flash_softmax.hopper_kernels import TENSOR_DESCRIPTORS
 from tests.common import needs_interpreter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,13 +70,17 @@ def _qkv(grad=True, h=2, h_kv=2):
 # Non-causal linear: the keys' state, reduced in 2 splits at N = 40 under the interpreter (32-row splits) and
 # summed, then outputs; the backward reduces dS over the queries (writing dq), sums, then dk / dv
 # (one launch fewer each way when a single split suffices: tests/test_fused_linear_noncausal.py).
+# where Triton can build the Hopper variant, the softmax forward launches its selector kernel
+# (kernels/flash_softmax/hopper_kernels.py): the classic kernel's arguments plus two constexpr switches
+SOFTMAX_FWD = "softmax_fwd_select_kernel" if TENSOR_DESCRIPTORS else "softmax_fwd_kernel"
+SOFTMAX_DQ = "softmax_dq_select_kernel" if TENSOR_DESCRIPTORS else "softmax_bwd_dq_kernel"  # likewise, one switch
 LAUNCHES = {
-    ("softmax", ()): (["softmax_fwd_kernel"],
-                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
-    ("l2", ()): (["softmax_fwd_kernel"],
-                 ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
-    ("fenchel", ()): (["softmax_fwd_kernel"],
-                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", "softmax_bwd_dq_kernel"]),
+    ("softmax", ()): ([SOFTMAX_FWD],
+                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
+    ("l2", ()): ([SOFTMAX_FWD],
+                 ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
+    ("fenchel", ()): ([SOFTMAX_FWD],
+                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
     ("sigmoid", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
     ("relu", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
     ("sinkhorn", (("n_iters", 3),)): (["_lse_kernel"] * 6 + ["_attend_kernel"],
@@ -211,7 +216,7 @@ def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
 
 # Arguments per launch: each one is bound by Triton on every call (about 1.5-2 us per tensor argument,
 # triton#11880). These are the current signatures; a new argument must be worth its cost.
-MAX_ARGUMENTS = {"softmax_fwd_kernel": 60, "softmax_bwd_dkdv_kernel": 65, "softmax_bwd_dq_kernel": 62,
+MAX_ARGUMENTS = {SOFTMAX_FWD: 62 if TENSOR_DESCRIPTORS else 60, "softmax_bwd_dkdv_kernel": 65, SOFTMAX_DQ: 63 if TENSOR_DESCRIPTORS else 62,
                  "softmax_bwd_delta_kernel": 16, "pointwise_fwd_kernel": 57, "pointwise_bwd_dkdv_kernel": 59,
                  "pointwise_bwd_dq_kernel": 59}
 

@@ -54,7 +54,10 @@ def test_interpreter_uses_fixed_small_tiles(monkeypatch):
     monkeypatch.setattr(tuning, "INTERPRETED", True)
     kernel = _kernel()
     fn, tiles = kernel.launch(torch.bfloat16, 64, 64, False)
-    assert fn is kernel.fn and tiles == tuning.INTERPRETER_TILES == {"BLOCK_M": 16, "BLOCK_N": 16}
+    assert tuning.INTERPRETER_TILES == {"BLOCK_M": 16, "BLOCK_N": 16}
+    # the interpreter's tiles, plus the row's other constexprs (the forward's variant switches, off)
+    assert fn is kernel.fn and tiles == {**kernel.configs_for(torch.bfloat16, 64, 64)[0].kwargs, **tuning.INTERPRETER_TILES}
+    assert not tiles.get("HOPPER", False)
 
 
 def test_gpu_launches_autotune_unless_told_not_to(monkeypatch):

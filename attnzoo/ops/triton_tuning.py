@@ -20,6 +20,14 @@ How a launch picks its tiles (``TunedKernel.launch``):
   beforehand (T5's dK/dV launch sizes its table-gradient rows from BLOCK_N): the default configuration;
 - inside ``pinned_config(i)`` (tests): configuration i of the list, without tuning.
 
+*Variants*: a kernel may also have configurations of another code path, picked by constexprs in the
+configuration (the softmax forward's Hopper variant: HOPPER / WARP_SPEC, kernels/flash_softmax/
+hopper.py). They join the list only for launches that pass ``variants=True`` (the host code decides
+which launches can run them: device, flavour, alignment), after the classic ones, so the default
+stays the classic first row and the autotuner chooses between the code paths by timing them. Such
+launches get their own Autotuner and frozen choice. Under the interpreter a pinned variant row keeps
+its constexprs with the interpreter's tiles (how its tests run it).
+
 Grids are functions of the chosen configuration (``META["BLOCK_M"]``), which is what both
 ``triton.autotune`` and torch.compile's ``wrap_triton`` expect.
 """
@@ -72,9 +80,17 @@ def n_bucket(n: int) -> int:
 
 
 def configs(table):
-    """{(fp32, width): [triton.Config]} from {(fp32, width): [(BLOCK_M, BLOCK_N, warps, stages)]}."""
-    return {cls: [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in rows]
+    """{(fp32, width): [triton.Config]} from {(fp32, width): [(BLOCK_M, BLOCK_N, warps, stages[, constexprs])]}."""
+    return {cls: [triton.Config({"BLOCK_M": row[0], "BLOCK_N": row[1], **(row[4] if len(row) > 4 else {})},
+                                num_warps=row[2], num_stages=row[3]) for row in rows]
             for cls, rows in table.items()}
+
+
+def _with(constants, rows):
+    """The rows with ``constants`` added to each one's constexprs (a row's own values win)."""
+    for row in rows:
+        row.kwargs = {**constants, **row.kwargs}
+    return rows
 
 
 class TunedKernel:
@@ -85,44 +101,55 @@ class TunedKernel:
     itself with BLOCK_M / BLOCK_N / num_warps / num_stages. One Autotuner per tile class is kept for
     the process, so its cache of tuned keys persists across calls."""
 
-    def __init__(self, fn, table, dropout_table, key):
+    def __init__(self, fn, table, dropout_table, key, variants=None, constants=None):
         self.fn = fn
-        self.configs = {(False,) + cls: rows for cls, rows in configs(table).items()}
-        self.configs.update({(True,) + cls: rows for cls, rows in configs(dropout_table).items()})
+        # constants: constexprs every row passes unless it sets its own (the variant switches, off):
+        # explicit values, not signature defaults, so every launcher (inductor's included) sees them
+        constants = dict(constants or {})
+        self.configs = {(False,) + cls: _with(constants, rows) for cls, rows in configs(table).items()}
+        self.configs.update({(True,) + cls: _with(constants, rows) for cls, rows in configs(dropout_table).items()})
+        # {(dropout, fp32, width): [triton.Config]}: rows of another code path, offered per launch
+        self.variants = {(False,) + cls: _with(constants, rows) for cls, rows in configs(variants or {}).items()}
         self.key = list(key)
         self._tuners = {}
-        self._frozen = {}  # (dropout, dtype, block_d, block_dv, shape_key) -> the launch keywords tuned for it
+        # (dropout, dtype, block_d, block_dv, shape_key, variants) -> the launch keywords tuned for it
+        self._frozen = {}
 
-    def configs_for(self, dtype, block_d, block_dv, dropout=False):
-        return self.configs[(bool(dropout),) + tile_class(dtype, block_d, block_dv)]
-
-    def launch(self, dtype, block_d, block_dv, dropout=False, tune=True):
-        if INTERPRETED:
-            return self.fn, dict(INTERPRETER_TILES)
+    def configs_for(self, dtype, block_d, block_dv, dropout=False, variants=False):
+        """The class's list; with ``variants``, followed by the class's variant rows (if any)."""
         cls = (bool(dropout),) + tile_class(dtype, block_d, block_dv)
-        candidates = self.configs[cls]
+        rows = self.configs[cls]
+        return rows + self.variants.get(cls, []) if variants else rows
+
+    def launch(self, dtype, block_d, block_dv, dropout=False, tune=True, variants=False):
+        candidates = self.configs_for(dtype, block_d, block_dv, dropout, variants)
+        if INTERPRETED:  # the interpreter's tiles; the row's other constexprs (a variant's switches) kept
+            chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
+            return self.fn, {**chosen.kwargs, **INTERPRETER_TILES}
         if _pinned or not tune or not autotune_enabled() or len(candidates) == 1:
             chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
             return self.fn, {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
+        cls = (bool(dropout),) + tile_class(dtype, block_d, block_dv) + (len(candidates),)
         if cls not in self._tuners:
             self._tuners[cls] = triton.autotune(configs=candidates, key=self.key, do_bench=quick_bench)(self.fn)
         return self._tuners[cls], {}
 
-    def run(self, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, tune=True, shape_key=None):
+    def run(self, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, tune=True, shape_key=None,
+            variants=False):
         """Launch the kernel on ``grid`` (a function of the launch's tile keywords, META) with ``args``
         and ``kwargs``. ``shape_key`` names what the autotuner keys on for this launch (the flavour
         constexprs, D, DV, the length buckets); in eager mode the configuration tuned for it is frozen
         after the first launch, and later launches go straight to the kernel with those keywords and a
         tuple grid: no autotuner bookkeeping over every argument on each call (host-overhead.md)."""
         from .triton_utils import launcher
-        frozen_key = (bool(dropout), dtype, block_d, block_dv, shape_key) if shape_key is not None else None
+        frozen_key = (bool(dropout), dtype, block_d, block_dv, shape_key, variants) if shape_key is not None else None
         eager = not torch.compiler.is_compiling()
         if eager and frozen_key is not None and not _pinned:
             tiles = self._frozen.get(frozen_key)
             if tiles is not None:
                 self.fn[grid(tiles)](*args, **kwargs, **tiles)
                 return
-        kernel, tiles = self.launch(dtype, block_d, block_dv, dropout, tune)
+        kernel, tiles = self.launch(dtype, block_d, block_dv, dropout, tune, variants)
         launcher(kernel)[grid](*args, **kwargs, **tiles)
         if eager and frozen_key is not None and not _pinned:
             if isinstance(kernel, triton.runtime.Autotuner):
@@ -194,4 +221,24 @@ QUERIES_BACKWARD_DROPOUT = {
     (True, 64): [(32, 32, 4, 3), (32, 32, 8, 3)],
     (True, 128): [(32, 32, 8, 2), (32, 16, 8, 2)],
     (True, 256): [(16, 32, 8, 2), (16, 16, 8, 2)],
+}
+# The Hopper variant of the forward (kernels/flash_softmax/hopper_kernels.py: TMA descriptor loads of
+# K / V), fp16 / bf16 heads up to 128 wide only; offered next to FORWARD's rows on sm_90+ for the
+# flavours it computes (kernels/flash_softmax/hopper.py), so the autotuner times both code paths.
+# 128-row tiles (one wgmma M per warpgroup), the classic defaults' shapes. Which wins is unmeasured.
+# No warp-specialised rows ({"WARP_SPEC": True}): Triton 3.6 and 3.8 crash in their
+# NVGPUWarpSpecialization pass on an sm_90 attention loop with 4 warps and leave it unspecialised
+# with 8 (docs/kernels_softmax_family.md); a row can be added here once a Triton builds one.
+FORWARD_HOPPER = {
+    (False, 64): [(128, 64, 4, 3, {"HOPPER": True}), (128, 128, 8, 3, {"HOPPER": True}),
+                  (128, 64, 4, 4, {"HOPPER": True})],
+    (False, 128): [(128, 64, 8, 3, {"HOPPER": True}), (128, 128, 8, 2, {"HOPPER": True})],
+}
+# The Hopper variant of dQ (same descriptors and conditions as the forward's): QUERIES_BACKWARD's
+# shapes that build without spills as the Hopper kernel. Unmeasured.
+# (Spilled in the build check, left out: 128 x 64 with 4 warps at D 64; 128 x 64 / 8 warps / 2 stages
+# and 64 x 64 / 4 warps in the L2 flavour at D 128.)
+QUERIES_BACKWARD_HOPPER = {
+    (False, 64): [(128, 64, 8, 3, {"HOPPER": True}), (128, 32, 8, 4, {"HOPPER": True})],
+    (False, 128): [(128, 32, 8, 3, {"HOPPER": True})],
 }

@@ -38,17 +38,23 @@ from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_re
 if HAVE_TRITON:
     import triton
 
+    from . import hopper
     from .triton_kernels import (softmax_bwd_delta_kernel, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
                                  softmax_fwd_kernel)
 
     # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
     TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "L2", "MASK_KIND", "MASK_SHAPE", "HAS_PREF", "HAS_T5", "CAUSAL",
                   "DROPOUT", "PRECISION"]
-    FORWARD = tuning.TunedKernel(softmax_fwd_kernel, tuning.FORWARD, tuning.FORWARD_DROPOUT, TUNING_KEY)
+    # on Triton versions that can build it, the forward is a selector between the classic kernel and
+    # the Hopper variant, whose rows a launch offers the autotuner when hopper.forward_variants says so
+    FORWARD = tuning.TunedKernel(hopper.forward_kernel(softmax_fwd_kernel), tuning.FORWARD, tuning.FORWARD_DROPOUT,
+                                 TUNING_KEY, variants=hopper.FORWARD_VARIANTS, constants=hopper.FORWARD_CONSTANTS)
     KEYS_BACKWARD = tuning.TunedKernel(softmax_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
                                        TUNING_KEY)
-    QUERIES_BACKWARD = tuning.TunedKernel(softmax_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
-                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
+    QUERIES_BACKWARD = tuning.TunedKernel(hopper.queries_backward_kernel(softmax_bwd_dq_kernel),
+                                          tuning.QUERIES_BACKWARD, tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY,
+                                          variants=hopper.QUERIES_BACKWARD_VARIANTS,
+                                          constants=hopper.QUERIES_BACKWARD_CONSTANTS)
 
 
 def _prepare(q, k, mask, pref, table, lut):
@@ -135,7 +141,8 @@ if HAVE_TRITON:
                     (q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p),
                     {**meta, **flags}, dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
-                    dropout=dropout, shape_key=_shape_key(meta, flags, sizes))
+                    dropout=dropout, shape_key=_shape_key(meta, flags, sizes),
+                    variants=hopper.forward_variants(q, k, v, meta, flags))
         return out, lse
 
     @kernel_op("attnzoo::softmax_family_bwd", mutates_args=())
@@ -188,7 +195,8 @@ if HAVE_TRITON:
                           shape_key=shape_key, **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                              (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
-                             {**meta, **flags}, shape_key=shape_key, **tiles)
+                             {**meta, **flags}, shape_key=shape_key,
+                             variants=hopper.forward_variants(q, k, v, meta, flags), **tiles)
         dtable = (partials.sum((0, 1))[:table.shape[0]] if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
         return dq, dk, dv, dpref, dtable

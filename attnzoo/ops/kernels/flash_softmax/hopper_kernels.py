@@ -1,0 +1,290 @@
+"""Hopper (sm_90) variants of the softmax-family forward and dQ kernels: K and V tiles through TMA
+tensor descriptors, the forward's key loop optionally warp-specialised.
+
+Same mathematics, units and outputs as ``softmax_fwd_kernel`` (triton_kernels.py: base-2 logits, the
+L2 logits without the row constant, lse2 = +inf for rows with no key); what changes is how the key
+loop reads K and V:
+- ``tl.make_tensor_descriptor`` (device side) over one head's (Nk, D) keys and (Nk, Dv) values: each
+  tile is one TMA bulk copy into shared memory instead of BLOCK_N x BLOCK_D per-thread addresses, and
+  the copy engine zero-fills rows past Nk and columns past D, so the loads need no bounds masks;
+- ``WARP_SPEC``: ``tl.range(..., warp_specialize=True)`` lets Triton split the loop into a producer
+  partition (the TMA loads) and consumer warps (the two dots and the online softmax), the overlap
+  FlashAttention-3 builds by hand (its producer warp and ping-pong of softmax and GEMM).
+Queries are loaded once per program and the output stored once, as in the classic kernel (plain
+pointer accesses: no alignment condition on q or out).
+
+``softmax_fwd_select_kernel`` is the kernel the forward's autotuner launches when this module can be
+built: the classic kernel's arguments plus two constexprs, HOPPER (this variant) and WARP_SPEC, which
+every classic configuration sets False (hopper.FORWARD_CONSTANTS), so those launch exactly the classic
+kernel, and the Hopper rows are further autotune configurations (ops/triton_tuning.py ``variants``) that the host code offers only
+for launches this variant supports (hopper.py decides). Flavours it does not compute (dropout, the T5
+bias) never get those configurations; the static asserts below catch a host that offers them anyway.
+``softmax_dq_select_kernel`` does the same for the backward's dQ launch (HOPPER only): the same key
+loop as the forward with the same descriptors, so the same launches qualify. dK / dV, which streams
+queries against a resident key block, has no variant yet.
+
+Capability gates (an older Triton silently keeps the classic kernel): ``TENSOR_DESCRIPTORS`` needs
+``tl.make_tensor_descriptor`` and ``triton.set_allocator`` (device-side descriptors live in a
+per-launch global scratch buffer the allocator provides); ``WARP_SPECIALIZE`` needs the
+``warp_specialize`` keyword of ``tl.range``. Without the first, nothing here is defined.
+"""
+from __future__ import annotations
+
+import inspect
+
+from ...triton_utils import HAVE_TRITON
+
+TENSOR_DESCRIPTORS = False
+WARP_SPECIALIZE = False
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+    try:
+        WARP_SPECIALIZE = TENSOR_DESCRIPTORS and "warp_specialize" in inspect.signature(tl.range).parameters
+    except (TypeError, ValueError):  # a signature inspect cannot read: take the loop without it
+        WARP_SPECIALIZE = False
+
+if TENSOR_DESCRIPTORS:
+    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys
+    from .triton_kernels import LOG2E, key_terms, softmax_bwd_dq_kernel, softmax_fwd_kernel
+
+    @triton.jit
+    def hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                      L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+                      CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (k
+        arrives zero-filled past Nk, so only the logits need the bounds)."""
+        if L2:
+            s = mm(q, tl.trans(k), UPCAST, PRECISION) * (2.0 * qk_scale)
+        else:
+            s = mm(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
+        if L2 or HAS_PREF:
+            s = s + key_terms(k, offs_n, Nk, PREF, spn, qk_scale, L2, HAS_PREF, EDGE)[None, :]
+        if EDGE:
+            kj_at = tl.minimum(offs_n, Nk - 1)
+        else:
+            kj_at = offs_n
+        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                           MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+
+    @triton.jit
+    def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
+                        MASK, smm, smn, PREF, spn,
+                        BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                        HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """One key block of the online softmax (base 2): the classic fwd_stage's body with K / V from
+        the descriptors."""
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+        s = hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                          L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def hopper_fwd_stage(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                         MASK, smm, smn, PREF, spn,
+                         BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                         HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr, EDGE: tl.constexpr, WARP_SPEC: tl.constexpr):
+        """The key blocks [lo, hi); the warp-specialised loop is a separate branch so that a Triton
+        without the keyword never compiles it (WARP_SPEC is only offered where it exists)."""
+        if WARP_SPEC:
+            for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+                acc, l_i, m_i = hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk,
+                                                qk_scale, MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND,
+                                                MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
+        else:
+            for start_n in tl.range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk,
+                                                qk_scale, MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND,
+                                                MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
+        return acc, l_i, m_i
+
+    @triton.jit
+    def softmax_fwd_hopper(
+            Q, K, V, O, LSE, MASK, PREF,
+            sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sob, soh, som, sod,
+            smb, smh, smm, smn, spb, sph, spn,
+            H, Nq, Nk, D, DV, GROUP, scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            WARP_SPEC: tl.constexpr):
+        """The forward of one query block of one head, K / V through tensor descriptors (the host
+        checked: unit last stride, 16-byte aligned base and row strides)."""
+        scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1).to(tl.int64)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qi_at = tl.minimum(offs_m, Nq - 1)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        Q += b * sqb + h * sqh
+        MASK += b * smb + h * smh
+        PREF += b * spb + h * sph
+        # one descriptor per program over its key/value head (grouped-query attention: head h // GROUP)
+        k_desc = tl.make_tensor_descriptor(K + b * skb + (h // GROUP) * skh, shape=[Nk, D], strides=[skn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + b * svb + (h // GROUP) * svh, shape=[Nk, DV], strides=[svn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, l_i, m_i = hopper_fwd_stage(acc, l_i, m_i, q, k_desc, v_desc, 0, lo, offs_m, qi_at, Nq, Nk, qk_scale,
+                                         MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                                         CAUSAL, UPCAST, PRECISION, False, WARP_SPEC)
+        acc, l_i, m_i = hopper_fwd_stage(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                                         MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                                         CAUSAL, UPCAST, PRECISION, True, WARP_SPEC)
+        nonempty = l_i > 0.0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
+        O += b * sob + h * soh
+        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
+                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
+
+    @triton.jit
+    def softmax_fwd_select_kernel(
+            Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr, HOPPER: tl.constexpr, WARP_SPEC: tl.constexpr):
+        """The forward the autotuner launches: the classic kernel, or (HOPPER) the descriptor variant.
+        The argument list is softmax_fwd_kernel's plus HOPPER and WARP_SPEC (a test keeps them equal)."""
+        if HOPPER:
+            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper forward computes neither T5 nor dropout")
+            softmax_fwd_hopper(Q, K, V, O, LSE, MASK, PREF,
+                               sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sob, soh, som, sod,
+                               smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
+                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, WARP_SPEC)
+        else:
+            softmax_fwd_kernel(Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
+                               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                               smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+                               H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
+                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+
+    # --- dQ: the backward's query-block kernel, K / V through descriptors --------------------------------
+
+    @triton.jit
+    def hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                        MASK, smm, smn, PREF, spn,
+                        BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                        HAS_PREF: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, EDGE: tl.constexpr):
+        """dQ (unscaled: sum_j dS_ij k_j) over the key blocks [lo, hi): triton_kernels.dq_stage without
+        dropout or T5, K / V from the descriptors."""
+        for start_n in tl.range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+            s = hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
+                              L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL, UPCAST, PRECISION, EDGE)
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = mm(do, tl.trans(v), UPCAST, PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
+        return dq
+
+    @triton.jit
+    def softmax_dq_hopper(
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
+            sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
+            smb, smh, smm, smn, spb, sph, spn,
+            H, Nq, Nk, D, DV, GROUP, scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """dQ of one query block of one head (softmax_bwd_dq_kernel's program), K / V through descriptors."""
+        scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1).to(tl.int64)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qi_at = tl.minimum(offs_m, Nq - 1)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        Q += b * sqb + h * sqh
+        DO += b * sdob + h * sdoh
+        MASK += b * smb + h * smh
+        PREF += b * spb + h * sph
+        k_desc = tl.make_tensor_descriptor(K + b * skb + (h // GROUP) * skh, shape=[Nk, D], strides=[skn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + b * svb + (h // GROUP) * svh, shape=[Nk, DV], strides=[svn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
+        do = load_tile(DO, offs_m, offs_dv, sdom, sdod, Nq, DV, True, HEAD_MASK)
+        lse2 = load_rows(LSE + pid_bh * Nq, offs_m, Nq, float("inf"), True)
+        delta = load_rows(DELTA + pid_bh * Nq, offs_m, Nq, 0.0, True)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, 0, lo, offs_m, qi_at, Nq, Nk, qk_scale,
+                             MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL,
+                             UPCAST, PRECISION, False)
+        dq = hopper_dq_stage(dq, q, do, lse2, delta, k_desc, v_desc, lo, hi, offs_m, qi_at, Nq, Nk, qk_scale,
+                             MASK, smm, smn, PREF, spn, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, CAUSAL,
+                             UPCAST, PRECISION, True)
+        if L2:
+            dq = (2.0 * scale) * dq
+        else:
+            dq = scale * dq
+        DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
+        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+
+    @triton.jit
+    def softmax_dq_select_kernel(
+            Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr, HOPPER: tl.constexpr):
+        """The dQ launch the autotuner runs: softmax_bwd_dq_kernel, or (HOPPER) the descriptor variant.
+        The argument list is softmax_bwd_dq_kernel's plus HOPPER (a test keeps them equal)."""
+        if HOPPER:
+            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dQ computes neither T5 nor dropout")
+            softmax_dq_hopper(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
+                              sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
+                              smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
+                              BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                              CAUSAL, HEAD_MASK, UPCAST, PRECISION)
+        else:
+            softmax_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
+                                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+                                  smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+                                  H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                  BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
+                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
