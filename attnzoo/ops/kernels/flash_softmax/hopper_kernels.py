@@ -47,27 +47,18 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys
-    from .triton_kernels import LOG2E, key_terms, softmax_bwd_dq_kernel, softmax_fwd_kernel
+    from ...triton_utils import load_rows, load_tile, mm, mma, visible_keys
+    from .triton_kernels import LOG2E, scores, softmax_bwd_dq_kernel, softmax_fwd_kernel
 
     @triton.jit
     def hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
                       L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
                       CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, EDGE: tl.constexpr):
-        """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (k
-        arrives zero-filled past Nk, so only the logits need the bounds)."""
-        if L2:
-            s = mm(q, tl.trans(k), UPCAST, PRECISION) * (2.0 * qk_scale)
-        else:
-            s = mm(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
-        if L2 or HAS_PREF:
-            s = s + key_terms(k, offs_n, Nk, PREF, spn, qk_scale, L2, HAS_PREF, EDGE)[None, :]
-        if EDGE:
-            kj_at = tl.minimum(offs_n, Nk - 1)
-        else:
-            kj_at = offs_n
-        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
-                           MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (its
+        pointers are never read with HAS_T5 False; k arrives zero-filled past Nk, so only the logits need
+        the bounds)."""
+        return scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, PREF, 0, PREF,
+                      L2, MASK_KIND, MASK_SHAPE, HAS_PREF, False, CAUSAL, EDGE, UPCAST, PRECISION)
 
     @triton.jit
     def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
