@@ -278,7 +278,9 @@ def _kernel_part(gpu: GpuSection, doc_dir: Path, full: bool) -> list[str]:
         if gpu.plot is not None:
             plot = _relative(Path(gpu.plot).resolve(), doc_dir)
             parts += [f"![GPU speed]({plot})", ""]
-    parts += [f"Every row (each backend, shape, memory, first-call time): [`{src}`]({src}).", ""]
+    parts += [f"Every row (each backend, shape, memory, first-call time): [`{src}`]({src}). Kernels rebuilt "
+              "since a measurement are listed, with what they change and what is still unmeasured, in "
+              "docs/gpu.md (\"What is left on a GPU\").", ""]
     return parts
 
 
