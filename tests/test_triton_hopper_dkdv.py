@@ -6,8 +6,9 @@ As in tests/test_triton_hopper_forward.py, ``hopper.device_ready`` is patched to
 ``pinned_config`` picks a row, so the interpreter runs the descriptor kernel on CPU tensors. The
 pinned index is the dK/dV list's first Hopper row; the forward's and dQ's longer classic lists put
 the same index on a classic row, so the variant computes dK, dV and the preference gradient from
-the classic forward's lse (dq is checked too: it comes from the classic dQ). A spy on the host rule
-checks the launch did offer the variant. bf16 inputs, FlashAttention's rule (tests/flash_rule.py).
+the classic forward's lse (dq is checked too: it comes from the classic dQ). A spy on the dK/dV
+launch checks it ran the variant (a pinned index past a list without the Hopper rows would wrap to a
+classic row and pass unnoticed). bf16 inputs, FlashAttention's rule (tests/flash_rule.py).
 """
 from __future__ import annotations
 
@@ -82,18 +83,19 @@ def _run_case(name, B, H, H_kv, nq, nk, d, causal, l2, pref, masked, monkeypatch
         out.backward(grad_out.to(out.dtype))
         return [out.detach()] + [x.grad for x in xs]
 
-    offered = []
-    real_rule = hopper.keys_backward_variants
+    launched = []  # the constexprs of each dK/dV launch
+    real_launch = fused.KEYS_BACKWARD.launch
 
-    def spy(*args):
-        offered.append(real_rule(*args))
-        return offered[-1]
+    def spy(*args, **kwargs):
+        kernel, tiles = real_launch(*args, **kwargs)
+        launched.append(tiles)
+        return kernel, tiles
 
     monkeypatch.setattr(hopper, "device_ready", lambda device: True)
-    monkeypatch.setattr(hopper, "keys_backward_variants", spy)
+    monkeypatch.setattr(fused.KEYS_BACKWARD, "launch", spy)
     with tuning.pinned_config(keys_row_index(DTYPE, d) + row):
         got = with_grads(tested, leaves())
-    assert offered == [True], "the dK/dV launch did not offer its Hopper rows"
+    assert [t["HOPPER"] for t in launched] == [True], "the dK/dV launch did not run its Hopper row"
     want_inputs = [x.detach().double().requires_grad_() for x in inputs]
     want = with_grads(lambda *xs: _gqa_formula(*xs[:3], xs[3] if pref else None, **kw), want_inputs)
     low = with_grads(lambda *xs: _gqa_formula(*xs[:3], xs[3] if pref else None, dtype=yardstick_dtype(DTYPE), **kw),
