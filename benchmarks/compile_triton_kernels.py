@@ -112,8 +112,9 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
 ]
-# the softmax forward's and dQ's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on sm_90
-# only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER in the flavours it computes, fp16 / bf16 (its only dtypes);
+# the softmax forward's, dQ's and dK/dV's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on
+# sm_90 only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER / KEYS_BACKWARD_HOPPER in
+# the flavours they compute, fp16 / bf16 (their only dtypes);
 # masks varying along both axes are not among them (kernels/flash_softmax/hopper.py)
 HOPPER_JOBS = [
     ("hopper causal", dict(_SOFTMAX), ("bf16", "fp16"), (64, 128)),
@@ -152,10 +153,11 @@ def signature(fn, dtype, pointer_types, constexprs):
 
 
 def hopper_specs(dtype, precision):
-    """The Hopper rows of the forward and dQ (none where this Triton cannot build them)."""
-    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64"}
+    """The Hopper rows of the forward, dQ and dK/dV (none where this Triton cannot build them)."""
+    pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64",
+                "DPREF": "*fp32", "DTABLE": "*fp32"}
     for (name, flags, dtypes, widths), tuned in itertools.product(
-            HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD)):
+            HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD, softmax_host.KEYS_BACKWARD)):
         if dtype not in dtypes:
             continue
         for width in widths:
@@ -165,6 +167,8 @@ def hopper_specs(dtype, precision):
                     continue
                 meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width,
                             HEAD_MASK=False, UPCAST=False, PRECISION=precision, **flags)
+                if tuned is softmax_host.KEYS_BACKWARD:
+                    meta["BUCKETS"] = 1  # no T5 in a Hopper flavour
                 mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
                 yield (tuned.fn, dict(pointers, MASK=mask), meta,
                        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},

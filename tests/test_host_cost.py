@@ -74,13 +74,14 @@ def _qkv(grad=True, h=2, h_kv=2):
 # (kernels/flash_softmax/hopper_kernels.py): the classic kernel's arguments plus two constexpr switches
 SOFTMAX_FWD = "softmax_fwd_select_kernel" if TENSOR_DESCRIPTORS else "softmax_fwd_kernel"
 SOFTMAX_DQ = "softmax_dq_select_kernel" if TENSOR_DESCRIPTORS else "softmax_bwd_dq_kernel"  # likewise, one switch
+SOFTMAX_DKDV = "softmax_dkdv_select_kernel" if TENSOR_DESCRIPTORS else "softmax_bwd_dkdv_kernel"  # and dK/dV's
 LAUNCHES = {
     ("softmax", ()): ([SOFTMAX_FWD],
-                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
+                      ["softmax_bwd_delta_kernel", SOFTMAX_DKDV, SOFTMAX_DQ]),
     ("l2", ()): ([SOFTMAX_FWD],
-                 ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
+                 ["softmax_bwd_delta_kernel", SOFTMAX_DKDV, SOFTMAX_DQ]),
     ("fenchel", ()): ([SOFTMAX_FWD],
-                      ["softmax_bwd_delta_kernel", "softmax_bwd_dkdv_kernel", SOFTMAX_DQ]),
+                      ["softmax_bwd_delta_kernel", SOFTMAX_DKDV, SOFTMAX_DQ]),
     ("sigmoid", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
     ("relu", ()): (["pointwise_fwd_kernel"], ["pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"]),
     ("sinkhorn", (("n_iters", 3),)): (["_lse_kernel"] * 6 + ["_attend_kernel"],
@@ -216,7 +217,8 @@ def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
 
 # Arguments per launch: each one is bound by Triton on every call (about 1.5-2 us per tensor argument,
 # triton#11880). These are the current signatures; a new argument must be worth its cost.
-MAX_ARGUMENTS = {SOFTMAX_FWD: 62 if TENSOR_DESCRIPTORS else 60, "softmax_bwd_dkdv_kernel": 65, SOFTMAX_DQ: 63 if TENSOR_DESCRIPTORS else 62,
+MAX_ARGUMENTS = {SOFTMAX_FWD: 62 if TENSOR_DESCRIPTORS else 60, SOFTMAX_DKDV: 66 if TENSOR_DESCRIPTORS else 65,
+                 SOFTMAX_DQ: 63 if TENSOR_DESCRIPTORS else 62,
                  "softmax_bwd_delta_kernel": 16, "pointwise_fwd_kernel": 57, "pointwise_bwd_dkdv_kernel": 59,
                  "pointwise_bwd_dq_kernel": 59}
 

@@ -6,8 +6,9 @@ The variant is offered to the autotuner on sm_90 only; here ``hopper.device_read
 yes and ``pinned_config`` picks a Hopper row, so the interpreter runs the descriptor kernel on CPU
 tensors (Triton 3.8's interpreter executes ``tl.make_tensor_descriptor`` loads, zero fill past the
 bounds included, and accepts ``warp_specialize``, which it ignores). One pinned index selects the Hopper rows of
-both the forward and dQ; dK / dV is the classic kernel, reading the lse the Hopper forward stored, so
-every gradient checks that too. bf16 inputs, FlashAttention's
+both the forward and dQ; dK / dV, whose list is shorter, takes whichever of its rows the index wraps to
+(today a Hopper one: tests/test_triton_hopper_dkdv.py tests that variant on the classic forward's lse),
+reading the lse the Hopper forward stored, so every gradient checks that too. bf16 inputs, FlashAttention's
 rule (tests/flash_rule.py): the error against float64 at most twice that of the same formula computed
 as attnzoo's eager references do (fp32 on the bf16 inputs, stored in bf16).
 """

@@ -23,14 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 S, P, SK = "attnzoo.ops.kernels.flash_softmax.triton_kernels", "attnzoo.ops.kernels.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
 L, O = "attnzoo.ops.linear.chunk_kernels", "attnzoo.ops.ot.triton_kernels"
 LN = "attnzoo.ops.linear.noncausal_kernels"
-# the forward's and dQ's autotuners launch the selector kernels where Triton can build the Hopper variant
+# the forward's, dQ's and dK/dV's autotuners launch the selector kernels where Triton can build the Hopper variant
 FWD = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_fwd_select_kernel" if TENSOR_DESCRIPTORS
        else f"{S}.softmax_fwd_kernel")
 DQ = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_dq_select_kernel" if TENSOR_DESCRIPTORS
       else f"{S}.softmax_bwd_dq_kernel")
+DKDV = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_dkdv_select_kernel" if TENSOR_DESCRIPTORS
+        else f"{S}.softmax_bwd_dkdv_kernel")
 OUTPUTS = {
     FWD: {"O", "LSE"},
-    f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT", "DPREF", "DTABLE"},
+    DKDV: {"DK", "DV_OUT", "DPREF", "DTABLE"},
     DQ: {"DQ"},
     f"{S}.softmax_bwd_delta_kernel": {"DELTA"},
     f"{P}.pointwise_fwd_kernel": {"O", "N_ROWS"},

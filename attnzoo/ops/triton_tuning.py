@@ -242,3 +242,13 @@ QUERIES_BACKWARD_HOPPER = {
     (False, 64): [(128, 64, 8, 3, {"HOPPER": True}), (128, 32, 8, 4, {"HOPPER": True})],
     (False, 128): [(128, 32, 8, 3, {"HOPPER": True})],
 }
+# The Hopper variant of dK/dV (Q / dO streamed and the key block loaded through descriptors; the same
+# conditions as dQ's plus TMA-readable q and dO). The rows that build for sm_90 without spills in all
+# four checked flavours on both Triton 3.8 and 3.6 (benchmarks/compile_triton_kernels.py; on 3.8 every
+# classic D 128 row and every classic L2 + preference row spills there). Unmeasured.
+# (Spilled, left out: 64 x 128 / 8 warps at D 64 on 3.8, 32 x 128 / 4 stages on 3.6; 32 x 128, 32 x 64
+# and 64 x 64 with 8 warps at D 128.)
+KEYS_BACKWARD_HOPPER = {
+    (False, 64): [(32, 128, 8, 3, {"HOPPER": True}), (32, 128, 8, 2, {"HOPPER": True})],
+    (False, 128): [(16, 64, 8, 3, {"HOPPER": True}), (16, 64, 8, 2, {"HOPPER": True})],
+}

@@ -1,7 +1,7 @@
-"""Which forward and dQ launches may run the Hopper variants (hopper_kernels.py), decided on the host.
+"""Which forward, dQ and dK/dV launches may run the Hopper variants (hopper_kernels.py), decided on the host.
 
-The variants' rows are offered to the forward's (and the dQ launch's) autotuner (ops/triton_tuning.py ``variants``) only
-when every condition holds; otherwise the launch tunes the classic rows alone, exactly as before:
+The variants' rows are offered to the forward's (and the dQ and dK/dV launches') autotuner
+(ops/triton_tuning.py ``variants``) only when every condition holds; otherwise the launch tunes the classic rows alone, exactly as before:
 - Triton can build it (``hopper_kernels.TENSOR_DESCRIPTORS``; the warp-specialised rows also need
   ``WARP_SPECIALIZE``) -- checked once at import;
 - the device is sm_90 or newer -- once per device;
@@ -11,7 +11,8 @@ when every condition holds; otherwise the launch tunes the classic rows alone, e
   pushed the 128 x 128 row past sm_90's shared memory in the build check) -- once per flavour
   (lru_cache);
 - K and V can be read by TMA: unit last stride, 16-byte aligned base and strides -- a few integer
-  tests per call (a pointer's alignment is a property of the call, not of its signature);
+  tests per call (a pointer's alignment is a property of the call, not of its signature); for dK/dV,
+  which streams the queries, Q and dO as well;
 - not while torch.compile traces the call: device-side descriptors need the global scratch buffer
   Triton's launcher allocates through ``triton.set_allocator``, which inductor's generated launches
   are not known to provide on torch 2.11, so compiled graphs keep the classic kernel.
@@ -46,9 +47,11 @@ def _rows(table):
 
 FORWARD_VARIANTS = _rows(tuning.FORWARD_HOPPER)
 QUERIES_BACKWARD_VARIANTS = _rows(tuning.QUERIES_BACKWARD_HOPPER)
+KEYS_BACKWARD_VARIANTS = _rows(tuning.KEYS_BACKWARD_HOPPER)
 # what the classic rows of the selector kernels pass (every row names each switch)
 FORWARD_CONSTANTS = {"HOPPER": False, "WARP_SPEC": False} if TENSOR_DESCRIPTORS else {}
 QUERIES_BACKWARD_CONSTANTS = {"HOPPER": False} if TENSOR_DESCRIPTORS else {}
+KEYS_BACKWARD_CONSTANTS = {"HOPPER": False} if TENSOR_DESCRIPTORS else {}
 
 
 @functools.lru_cache(maxsize=16)
@@ -65,12 +68,14 @@ def flavour_ready(dtype, block_d, block_dv, dropout, has_t5, mask_kind, mask_sha
 
 
 def tma_ready(t: torch.Tensor) -> bool:
-    """A (B, H, N, D) tensor a TMA descriptor can read: last stride 1, base and other strides 16-byte
-    multiples."""
+    """A (B, H, N, D) tensor a TMA descriptor can read: last stride 1, rows apart, base and other strides
+    16-byte multiples."""
     size = t.element_size()
     sb, sh, sn, sd = t.stride()
-    return sd == 1 and t.data_ptr() % 16 == 0 and (sb * size) % 16 == 0 and (sh * size) % 16 == 0 and \
-        (sn * size) % 16 == 0
+    # rows that do not overlap too (sn >= D): a broadcast dO (row stride 0, e.g. the gradient of a sum
+    # over the queries) is no tensor map a TMA copy may read
+    return sd == 1 and sn >= t.shape[3] and t.data_ptr() % 16 == 0 and (sb * size) % 16 == 0 and \
+        (sh * size) % 16 == 0 and (sn * size) % 16 == 0
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -123,3 +128,18 @@ def queries_backward_kernel(classic):
         return classic
     from .hopper_kernels import softmax_dq_select_kernel
     return softmax_dq_select_kernel
+
+
+def keys_backward_variants(q, k, v, grad_out, meta, flags) -> bool:
+    """Whether this dK/dV launch may also time the Hopper rows: the flavour, device and K / V conditions
+    of the forward (``forward_variants``: the variant loads K / V with plain pointers, but one answer
+    keeps the three kernels' flavours the same), and Q and dO readable by TMA (the tiles it streams)."""
+    return forward_variants(q, k, v, meta, flags) and tma_ready(q) and tma_ready(grad_out)
+
+
+def keys_backward_kernel(classic):
+    """The kernel the dK/dV launch's autotuner wraps: the selector where Triton can build the variant."""
+    if not TENSOR_DESCRIPTORS:
+        return classic
+    from .hopper_kernels import softmax_dkdv_select_kernel
+    return softmax_dkdv_select_kernel

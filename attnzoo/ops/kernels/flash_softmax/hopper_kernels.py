@@ -1,5 +1,6 @@
-"""Hopper (sm_90) variants of the softmax-family forward and dQ kernels: K and V tiles through TMA
-tensor descriptors, the forward's key loop optionally warp-specialised.
+"""Hopper (sm_90) variants of the softmax-family forward, dQ and dK/dV kernels: the streamed tiles (K and
+V in the forward and dQ, Q and dO in dK/dV) through TMA tensor descriptors, the forward's key loop
+optionally warp-specialised.
 
 Same mathematics, units and outputs as ``softmax_fwd_kernel`` (triton_kernels.py: base-2 logits, the
 L2 logits without the row constant, lse2 = +inf for rows with no key); what changes is how the key
@@ -20,8 +21,13 @@ kernel, and the Hopper rows are further autotune configurations (ops/triton_tuni
 for launches this variant supports (hopper.py decides). Flavours it does not compute (dropout, the T5
 bias) never get those configurations; the static asserts below catch a host that offers them anyway.
 ``softmax_dq_select_kernel`` does the same for the backward's dQ launch (HOPPER only): the same key
-loop as the forward with the same descriptors, so the same launches qualify. dK / dV, which streams
-queries against a resident key block, has no variant yet.
+loop as the forward with the same descriptors, so the same launches qualify.
+``softmax_dkdv_select_kernel`` does it for dK / dV (HOPPER only), whose program keeps one key block
+resident and streams the query blocks of the GROUP query heads sharing its key/value head: there Q
+and dO come through descriptors (one pair per query head), K / V are loaded once with plain
+pointers, and the lse / delta rows with plain loads (a row of one head starts at pid_bh * Nq floats,
+16-byte aligned only when Nq is a multiple of 4, so no descriptor can cover them in general). Its
+launches qualify when the forward's do and, besides, Q and dO are TMA-readable (hopper.py).
 
 Capability gates (an older Triton silently keeps the classic kernel): ``TENSOR_DESCRIPTORS`` needs
 ``tl.make_tensor_descriptor`` and ``triton.set_allocator`` (device-side descriptors live in a
@@ -47,8 +53,9 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import load_rows, load_tile, mm, mma, visible_keys
-    from .triton_kernels import LOG2E, scores, softmax_bwd_dq_kernel, softmax_fwd_kernel
+    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys, visible_queries
+    from .triton_kernels import (LOG2E, key_terms, scores, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
+                                 softmax_fwd_kernel)
 
     @triton.jit
     def hopper_logits(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn,
@@ -279,3 +286,144 @@ if TENSOR_DESCRIPTORS:
                                   H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
                                   CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+
+    # --- dK / dV: the backward's key-block kernel, Q / dO through descriptors ---------------------------
+
+    @triton.jit
+    def hopper_dkdv_stage(dk, dv, ds_colsum, k, v, key_bias, q_desc, do_desc, LSE, DELTA, offs_n, kj_at, lo, hi,
+                          Nq, Nk, qk_scale, MASK, smm, smn,
+                          BLOCK_M: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr,
+                          MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr, CAUSAL_MASK: tl.constexpr, QUERY_BOUND: tl.constexpr):
+        """dK, dV (and the column sums of dS) over the query blocks [lo, hi) on transposed (keys x
+        queries) tiles: triton_kernels.dkdv_stage without dropout or T5, Q / dO from the descriptors
+        (zero rows past Nq; lse = +inf there makes p = 0, so those rows add nothing)."""
+        for start_m in tl.range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = q_desc.load([start_m, 0])
+            do = do_desc.load([start_m, 0])
+            lse2 = load_rows(LSE, offs_m, Nq, float("inf"), QUERY_BOUND)
+            delta = load_rows(DELTA, offs_m, Nq, 0.0, QUERY_BOUND)
+            if QUERY_BOUND:
+                qi_at = tl.minimum(offs_m, Nq - 1)
+            else:
+                qi_at = offs_m
+            if L2:
+                s = mm(k, tl.trans(q), UPCAST, PRECISION) * (2.0 * qk_scale)
+            else:
+                s = mm(k, tl.trans(q), UPCAST, PRECISION) * qk_scale
+            if L2 or HAS_PREF:
+                s = s + key_bias[:, None]  # also -inf for keys past Nk
+            s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
+                            MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
+            p = tl.math.exp2(s - lse2[None, :])
+            dp = mm(v, tl.trans(do), UPCAST, PRECISION)
+            dv = mma(p.to(do.dtype), do, dv, UPCAST, PRECISION)
+            ds = p * (dp - delta[None, :])
+            dk = mma(ds.to(q.dtype), q, dk, UPCAST, PRECISION)
+            if L2 or HAS_PREF:
+                ds_colsum += tl.sum(ds, 1)
+        return dk, dv, ds_colsum
+
+    @triton.jit
+    def softmax_dkdv_hopper(
+            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, MASK, PREF,
+            sqb, sqh, sqm, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
+            smb, smh, smm, smn, spb, sph, spn,
+            H, Nq, Nk, D, DV, GROUP, scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """dK, dV of one key block of one key/value head (softmax_bwd_dkdv_kernel's program: it walks the
+        GROUP query heads sharing the head), Q and dO streamed through descriptors (the host checked: unit
+        last stride, 16-byte aligned base and row strides). K / V are loaded once with plain pointers."""
+        scale = tl.cast(scale, tl.float32)
+        qk_scale = scale * LOG2E
+        pid_n = tl.program_id(0)
+        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
+        H_kv = H // GROUP
+        b = pid_bkv // H_kv
+        h_kv = pid_bkv % H_kv
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kj_at = tl.minimum(offs_n, Nk - 1)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        # the resident key block through descriptors as well (zero past Nk and D): a TMA copy lands in
+        # shared memory, where the wgmma reads it, instead of two tiles held in registers all along
+        k = tl.make_tensor_descriptor(K + b * skb + h_kv * skh, shape=[Nk, D], strides=[skn, 1],
+                                      block_shape=[BLOCK_N, BLOCK_D]).load([start_n, 0])
+        v = tl.make_tensor_descriptor(V + b * svb + h_kv * svh, shape=[Nk, DV], strides=[svn, 1],
+                                      block_shape=[BLOCK_N, BLOCK_DV]).load([start_n, 0])
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        colsum = tl.zeros([BLOCK_N], tl.float32)  # sum of dS over every query of the group (L2's dK term)
+        first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        for g in range(0, GROUP):
+            h = h_kv * GROUP + g
+            pid_bh = b * H + h
+            # one descriptor pair per query head (device-side: a few instructions each)
+            q_desc = tl.make_tensor_descriptor(Q + b * sqb + h * sqh, shape=[Nq, D], strides=[sqm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(DO + b * sdob + h * sdoh, shape=[Nq, DV], strides=[sdom, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DV])
+            MASKh = MASK + b * smb + h * smh
+            LSEh = LSE + pid_bh * Nq
+            DELTAh = DELTA + pid_bh * Nq
+            key_bias = key_terms(k, offs_n, Nk, PREF + b * spb + h * sph, spn, qk_scale, L2, HAS_PREF, True)
+            ds_colsum = tl.zeros([BLOCK_N], tl.float32)
+            if CAUSAL:  # diagonal blocks: causal masking
+                dk, dv, ds_colsum = hopper_dkdv_stage(
+                    dk, dv, ds_colsum, k, v, key_bias, q_desc, do_desc, LSEh, DELTAh, offs_n, kj_at, first, mid,
+                    Nq, Nk, qk_scale, MASKh, smm, smn, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, UPCAST,
+                    PRECISION, True, False)
+            dk, dv, ds_colsum = hopper_dkdv_stage(  # whole query blocks that see every key of the block
+                dk, dv, ds_colsum, k, v, key_bias, q_desc, do_desc, LSEh, DELTAh, offs_n, kj_at, mid, full,
+                Nq, Nk, qk_scale, MASKh, smm, smn, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, UPCAST,
+                PRECISION, False, False)
+            dk, dv, ds_colsum = hopper_dkdv_stage(  # the partial last query block
+                dk, dv, ds_colsum, k, v, key_bias, q_desc, do_desc, LSEh, DELTAh, offs_n, kj_at, full, Nq,
+                Nq, Nk, qk_scale, MASKh, smm, smn, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, UPCAST,
+                PRECISION, CAUSAL, True)
+            if HAS_PREF:  # the preference is the query head's own: its gradient too
+                tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
+            colsum += ds_colsum
+        if L2:
+            dk = 2.0 * scale * (dk - k.to(tl.float32) * colsum[:, None])
+        else:
+            dk = scale * dk
+        DK += pid_bkv * Nk * D  # contiguous (B, H_kv, N, D)
+        DV_OUT += pid_bkv * Nk * DV
+        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
+        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+
+    @triton.jit
+    def softmax_dkdv_select_kernel(
+            Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, BIAS, LUT, SEED,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+            smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
+            HAS_T5: tl.constexpr,
+            CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, HOPPER: tl.constexpr):
+        """The dK/dV launch the autotuner runs: softmax_bwd_dkdv_kernel, or (HOPPER) the descriptor variant.
+        The argument list is softmax_bwd_dkdv_kernel's plus HOPPER (a test keeps them equal)."""
+        if HOPPER:
+            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dK/dV computes neither T5 nor dropout")
+            softmax_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, MASK, PREF,
+                                sqb, sqh, sqm, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
+                                smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
+                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
+                                CAUSAL, HEAD_MASK, UPCAST, PRECISION)
+        else:
+            softmax_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, BIAS, LUT, SEED,
+                                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
+                                    sdod, smb, smh, smm, smn, spb, sph, spn, slut, sbh,
+                                    H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                    BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
+                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS)

@@ -49,8 +49,10 @@ if HAVE_TRITON:
     # the Hopper variant, whose rows a launch offers the autotuner when hopper.forward_variants says so
     FORWARD = tuning.TunedKernel(hopper.forward_kernel(softmax_fwd_kernel), tuning.FORWARD, tuning.FORWARD_DROPOUT,
                                  TUNING_KEY, variants=hopper.FORWARD_VARIANTS, constants=hopper.FORWARD_CONSTANTS)
-    KEYS_BACKWARD = tuning.TunedKernel(softmax_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
-                                       TUNING_KEY)
+    KEYS_BACKWARD = tuning.TunedKernel(hopper.keys_backward_kernel(softmax_bwd_dkdv_kernel), tuning.KEYS_BACKWARD,
+                                       tuning.KEYS_BACKWARD_DROPOUT, TUNING_KEY,
+                                       variants=hopper.KEYS_BACKWARD_VARIANTS,
+                                       constants=hopper.KEYS_BACKWARD_CONSTANTS)
     QUERIES_BACKWARD = tuning.TunedKernel(hopper.queries_backward_kernel(softmax_bwd_dq_kernel),
                                           tuning.QUERIES_BACKWARD, tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY,
                                           variants=hopper.QUERIES_BACKWARD_VARIANTS,
@@ -192,7 +194,8 @@ if HAVE_TRITON:
                           (q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
                            partials, m, p, t, lut, seed_ptr, *common),
                           {**meta, **flags, "BUCKETS": buckets}, tune=not flags["HAS_T5"],
-                          shape_key=shape_key, **tiles)
+                          shape_key=shape_key, variants=hopper.keys_backward_variants(q, k, v, grad_out, meta, flags),
+                          **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                              (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
                              {**meta, **flags}, shape_key=shape_key,
