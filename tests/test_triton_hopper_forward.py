@@ -107,9 +107,19 @@ def _run_case(name, B, H, nq, nk, d, causal, l2, pref, masked, monkeypatch, row=
         return run(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
     monkeypatch.setattr(hopper, "device_ready", lambda device: True)
+    launched = {"forward": [], "dQ": []}  # the constexprs of each launch: the pinned row must be a Hopper one
+    for part, tuned in (("forward", fused.FORWARD), ("dQ", fused.QUERIES_BACKWARD)):
+        def spy(*args, _real=tuned.launch, _part=part, **kwargs):
+            kernel, tiles = _real(*args, **kwargs)
+            launched[_part].append(tiles)
+            return kernel, tiles
+        monkeypatch.setattr(tuned, "launch", spy)
     pinned = tuning.pinned_config(hopper_row_index(dtype, d) + row) if pin else contextlib.nullcontext()
     with pinned:
         got = _with_grads(tested, (q, k, v), grad_out)
+    if pin:
+        for part, tiles in launched.items():
+            assert [t["HOPPER"] for t in tiles] == [True], f"the {part} launch did not run its Hopper row"
     want = _with_grads(lambda q, k, v: formula(q, k, v, **kw), (q.double(), k.double(), v.double()),
                        grad_out.double())
     low = [x.to(dtype) for x in _with_grads(lambda q, k, v: formula(q, k, v, **kw, dtype=yardstick_dtype(dtype)),
