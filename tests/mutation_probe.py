@@ -85,6 +85,7 @@ def _cases():
         # half inputs: the attend / output kernels also write the unrounded output (issue 21)
         "sinkhorn-bf16": lambda: sinkhorn_attention(*half, scale=0.25, n_iters=2),
         "linear-causal-bf16": lambda: linear_attention_triton(*half, is_causal=True),
+        "t5-bf16": lambda: t5_bias_attention(*half, leaf(8, 2), 8, 20, True, attn_mask=bool_mask),  # + ORES
         # 2100 keys: the key reduction is split (and summed); a float key mask that needs its gradient
         "linear-noncausal": lambda: linear_attention_triton(q, leaf(1, 2, 2100, 16), leaf(1, 2, 2100, 16),
                                                             attn_mask=leaf(2100), is_causal=False),

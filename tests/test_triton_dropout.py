@@ -256,7 +256,7 @@ def test_dropout_p_zero_is_the_plain_path(kind):
     out = run_kernel(case, inp, 0.0)
     assert torch.equal(state, torch.get_rng_state())
     if kind == "softmax":
-        plain, _ = torch.ops.attnzoo.softmax_family_fwd(q, k, v, None, None, None, None, 0.25, True, False)
+        plain, _, _ = torch.ops.attnzoo.softmax_family_fwd(q, k, v, None, None, None, None, 0.25, True, False)
     else:
         plain, _ = torch.ops.attnzoo.pointwise_fwd(q, k, v, None, None, 0.0, 0, 0.25, True, True)
     assert torch.equal(out, plain)

@@ -31,7 +31,7 @@ DQ = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_dq_select_kernel
 DKDV = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_dkdv_select_kernel" if TENSOR_DESCRIPTORS
         else f"{S}.softmax_bwd_dkdv_kernel")
 OUTPUTS = {
-    FWD: {"O", "LSE"},
+    FWD: {"O", "LSE", "ORES"},  # ORES: out's rounding residual, T5 with half inputs (issue 21)
     DKDV: {"DK", "DV_OUT", "DPREF", "DTABLE"},
     DQ: {"DQ"},
     f"{S}.softmax_bwd_delta_kernel": {"DELTA"},

@@ -161,7 +161,7 @@ if TENSOR_DESCRIPTORS:
 
     @triton.jit
     def softmax_fwd_select_kernel(
-            Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
+            Q, K, V, O, LSE, ORES, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
@@ -180,7 +180,7 @@ if TENSOR_DESCRIPTORS:
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF,
                                CAUSAL, HEAD_MASK, UPCAST, PRECISION, WARP_SPEC)
         else:
-            softmax_fwd_kernel(Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
+            softmax_fwd_kernel(Q, K, V, O, LSE, ORES, MASK, PREF, BIAS, LUT, SEED,
                                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,

@@ -116,6 +116,11 @@ def _shape_key(meta, flags, sizes):
             flags["MASK_KIND"], flags["MASK_SHAPE"], flags["HAS_PREF"], flags["HAS_T5"])
 
 
+def _keeps_residual(q, table) -> bool:
+    """Whether the forward writes out's rounding residual: T5 (whose table gradient needs it) with half inputs."""
+    return table is not None and q.dtype in (torch.float16, torch.bfloat16)  # the kernel's own test
+
+
 DELTA_ROWS = 64  # rows of dO . O per program of the backward's first launch
 
 
@@ -123,38 +128,45 @@ if HAVE_TRITON:
     @kernel_op("attnzoo::softmax_family_fwd", mutates_args=())
     def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
                            table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
-                           l2: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                           l2: bool, dropout_p: float = 0.0,
+                           seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32 in base 2: log2 sum_j exp(l_ij), the
         kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2, see
-        triton_kernels.py); +inf for rows with no key. With dropout_p > 0, ``seed`` (1-element int64)
+        triton_kernels.py); +inf for rows with no key; residual: with a T5 table and half inputs the
+        rounding residual of out (the unrounded output minus out, in q's dtype, for the backward's
+        delta), else an empty placeholder. With dropout_p > 0, ``seed`` (1-element int64)
         picks the keep-mask; lse is the undropped one. k and v may hold fewer heads than q (grouped-query
         attention: query head h reads key/value head h // (H / H_kv)). One launch."""
         B, H, Nq, D = q.shape
         DV = v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+        # T5 with half inputs: the table gradient needs delta = dO . O from the unrounded output (its
+        # dS sums over a bucket cancel to delta's error); the other flavours keep FlashAttention's rounded O
+        residual = torch.empty(out.shape if _keeps_residual(q, table) else (0,), dtype=q.dtype, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
         dropout = dropout_flag(dropout_p, seed)
         meta = _flags(q, v, is_causal, l2, dropout)
         if tracing_only(q):
-            return out, lse
+            return out, lse, residual
         sizes = _sizes(q, k, v)
         FORWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
-                    (q, k, v, out, lse, m, p, t, lut, seed if dropout else lut,
+                    (q, k, v, out, lse, residual if residual.numel() else out, m, p, t, lut, seed if dropout else lut,
                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p),
                     {**meta, **flags}, dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
                     dropout=dropout, shape_key=_shape_key(meta, flags, sizes),
                     variants=hopper.forward_variants(q, k, v, meta, flags))
-        return out, lse
+        return out, lse, residual
 
     @kernel_op("attnzoo::softmax_family_bwd", mutates_args=())
     def softmax_family_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                           mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
+                           residual: Tensor, mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
                            lut: Optional[Tensor], scale: float, is_causal: bool, l2: bool,
                            dropout_p: float = 0.0,
                            seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty). Three launches:
-        delta = rowsum(dO * O), then dK/dV (one program per key block of a key/value head, walking the
+        delta = rowsum(dO * O) (O plus ``residual``, the forward's third output, where that is not
+        empty), then dK/dV (one program per key block of a key/value head, walking the
         query heads that share it), then dQ."""
         B, H, Nq, D = q.shape
         H_kv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -183,8 +195,8 @@ if HAVE_TRITON:
         # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
         rows = 16 if INTERPRETED else DELTA_ROWS
         launcher(softmax_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * H)](
-            out, grad_out, delta, *out.stride(), *grad_out.stride(), H, Nq, DV,
-            BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"])
+            out, residual if residual.numel() else out, grad_out, delta, *out.stride(), *grad_out.stride(), H, Nq,
+            DV, BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=residual.numel() > 0)
         seed_ptr = seed if dropout else lut
         sizes = _sizes(q, k, v)
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p)
@@ -206,13 +218,13 @@ if HAVE_TRITON:
 
     def _setup_context(ctx, inputs, output):
         q, k, v, mask, pref, table, lut, scale, is_causal, l2, dropout_p, seed = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, mask, pref, table, lut, seed)  # the seed regenerates Z
+        out, lse, residual = output
+        ctx.save_for_backward(q, k, v, out, lse, residual, mask, pref, table, lut, seed)  # the seed regenerates Z
         ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p = scale, is_causal, l2, dropout_p
 
-    def _backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, mask, pref, table, lut, seed = ctx.saved_tensors
-        dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, mask, pref, table, lut,
+    def _backward(ctx, grad_out, grad_lse, grad_residual):
+        q, k, v, out, lse, residual, mask, pref, table, lut, seed = ctx.saved_tensors
+        dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, residual, mask, pref, table, lut,
                                                        ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p, seed)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
         g_table = dtable.to(table.dtype) if table is not None else None  # (num_buckets, H) already
@@ -231,7 +243,7 @@ def _check_runnable(q, k, v, attn_mask, dropout_p=0.0):
 
 def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None, dropout_p=0.0):
     seed = call_seed(q, dropout_p)
-    out, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2),
+    out, _, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2),
                                 float(dropout_p), seed)
     return out
 

@@ -192,7 +192,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_fwd_kernel(
-            Q, K, V, O, LSE, MASK, PREF, BIAS, LUT, SEED,
+            Q, K, V, O, LSE, ORES, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
@@ -238,9 +238,16 @@ if HAVE_TRITON:
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
-        O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        out_at = b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod
+        inside = (offs_m[:, None] < Nq) & (offs_dv[None, :] < DV)
+        rounded = out.to(O.dtype.element_ty)
+        tl.store(O + out_at, rounded, mask=inside)
+        if HAS_T5 and (O.dtype.element_ty == tl.float16 or O.dtype.element_ty == tl.bfloat16):
+            # half inputs, T5: also the rounding residual out - rounded (in the dtype, like O's strides),
+            # from which the backward's delta = dO . out is exact to ~2^-16 of it. The table gradient sums
+            # dS over many pairs per bucket, and sum_j dS_ij = 0, so delta's rounding error came out in it
+            # (docs/kernels_softmax_family.md, "Half precision")
+            tl.store(ORES + out_at, (out - rounded.to(tl.float32)).to(O.dtype.element_ty), mask=inside)
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
@@ -465,17 +472,21 @@ if HAVE_TRITON:
                  mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
 
     @triton.jit
-    def softmax_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,
-                                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def softmax_bwd_delta_kernel(O, ORES, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,
+                                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, RESIDUAL: tl.constexpr):
         """DELTA (B, H, Nq) fp32 contiguous = sum_d dO * O per row: the backward's first launch (one
-        instead of the casts, product and row sum in eager ops)."""
+        instead of the casts, product and row sum in eager ops). RESIDUAL: O is the rounded output and
+        ORES (O's strides) its rounding residual, added back (the T5 forward of half inputs writes it)."""
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
         h = pid_bh % H
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_DV)
         inside = (offs_m[:, None] < Nq) & (offs_d[None, :] < DV)
-        o = tl.load(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, mask=inside, other=0.0)
+        o_at = b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod
+        o = tl.load(O + o_at, mask=inside, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            o += tl.load(ORES + o_at, mask=inside, other=0.0).to(tl.float32)
         do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :] * sdod, mask=inside,
                      other=0.0)
-        tl.store(DELTA + pid_bh * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)
+        tl.store(DELTA + pid_bh * Nq + offs_m, tl.sum(o * do.to(tl.float32), 1), mask=offs_m < Nq)
