@@ -238,16 +238,20 @@ if HAVE_TRITON:
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
-        out_at = b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod
-        inside = (offs_m[:, None] < Nq) & (offs_dv[None, :] < DV)
         rounded = out.to(O.dtype.element_ty)
-        tl.store(O + out_at, rounded, mask=inside)
         if HAS_T5 and (O.dtype.element_ty == tl.float16 or O.dtype.element_ty == tl.bfloat16):
-            # half inputs, T5: also the rounding residual out - rounded (in the dtype, like O's strides),
-            # from which the backward's delta = dO . out is exact to ~2^-16 of it. The table gradient sums
-            # dS over many pairs per bucket, and sum_j dS_ij = 0, so delta's rounding error came out in it
-            # (docs/kernels_softmax_family.md, "Half precision")
-            tl.store(ORES + out_at, (out - rounded.to(tl.float32)).to(O.dtype.element_ty), mask=inside)
+            # half inputs, T5: also the rounding residual out - rounded (in the dtype, O's strides), from
+            # which the backward's delta = dO . out is exact to ~2^-16 of it. The table gradient sums dS
+            # over many pairs per bucket, and sum_j dS_ij = 0, so delta's rounding error came out in it
+            # (docs/kernels_softmax_family.md, "Precision"). Stored first, so the fp32 tile is dead by
+            # the time the output's pointer tile is live (registers).
+            ORES += b * sob + h * soh
+            tl.store(ORES + offs_m[:, None] * som + offs_dv[None, :] * sod,
+                     (out - rounded.to(tl.float32)).to(O.dtype.element_ty),
+                     mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        O += b * sob + h * soh
+        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, rounded,
+                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
