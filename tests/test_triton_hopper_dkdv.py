@@ -145,16 +145,20 @@ def test_dkdv_variants_need_tma_readable_queries_and_output_gradient(monkeypatch
     q, k, v, do = (torch.randn(2, 2, 40, 64).to(DTYPE) for _ in range(4))
     meta = fused._flags(q, v, False, False, False)
     flags = dict(MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False)
-    assert not hopper.keys_backward_variants(q, k, v, do, meta, flags)  # a CPU tensor: no sm_90 device
+
+    def offered(q, do, meta=meta, flags=flags):  # as the backward asks: the dQ launch's answer, then Q and dO
+        return hopper.keys_backward_variants(q, do, hopper.forward_variants(q, k, v, meta, flags))
+
+    assert not offered(q, do)  # a CPU tensor: no sm_90 device
     monkeypatch.setattr(hopper, "device_ready", lambda device: True)
-    assert hopper.keys_backward_variants(q, k, v, do, meta, flags)
+    assert offered(q, do)
     strided = torch.randn(2, 2, 64, 40).to(DTYPE).transpose(-1, -2)  # last stride != 1
-    assert not hopper.keys_backward_variants(strided, k, v, do, meta, flags)
-    assert not hopper.keys_backward_variants(q, k, v, strided, meta, flags)
+    assert not offered(strided, do)
+    assert not offered(q, strided)
     rows_shared = torch.randn(2, 2, 1, 64).to(DTYPE).expand(2, 2, 40, 64)  # row stride 0 (e.g. a summed output)
-    assert not hopper.keys_backward_variants(q, k, v, rows_shared, meta, flags)
-    assert not hopper.keys_backward_variants(q, k, v, do, dict(meta, DROPOUT=True), flags)
-    assert not hopper.keys_backward_variants(q, k, v, do, meta, dict(flags, HAS_T5=True))
+    assert not offered(q, rows_shared)
+    assert not offered(q, do, meta=dict(meta, DROPOUT=True))
+    assert not offered(q, do, flags=dict(flags, HAS_T5=True))
 
 
 def test_classic_dkdv_kernel_when_triton_cannot_build_the_variant(monkeypatch):

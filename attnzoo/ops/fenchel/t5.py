@@ -49,14 +49,15 @@ def kernel_lut(nq: int, nk: int, num_buckets: int, max_distance: int, bidirectio
     offset index j - i + Nq - 1, row 1 the end of its run of equal buckets), made once per shape and
     device in eager mode (building it is some twenty small ops); made afresh while torch.compile traces,
     where a cached real tensor cannot enter the graph."""
-    if type(like) is not Tensor or torch.compiler.is_compiling():
-        return offset_lut(t5_offset_lut(nq, nk, num_buckets, max_distance, bidirectional, like.device))
-    return _cached_lut(nq, nk, num_buckets, max_distance, bidirectional, like.device)
+    build = _build_lut if type(like) is not Tensor or torch.compiler.is_compiling() else _cached_lut
+    return build(nq, nk, num_buckets, max_distance, bidirectional, like.device)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_lut(nq, nk, num_buckets, max_distance, bidirectional, device):
+def _build_lut(nq, nk, num_buckets, max_distance, bidirectional, device):
     return offset_lut(t5_offset_lut(nq, nk, num_buckets, max_distance, bidirectional, device))
+
+
+_cached_lut = functools.lru_cache(maxsize=64)(_build_lut)
 
 
 def check_t5_args(table, num_buckets, max_distance, q, bidirectional=True) -> None:

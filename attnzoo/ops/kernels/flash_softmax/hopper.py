@@ -130,11 +130,12 @@ def queries_backward_kernel(classic):
     return softmax_dq_select_kernel
 
 
-def keys_backward_variants(q, k, v, grad_out, meta, flags) -> bool:
-    """Whether this dK/dV launch may also time the Hopper rows: the flavour, device and K / V conditions
-    of the forward (``forward_variants``: the variant loads K / V with plain pointers, but one answer
-    keeps the three kernels' flavours the same), and Q and dO readable by TMA (the tiles it streams)."""
-    return forward_variants(q, k, v, meta, flags) and tma_ready(q) and tma_ready(grad_out)
+def keys_backward_variants(q, grad_out, queries_backward_variants: bool) -> bool:
+    """Whether this dK/dV launch may also time the Hopper rows: the dQ launch's answer
+    (``forward_variants``, computed once per backward: the flavour, device and K / V conditions; the
+    variant loads K / V with plain pointers, but one answer keeps the three kernels' flavours the same),
+    and Q and dO readable by TMA (the tiles it streams)."""
+    return queries_backward_variants and tma_ready(q) and tma_ready(grad_out)
 
 
 def keys_backward_kernel(classic):

@@ -202,16 +202,17 @@ if HAVE_TRITON:
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p)
         shape_key = _shape_key(meta, flags, sizes)
         tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], dropout=dropout)
+        dq_variants = hopper.forward_variants(q, k, v, meta, flags)  # one answer for both launches below
         KEYS_BACKWARD.run(lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), B * H_kv),
                           (q, k, v, grad_out, lse, delta, dk, dv, dpref if flags["HAS_PREF"] else p,
                            partials, m, p, t, lut, seed_ptr, *common),
                           {**meta, **flags, "BUCKETS": buckets}, tune=not flags["HAS_T5"],
-                          shape_key=shape_key, variants=hopper.keys_backward_variants(q, k, v, grad_out, meta, flags),
+                          shape_key=shape_key, variants=hopper.keys_backward_variants(q, grad_out, dq_variants),
                           **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                              (q, k, v, grad_out, lse, delta, dq, m, p, t, lut, seed_ptr, *common),
                              {**meta, **flags}, shape_key=shape_key,
-                             variants=hopper.forward_variants(q, k, v, meta, flags), **tiles)
+                             variants=dq_variants, **tiles)
         dtable = (partials.sum((0, 1))[:table.shape[0]] if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
         return dq, dk, dv, dpref, dtable
