@@ -116,7 +116,10 @@ def test_throughput_profiles_extra_steps_on_request():
     p = r["profile"]
     assert p["steps"] == 2 and p["ms_per_step"] > 0
     assert p["launches_per_step"] == 0 and p["host_waits_per_step"] == 0  # no CUDA on this device
-    assert "aten::addmm" in p["host_table"] or "aten::linear" in p["host_table"]  # the model's matmuls ran
+    # The model's matmuls ran. The table keeps the 15 busiest ops by self time and, at this tiny width,
+    # the two matmul ops sit near its bottom (ranks 9 to 13 in runs here), so either one counts.
+    assert any(op in p["host_table"] for op in ("aten::mm", "aten::addmm", "aten::linear")), p["host_table"]
+    assert p["host_table"].count("aten::") >= 10  # a full table of operators, not an empty profile
     assert "device_table" not in p
     json.dumps(r)
     assert "profile" not in images_per_second("configs/vit_fashion_mnist.yaml", device="cpu", steps=1, warmup=0,
