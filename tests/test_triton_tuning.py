@@ -73,6 +73,11 @@ def test_gpu_launches_autotune_unless_told_not_to(monkeypatch):
     assert [c.kwargs for c in tuner.configs] == [c.kwargs for c in kernel.configs_for(torch.bfloat16, 64, 64)]
     assert kernel.launch(torch.bfloat16, 32, 64, False)[0] is tuner  # same class, same tuner (its cache)
     assert kernel.launch(torch.bfloat16, 64, 64, True)[0] is not tuner  # dropout: its own list
+    # the Hopper rows offered: their own tuner over the class's list followed by the variant rows
+    with_variants = kernel.launch(torch.bfloat16, 64, 64, False, variants=True)[0]
+    assert with_variants is not tuner and kernel.variants[(False, False, 64)]
+    assert [c.kwargs for c in with_variants.configs] == [c.kwargs for c in kernel.configs_for(torch.bfloat16, 64, 64, variants=True)]
+    assert kernel.launch(torch.bfloat16, 64, 64, False)[0] is tuner
     default = kernel.configs_for(torch.float32, 128, 128)[0]
     fn, tiles = kernel.launch(torch.float32, 128, 128, False, tune=False)
     assert fn is kernel.fn

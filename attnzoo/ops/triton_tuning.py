@@ -129,7 +129,8 @@ class TunedKernel:
         if _pinned or not tune or not autotune_enabled() or len(candidates) == 1:
             chosen = candidates[_pinned[-1] % len(candidates)] if _pinned else candidates[0]
             return self.fn, {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
-        cls = (bool(dropout),) + tile_class(dtype, block_d, block_dv) + (len(candidates),)
+        # the list is fixed by (dropout, tile class, variants offered): one Autotuner per list
+        cls = (bool(dropout),) + tile_class(dtype, block_d, block_dv) + (bool(variants),)
         if cls not in self._tuners:
             self._tuners[cls] = triton.autotune(configs=candidates, key=self.key, do_bench=quick_bench)(self.fn)
         return self._tuners[cls], {}
