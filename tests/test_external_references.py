@@ -188,6 +188,42 @@ def test_sinkformers_additive_bias_maps_to_mask_over_eps(backend):
     assert_same(got, grads, tol, want, want_grads)
 
 
+def test_sinkformers_nlp_multihead_is_attnzoo_multihead():
+    """Their NLP model's MultiHeadAttention (WQ, WK, WV, linear with biases; heads; the padded keys of a
+    (B, L, L) mask; Sinkhorn with eps = 1 and n_it half-steps) on self-attention is
+    attnzoo.MultiheadAttention(kind="sinkhorn", cost="dot", n_iters=(n_it - 1) / 2) with in_proj = their
+    three projections, out_proj = their output linear and key_padding_mask = their pad mask: outputs
+    and per-head weights (theirs: the plan times Nk; Nq = Nk here, so rows sum to 1 in both)."""
+    g = seeded(15)
+    d_model, heads, n, n_it = 8, 2, 5, 5
+    WQ, WK, WV, WO = (nn.Linear(d_model, d_model, dtype=torch.float64) for _ in range(4))
+    with torch.no_grad():
+        for lin in (WQ, WK, WV, WO):
+            lin.weight.copy_(torch.randn(d_model, d_model, generator=g, dtype=torch.float64) * 0.4)
+            lin.bias.copy_(torch.randn(d_model, generator=g, dtype=torch.float64) * 0.4)
+    x = torch.randn(2, n, d_model, generator=g, dtype=torch.float64)
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[1, -2:] = True
+
+    def split(t):
+        return t.view(2, n, heads, -1).transpose(1, 2)
+    q, k, v = split(WQ(x)), split(WK(x)), split(WV(x))
+    dots = (q @ k.transpose(-1, -2) / math.sqrt(d_model // heads)).masked_fill(pad[:, None, None, :], -1e9)
+    plan = sinkformers_plan(dots.reshape(2 * heads, n, n), n_it, 1.0, reset_large_potentials=True).view(2, heads, n, n)
+    want = WO((plan @ v).transpose(1, 2).reshape(2, n, d_model))
+
+    ours = attnzoo.MultiheadAttention(d_model, heads, batch_first=True, kind="sinkhorn", cost="dot",
+                                      n_iters=(n_it - 1) // 2, dtype=torch.float64)
+    with torch.no_grad():
+        ours.in_proj_weight.copy_(torch.cat([WQ.weight, WK.weight, WV.weight]))
+        ours.in_proj_bias.copy_(torch.cat([WQ.bias, WK.bias, WV.bias]))
+        ours.out_proj.weight.copy_(WO.weight)
+        ours.out_proj.bias.copy_(WO.bias)
+    out, weights = ours(x, x, x, key_padding_mask=pad, average_attn_weights=False)
+    torch.testing.assert_close(out, want, **F64)
+    torch.testing.assert_close(weights, plan, **F64)
+
+
 # --- fast-transformers ---------------------------------------------------------------------------------
 #
 # Layout (N, L, H, E). LinearAttention: Q = elu(q) + 1, K = (elu(k) + 1) * key_mask, out_i = Q_i . (sum_j
