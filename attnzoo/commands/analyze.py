@@ -12,7 +12,11 @@ HELP = "check the papers with the library: Lipschitz, Wasserstein, dynamics, Fen
 
 
 def _csv(cast):
-    return lambda s: [cast(x) for x in s.split(",") if x]
+    def parse(s):
+        return [cast(x) for x in s.split(",") if x]
+    # argparse names the type in its error: "invalid comma-separated int list value: 'abc'"
+    parse.__name__ = f"comma-separated {cast.__name__} list"
+    return parse
 
 
 def add_arguments(parser) -> None:
