@@ -155,9 +155,11 @@ def create(spec: str, dim: int, num_heads: int = 8, **kwargs) -> nn.Module:
 
 
 def layer(spec: str) -> type:
-    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer)."""
+    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer; a
+    wrapper whose layer has another interface binds its ``timm_class``)."""
     name, spec_kwargs = parse_spec(spec)
-    cls = _REGISTRY[name]
+    wrapper = _WRAPPERS.get(name)
+    cls = wrapper.timm_class if wrapper is not None and wrapper.timm_class is not None else _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
         raise ValueError(f"{name} does not take {bad}")
