@@ -92,7 +92,7 @@ def available() -> list[str]:
 
 def _unknown(name: str) -> ValueError:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = f"; did you mean {close[0]!r}?" if close else "."
     return ValueError(f"unknown attention variant {name!r}{hint} Known: {', '.join(_REGISTRY)}")
 
 
@@ -150,8 +150,24 @@ def create(spec: str, dim: int, num_heads: int = 8, **kwargs) -> nn.Module:
     cls = _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, merged)
     if bad:
-        raise ValueError(f"{name} does not take {bad}")
+        raise _unknown_kwargs(name, cls, merged, bad)
     return cls(dim, num_heads, **merged)
+
+
+def _unknown_kwargs(name: str, cls: type, kwargs: dict, bad: list[str]) -> ValueError:
+    """"sinkhorn does not take ['n_iterz'] (did you mean 'n_iters'?); its options are [...]": a layer's
+    own options (the kind's, for a wrapper), the closest one suggested among every accepted name."""
+    known = _init_params(cls) or set()
+    options = known
+    if issubclass(cls, AttentionLayer):
+        kind = split_kind(kwargs.get("kind"), {})[0] or _default_kind(cls)
+        options = set(catalog.get(kind).hook.options()) if catalog.is_declared(kind) else set()
+        options |= {"kind"} if name in _WRAPPERS else set()
+        known = known | options
+    close = difflib.get_close_matches(bad[0], sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"{name} does not take {bad}{hint}; its options are {sorted(options)} (besides timm's "
+                      "constructor arguments)")
 
 
 def layer(spec: str) -> type:
@@ -162,7 +178,7 @@ def layer(spec: str) -> type:
     cls = wrapper.timm_class if wrapper is not None and wrapper.timm_class is not None else _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
-        raise ValueError(f"{name} does not take {bad}")
+        raise _unknown_kwargs(name, cls, spec_kwargs, bad)
 
     def __init__(self, *args, **kw):
         cls.__init__(self, *args, **{**spec_kwargs, **kw})
