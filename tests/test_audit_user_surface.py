@@ -45,6 +45,24 @@ def test_malformed_yaml_is_one_error_line(tmp_path, capsys, argv, named):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("config,words", [("bad.yaml", ["not valid YAML"]), ("bad.json", ["cannot be read"]),
+                                           ("list.json", ["cannot be read"]), ("empty.yaml", ["no model section"])])
+def test_analyze_fenchel_unreadable_config_is_one_error_line(tmp_path, capsys, config, words):
+    # it was a yaml / json traceback, after the output folder was made
+    (tmp_path / "bad.yaml").write_text(BAD_YAML)
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "run.safetensors").write_bytes(b"")
+    out = tmp_path / "out"
+    argv = ["analyze", "fenchel", "--checkpoint", str(tmp_path / "run.safetensors"), "--config",
+            str(tmp_path / config), "--out", str(out)]
+    assert main(argv) == 2
+    err = _one_error_line(capsys, "analyze")
+    assert f"--config '{tmp_path / config}'" in err and all(w in err for w in words), err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("option,value", [("--tokens", "abc"), ("--radii", "1,x")])
 def test_analyze_list_option_error_says_what_it_expected(capsys, option, value):
     # argparse names the type function: it was "invalid <lambda> value: 'abc'"
