@@ -25,6 +25,7 @@ from .layers.multihead import MULTIHEAD
 from .layers.spec import split_kind, split_spec
 from .layers.wrapper import Wrapper
 from .ops import variant as catalog
+from .ops.validate import close_match
 
 _REGISTRY: dict[str, type] = {}   # name -> layer class
 _INFO: dict[str, dict] = {}       # name -> what describe() returns
@@ -257,7 +258,8 @@ def resolve(spec: str, **overrides) -> Resolved:
     if wrapper is not None:
         kind, kwargs = split_kind(kwargs.pop("kind", "softmax"), kwargs)  # kind="sinkhorn(n_iters=5)" too
         if not isinstance(kind, str) or not catalog.is_declared(kind):
-            raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}")
+            raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}"
+                             f"{close_match(kind, catalog.names())}")
     elif catalog.is_declared(name):
         kind = name
     else:

@@ -95,9 +95,12 @@ def test_bench_batch_tokens_zero_is_refused(tmp_path, capsys):
     (lambda: attnzoo.layer("sigmoid(learnable_bais=True)"), ["did you mean 'learnable_bias'", "'bias'"]),
     (lambda: attnzoo.create("masked(kind='sinkhorn', n_iterz=2)", 16, 2), ["did you mean 'n_iters'"]),
     (lambda: attnzoo.create("zzzz", 16, 2), ["unknown attention variant 'zzzz'. Known: softmax"]),
+    (lambda: attnzoo.MaskedAttention(16, 2, kind="sinkorn"), ["did you mean 'sinkhorn'"]),
+    (lambda: attnzoo.create("masked(kind='sinkorn')", 16, 2), ["did you mean 'sinkhorn'"]),
     (lambda: attnzoo.functional.softmax(*torch.randn(3, 1, 1, 2, 4), backend="tritn"), ["did you mean 'triton'"]),
     (lambda: attnzoo.use_backend("refernce").__enter__(), ["did you mean 'reference'"]),
-], ids=["create option", "layer option", "masked kind option", "unknown name", "backend", "use_backend"])
+], ids=["create option", "layer option", "masked kind option", "unknown name", "masked kind", "masked spec kind",
+        "backend", "use_backend"])
 def test_misspelt_names_get_a_suggestion(call, words):
     with pytest.raises(ValueError) as e:
         call()
