@@ -25,6 +25,7 @@ from .layers.multihead import MULTIHEAD
 from .layers.spec import split_kind, split_spec
 from .layers.wrapper import Wrapper
 from .ops import variant as catalog
+from .ops.validate import close_match
 
 _REGISTRY: dict[str, type] = {}   # name -> layer class
 _INFO: dict[str, dict] = {}       # name -> what describe() returns
@@ -92,7 +93,7 @@ def available() -> list[str]:
 
 def _unknown(name: str) -> ValueError:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = f"; did you mean {close[0]!r}?" if close else "."
     return ValueError(f"unknown attention variant {name!r}{hint} Known: {', '.join(_REGISTRY)}")
 
 
@@ -150,17 +151,35 @@ def create(spec: str, dim: int, num_heads: int = 8, **kwargs) -> nn.Module:
     cls = _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, merged)
     if bad:
-        raise ValueError(f"{name} does not take {bad}")
+        raise _unknown_kwargs(name, cls, merged, bad)
     return cls(dim, num_heads, **merged)
 
 
+def _unknown_kwargs(name: str, cls: type, kwargs: dict, bad: list[str]) -> ValueError:
+    """"sinkhorn does not take ['n_iterz'] (did you mean 'n_iters'?); its options are [...]": a layer's
+    own options (the kind's, for a wrapper), the closest one suggested among every accepted name."""
+    known = _init_params(cls) or set()
+    options = known
+    if issubclass(cls, AttentionLayer):
+        kind = split_kind(kwargs.get("kind"), {})[0] or _default_kind(cls)
+        options = set(catalog.get(kind).hook.options()) if catalog.is_declared(kind) else set()
+        options |= {"kind"} if name in _WRAPPERS else set()
+        known = known | options
+    close = difflib.get_close_matches(bad[0], sorted(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"{name} does not take {bad}{hint}; its options are {sorted(options)} (besides timm's "
+                      "constructor arguments)")
+
+
 def layer(spec: str) -> type:
-    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer)."""
+    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer; a
+    wrapper whose layer has another interface binds its ``timm_class``)."""
     name, spec_kwargs = parse_spec(spec)
-    cls = _REGISTRY[name]
+    wrapper = _WRAPPERS.get(name)
+    cls = wrapper.timm_class if wrapper is not None and wrapper.timm_class is not None else _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
-        raise ValueError(f"{name} does not take {bad}")
+        raise _unknown_kwargs(name, cls, spec_kwargs, bad)
 
     def __init__(self, *args, **kw):
         cls.__init__(self, *args, **{**spec_kwargs, **kw})
@@ -239,7 +258,8 @@ def resolve(spec: str, **overrides) -> Resolved:
     if wrapper is not None:
         kind, kwargs = split_kind(kwargs.pop("kind", "softmax"), kwargs)  # kind="sinkhorn(n_iters=5)" too
         if not isinstance(kind, str) or not catalog.is_declared(kind):
-            raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}")
+            raise ValueError(f"{spec!r}: kind must be one of {catalog.names()}, got {kind!r}"
+                             f"{close_match(kind, catalog.names())}")
     elif catalog.is_declared(name):
         kind = name
     else:

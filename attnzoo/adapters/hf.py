@@ -141,7 +141,12 @@ def _function_for(target: Target):
         H, D = query.shape[1], query.shape[-1]
         slot = (H, D, query.device, query.dtype)
         if slot not in cache:
-            cache[slot] = kernel_layer(target, H * D, H, D, device=query.device, dtype=query.dtype)
+            # built at the model's first forward: the layer's projections are initialised and dropped,
+            # which must not move the caller's random streams (generate's sampling would then depend
+            # on whether this was the first call)
+            cuda = [query.device] if query.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                cache[slot] = kernel_layer(target, H * D, H, D, device=query.device, dtype=query.dtype)
         kernel = cache[slot]
         kernel.train(module.training)
         return _run(kernel, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)

@@ -12,7 +12,11 @@ HELP = "check the papers with the library: Lipschitz, Wasserstein, dynamics, Fen
 
 
 def _csv(cast):
-    return lambda s: [cast(x) for x in s.split(",") if x]
+    def parse(s):
+        return [cast(x) for x in s.split(",") if x]
+    # argparse names the type in its error: "invalid comma-separated int list value: 'abc'"
+    parse.__name__ = f"comma-separated {cast.__name__} list"
+    return parse
 
 
 def add_arguments(parser) -> None:
@@ -89,6 +93,8 @@ def check_arguments(args) -> None:
         for option, value in (("--checkpoint", args.checkpoint), ("--config", args.config)):
             if value and not Path(value).exists():
                 raise UsageError(f"{option} {value!r} does not exist")
+        if args.checkpoint:
+            args.model_config = _model_config(args.config)
     if args.tool in ("fenchel", "topolip") and not (args.tool == "fenchel" and args.checkpoint):
         from ..train.datasets import FASHION_MNIST_INSTALL, fashion_mnist_present
         if not fashion_mnist_present():
@@ -253,15 +259,28 @@ def _train(model, seconds, seed):
     return model, {"steps": step, "seconds": seconds, "test_acc_1000": acc}
 
 
-def _load_checkpoint(args):
-    import yaml
+def _model_config(path: str) -> dict:
+    """The ``model:`` section of a YAML config, or of a run's metrics.json (which records the resolved
+    config, overrides included); UsageError naming --config when the file cannot be read as one."""
+    from ..train.config import read_yaml
+    try:
+        if path.endswith(".json"):
+            cfg = json.loads(Path(path).read_text()).get("config")
+        else:
+            cfg = read_yaml(path)
+    except (ValueError, AttributeError) as e:  # JSONDecodeError is a ValueError; AttributeError: not an object
+        raise UsageError(f"--config {path!r} cannot be read: {' '.join(str(e).split())}") from None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    if not isinstance(model, dict) or "name" not in model:
+        raise UsageError(f"--config {path!r} has no model section with a name (a training config, or a run's "
+                         "metrics.json)")
+    return model
 
+
+def _load_checkpoint(args):
     from ..models.factory import build_model
     from ..train.checkpoint import load_checkpoint
-    text = Path(args.config).read_text()
-    # a YAML config, or a run's metrics.json (which records the resolved config, overrides included)
-    cfg = json.loads(text)["config"] if args.config.endswith(".json") else yaml.safe_load(text)
-    m = dict(cfg["model"])
+    m = dict(args.model_config)
     model = build_model(m.pop("name"), img_size=28, in_chans=1, num_classes=10, **m)
     weights, _ = load_checkpoint(args.checkpoint)
     model.load_state_dict(weights)

@@ -148,7 +148,7 @@ def _config(args):
     return BenchConfig(
         variants=args.variants or all_variants(), backends=args.backends,
         seq_lens=args.seq_lens or defaults["seq_lens"], dtypes=args.dtypes or defaults["dtypes"], modes=args.modes,
-        batch_tokens=args.batch_tokens or defaults["batch_tokens"],
+        batch_tokens=args.batch_tokens if args.batch_tokens is not None else defaults["batch_tokens"],
         head_dim=args.head_dim, heads=heads, causal=args.causal, device=device, warmup=args.warmup,
         min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
         max_call_seconds=args.max_call_seconds or defaults["max_call_seconds"], max_memory_gb=args.max_memory_gb,
@@ -275,6 +275,8 @@ def _check_mode(args) -> None:
 
 def check_arguments(args):
     """Every argument checked before any work (UsageError); returns the loaded --compare results."""
+    import torch
+
     from ..bench import load
     if args.compare is not None and len(args.compare) > 2:
         raise UsageError("--compare takes OLD.json, or OLD.json NEW.json")
@@ -299,6 +301,11 @@ def check_arguments(args):
             raise UsageError(f"{option}: unknown backend(s) {unknown}; known: {', '.join(sorted(known))}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError as e:  # torch's message names neither the option nor the value's origin
+            raise UsageError(f"--device {args.device!r} is not a device: {' '.join(str(e).split())}") from None
     make = _model_config if args.models is not None else _overhead_config if args.overhead else _config
     try:
         config = make(args)

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import variant as catalog
+from ..ops.validate import close_match
 from . import tracing
 
 # keyword arguments timm's Block / create_model may pass to an attention layer; accepted silently
@@ -82,7 +83,7 @@ class AttentionLayer(nn.Module):
             raise ValueError(f"{type(self).__name__} runs {own!r}; kind={kind!r} is for wrappers such as "
                              f"MaskedAttention (or build the {kind!r} layer: attnzoo.create({kind!r}, ...))")
         if not catalog.is_declared(kind):
-            raise ValueError(f"kind must be one of {catalog.names()}, got {kind!r}")
+            raise ValueError(f"kind must be one of {catalog.names()}, got {kind!r}{close_match(kind, catalog.names())}")
         return kind
 
     # -- what a host with its own projections reads ----------------------------------------------

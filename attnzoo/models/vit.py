@@ -9,19 +9,11 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .. import registry
-from ..layers import MultiheadAttention
-from .mha_adapter import MultiheadAsTimmAttention
 
 
 def timm_attention_class(spec: str) -> type:
-    """The class to hand timm's ``Block(attn_layer=...)`` for an attnzoo spec string."""
-    name, kwargs = registry.parse_spec(spec)
-    if registry.layer_classes()[name] is MultiheadAttention:
-        class Bound(MultiheadAsTimmAttention):
-            def __init__(self, *args, **kw):
-                super().__init__(*args, **{**kwargs, **kw})
-        Bound.__name__ = f"MultiheadAsTimmAttention_{name}"
-        return Bound
+    """The class to hand timm's ``Block(attn_layer=...)`` for an attnzoo spec string ("multihead": its
+    adapter to timm's interface, layers.multihead.MultiheadAsTimmAttention)."""
     return registry.layer(spec)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import measured
+from .validate import close_match
 
 AUTO = "auto"
 
@@ -156,7 +157,7 @@ def use_backend(name: str):
     Process-wide: another thread calling attnzoo inside the block sees it too."""
     known = _known_backend_names()
     if not isinstance(name, str) or name not in known:
-        raise ValueError(f"use_backend: name must be one of {sorted(known)}, got {name!r}")
+        raise ValueError(f"use_backend: name must be one of {sorted(known)}, got {name!r}{close_match(name, known)}")
     previous = _Default.name
     _Default.name = name
     try:
@@ -180,7 +181,8 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
     requested = backend or _Default.name
     if requested != AUTO:
         if requested not in table:
-            raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}")
+            raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}"
+                             f"{close_match(requested, [AUTO, *table])}")
         chosen = table[requested]
         why = chosen.supports(q, k, v, **kwargs)
         if why is not None:

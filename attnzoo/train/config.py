@@ -266,14 +266,27 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {key}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _parse_yaml(raw, f"--set {item}") if raw.strip() else ""
     return data
+
+
+def _parse_yaml(text, where: str):
+    """yaml.safe_load, with a YAML syntax error as a ValueError naming ``where`` (the commands print
+    it as one ``error:`` line; yaml's own message is a multi-line traceback)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def read_yaml(path: Union[str, Path]):
+    """A YAML file's contents ({} when empty); a syntax error is a ValueError naming the file."""
+    with open(path) as f:
+        return _parse_yaml(f, str(path)) or {}
 
 
 def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} not found (see configs/*.yaml)")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    return from_dict(apply_overrides(data, overrides))
+    return from_dict(apply_overrides(read_yaml(path), overrides))

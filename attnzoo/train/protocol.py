@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import yaml
-
-from .config import TrainConfig, load_config
+from .config import TrainConfig, load_config, read_yaml
 
 PLAN_KEYS = {"title", "out_dir", "seeds", "set", "level", "runs"}
 RUN_KEYS = {"config", "set", "paper"}
@@ -84,8 +82,7 @@ def _find(path: str, base: Path) -> Path:
 
 def is_plan(path) -> bool:
     """True for a plan YAML (a mapping with ``runs``), False for a training config."""
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = read_yaml(path)
     return isinstance(data, dict) and "runs" in data
 
 
@@ -93,8 +90,7 @@ def load_plan(path) -> Plan:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"plan file {str(path)!r} not found (see configs/compare/*.yaml)")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = read_yaml(path)
     unknown = sorted(set(data) - PLAN_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown plan key(s) {unknown}; known: {sorted(PLAN_KEYS)}")

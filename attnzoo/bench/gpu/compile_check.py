@@ -22,8 +22,7 @@ def _step(model, x, name):
 
 def check(name, device, dim=128, heads=2, n=64) -> dict:
     torch.manual_seed(0)
-    cls = registry.layer(name)
-    layer = cls(dim, num_heads=heads) if name != "multihead" else cls(dim, heads, batch_first=True)
+    layer = registry.create(name, dim, heads, **({"batch_first": True} if name == "multihead" else {}))
     layer = layer.to(device)
     x = torch.randn(2, n, dim, device=device)
     want, want_g = _step(layer, x, name)
