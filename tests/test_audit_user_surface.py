@@ -80,11 +80,12 @@ def test_bench_bad_device_names_the_option(tmp_path, capsys):
     assert "--device 'tpu'" in err, err
 
 
-def test_bench_batch_tokens_zero_is_refused(tmp_path, capsys):
-    # 0 was read as "not given" and the whole default benchmark ran
-    assert main(["bench", "--batch-tokens", "0", "--out", str(tmp_path / "out")]) == 2
+@pytest.mark.parametrize("option,field", [("--batch-tokens", "batch_tokens"), ("--max-call-seconds", "max_call_seconds")])
+def test_bench_zero_is_refused_not_read_as_the_default(option, field, tmp_path, capsys):
+    # 0 was read as "not given" and the default benchmark ran with the default value
+    assert main(["bench", option, "0", "--out", str(tmp_path / "out")]) == 2
     err = _one_error_line(capsys, "bench")
-    assert "batch_tokens" in err and "got 0" in err, err
+    assert field in err and "got 0" in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -103,6 +103,8 @@ class BenchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.max_call_seconds == 0:  # would skip every row before timing it
+            raise ValueError("max_call_seconds must be > 0 (a row slower than this per call is skipped), got 0")
         for name in ("call_timeout_seconds", "budget_seconds"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):

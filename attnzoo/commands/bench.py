@@ -151,7 +151,8 @@ def _config(args):
         batch_tokens=args.batch_tokens if args.batch_tokens is not None else defaults["batch_tokens"],
         head_dim=args.head_dim, heads=heads, causal=args.causal, device=device, warmup=args.warmup,
         min_repeats=args.min_repeats, max_repeats=args.max_repeats, target_seconds=args.target_seconds,
-        max_call_seconds=args.max_call_seconds or defaults["max_call_seconds"], max_memory_gb=args.max_memory_gb,
+        max_call_seconds=(args.max_call_seconds if args.max_call_seconds is not None
+                          else defaults["max_call_seconds"]), max_memory_gb=args.max_memory_gb,
         once_above_seconds=args.once_above_seconds, budget_seconds=args.budget_seconds,
         slow_call_seconds=args.slow_call_seconds, skip_backends=[n for names in args.skip_backends for n in names],
         call_timeout_seconds=(args.call_timeout_seconds if args.call_timeout_seconds is not None
