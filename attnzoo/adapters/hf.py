@@ -1,7 +1,8 @@
 """Hugging Face transformers (5.x): attnzoo variants as attention implementations.
 
-Two ways in, both through transformers' ``AttentionInterface`` (every HF attention module calls
-``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(self, q, k, v, mask, ...)``):
+Two ways in, both through transformers' ``AttentionInterface`` (the HF attention modules attnzoo
+recognises call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(self, q, k, v,
+mask, ...)``; a model whose attention does not, such as Falcon, is reported unsupported):
 
 * ``register_hf_attention()`` registers ``"attnzoo_<variant>"`` for every variant, each with its mask
   function in ``AttentionMaskInterface`` (transformers builds the mask per implementation; without one

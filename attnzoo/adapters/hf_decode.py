@@ -100,11 +100,13 @@ def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tok
     that reads them) of every position in the cache, the earlier ones from decode_state."""
     new, nk = query.shape[-2], key.shape[-2]
     couples = kernel.couples_queries
-    per_key = mask is None or mask.shape[-2] == 1  # the mask is causality plus padding (causal_and_rest)
+    # the mask is causality plus padding (causal_and_rest): one row, and no logit bias in it (a one-row
+    # T5 position bias is the bias of the new query only, not of the earlier ones)
+    per_key = mask is None or (mask.shape[-2] == 1 and _padding_only(mask))
     if couples and not per_key and nk > new:
         raise ValueError(f"{_what(kernel, module)}: a cached step of a variant that couples queries needs "
-                         "the mask to be causality plus padding, and this one is not (a sliding window, or "
-                         f"a static cache's unused slots); {decode_state.ADVICE}")
+                         "the mask to be causality plus padding, and this one is not (a sliding window, "
+                         f"a position bias such as T5's, or a static cache's unused slots); {decode_state.ADVICE}")
     keep = None
     if couples and mask is not None and per_key:
         keep = mask if mask.dtype == torch.bool else mask > -math.inf
@@ -115,6 +117,11 @@ def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tok
                                           tokens=tokens if kernel.needs_key_tokens else None,
                                           keep=keep, remember=remember)
     return (queries if couples else query), tokens
+
+
+def _padding_only(mask: torch.Tensor) -> bool:
+    """A bool mask, or a float one whose values are only 0 (take part) and -inf (masked)."""
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == -math.inf)).all())
 
 
 def with_earlier_queries(kernel: AttentionLayer, module, query, mask):

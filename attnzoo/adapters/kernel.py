@@ -123,6 +123,13 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
         k = q
         if v.shape[1] != q.shape[1]:  # grouped values: one per query head now that the keys are the queries
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if causal_queries and not self_attention and layer.reads_positions:
+        # offsets j - i between a decoder position and an encoder token are bottom-right aligned on the
+        # call's Nq, so an earlier position's output would move with the number of later positions
+        # (and a cached step, Nq = 1, would compute another answer): no such offset has a meaning
+        raise ValueError(f"{type(layer).__name__} reads relative positions (fenchel's preference='t5'), which a "
+                         "decoder's cross-attention does not have (its queries and keys are positions of two "
+                         "sequences); swap the self-attention modules only (exclude= the cross-attention ones)")
     if x is None:
         if layer.needs_key_tokens:
             raise ValueError(f"{type(layer).__name__} reads the key tokens x (fenchel's preference='context'), "

@@ -106,6 +106,11 @@ class AttentionLayer(nn.Module):
         return self.record.hook.needs_key_tokens(self)
 
     @property
+    def reads_positions(self) -> bool:
+        """``attend`` reads the relative positions j - i of queries and keys (Fenchel's T5 preference)."""
+        return self.record.hook.reads_positions(self)
+
+    @property
     def couples_queries(self) -> bool:
         """One query's output depends on the other queries (Sinkhorn's column normalisation)."""
         return self.record.couples_queries

@@ -77,6 +77,11 @@ class LayerHook:
         must hand them over)."""
         return False
 
+    def reads_positions(self, layer) -> bool:
+        """True when ``kernel_kwargs`` gives the kernel a preference over relative positions j - i
+        (Fenchel's T5 buckets), which needs queries and keys to be positions of one sequence."""
+        return False
+
     def describe(self, layer) -> dict:
         """The layer's options, for its repr."""
         return {name: getattr(layer, name) for name in self.options() if hasattr(layer, name)}

@@ -60,5 +60,8 @@ class FenchelHook(LayerHook):
     def needs_key_tokens(self, layer) -> bool:
         return layer.context_net is not None
 
+    def reads_positions(self, layer) -> bool:
+        return layer.relative_bias is not None
+
     def describe(self, layer) -> dict:
         return {"alpha": layer.alpha, "solve": layer.solve, "preference": layer.preference}
