@@ -122,3 +122,53 @@ def test_first_order_gradients_still_flow_under_create_graph_false():
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
 
 
+
+
+# --- float16 L2 with keys of norm > 256: ||k||^2 past float16's 65504 -----------------------------------
+
+def _l2_large_norm_inputs(h_kv):
+    """Queries and keys sharing a large offset (|k| ~ 280, ||k||^2 ~ 7.8e4; the kind of shared component
+    "massive activations" give every token), so the L2 logits -scale ||q - k||^2 stay moderate, rounded to
+    float16 first (the comparison measures the kernel, not the input rounding)."""
+    g = seeded(31)
+    d = 16
+    q = 70.0 + torch.randn(1, 4, 5, d, generator=g, dtype=torch.float64)
+    k = 70.0 + torch.randn(1, h_kv, 7, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, h_kv, 7, d, generator=g, dtype=torch.float64)
+    cot = torch.randn(1, 4, 5, d, generator=g, dtype=torch.float64)
+    return [t.half().double() for t in (q, k, v)], cot
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("h_kv,causal", [(4, False), (2, True)], ids=["mha", "gqa-causal"])
+def test_float16_l2_with_large_key_norms_is_finite_and_accurate(backend, h_kv, causal):
+    """The SDPA path carries -||k||^2 as an extra coordinate of k: in float16 it overflowed to -inf past
+    65504 and every output and gradient was NaN (the reference, computing in fp32, is fine); auto picks
+    this path for float16 on CPU. The output meets FlashAttention's rule against the float64 formula.
+    The gradients are checked to 5% of their scale only: SDPA's float16 backward rounds dS before
+    multiplying it by keys of size ~100, and that cancellation costs dq, dk ~10x the fp32 reference's
+    error below the overflow too (unchanged by the fix; noted in the audit report)."""
+    from tests.flash_rule import assert_flash_rule, max_error, reference_or_rounded, scale_of
+
+    (q, k, v), cot = _l2_large_norm_inputs(h_kv)
+    assert float((k * k).sum(-1).max()) > 65504
+    gqa = h_kv != q.shape[1]
+
+    def run(dtype, backend):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        if dtype == torch.float64:  # the formula, k and v repeated to the query heads
+            r = q.shape[1] // h_kv
+            kk, vv = (t.repeat_interleave(r, 1) for t in leaves[1:])
+            allow, add = R.allow_and_add(None, causal, 1, q.shape[1], q.shape[2], k.shape[2])
+            out = R.l2(leaves[0], kk, vv, allow, add, 1 / math.sqrt(q.shape[-1]))
+        else:
+            out = AF.l2(*leaves, is_causal=causal, backend=backend, enable_gqa=gqa)
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves))
+
+    got, low, want = run(torch.float16, backend), run(torch.float16, "reference"), run(torch.float64, None)
+    assert all(torch.isfinite(t).all() for t in got)
+    logit_size = float((k * k).sum(-1).max()) / math.sqrt(q.shape[-1])  # the cancelling terms' size
+    assert_flash_rule(f"l2-{backend}", torch.float16, logit_size,
+                      [("out", got[0], reference_or_rounded(got[:1], low[:1], want[:1], torch.float16)[0], want[0])])
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert max_error(a, b) <= 0.05 * scale_of(b), (name, max_error(a, b), scale_of(b))
