@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from .first_order import first_order_only
+
 try:  # triton is an optional dependency: without it the backends say so and never run
     import triton
     import triton.language as tl
@@ -144,7 +146,7 @@ def _autograd_function(name: str, host, backward, setup_context) -> type:
         return output
 
     return type(name.replace("::", "_"), (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(backward)})
+        "forward": staticmethod(forward), "backward": staticmethod(first_order_only(backward, f"the backward of {name}"))})
 
 
 def kernel_op(name: str, *, mutates_args=()):

@@ -15,7 +15,9 @@ coordinate, q' = [c q, 1], k' = [k, g] (``augment``), so SDPA runs its fastest m
 Half precision: a bf16/fp16 coordinate holding such a value would carry only 8 (11) bits, an
 absolute logit error of ~0.4% of ||k||^2. Those values are computed in fp32 and split into two
 coordinates, hi = x rounded to the input dtype and lo = (x - hi) rounded, with q' = 1 in both: the
-kernel's fp32 dot product adds them back to ~16 (22) bits. Gradients flow through autograd
+kernel's fp32 dot product adds them back to ~16 (22) bits. float16's range is small too (L2's ||k||^2
+passes 65504 at |k| = 256): there the coordinates hold x / s and q' holds s, s a power of two
+(``float16_step``). Gradients flow through autograd
 (d hi / dx = 1, d lo / dx = 0 once hi's dependence is counted), so they are exact as well.
 """
 from __future__ import annotations
@@ -96,12 +98,27 @@ def split_coordinate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([hi, lo], dim=-1)
 
 
+def float16_step(key_values: torch.Tensor) -> torch.Tensor:
+    """A power of two s (0-dim, fp32) with |key_values| / s within float16's range: a coordinate holds
+    key_values / s and q' holds s (both exact, s <= 2^15), so an L2 key with ||k||^2 > 65504 (|k| > 256)
+    does not overflow to inf (a NaN output). Computed on the device (no host sync); NaN / inf keys are
+    left out of the maximum, so they spoil only the rows they take part in. One s for the whole tensor
+    keeps grouped-query heads consistent."""
+    size = torch.nan_to_num(key_values.detach().abs(), nan=0.0, posinf=0.0).amax()
+    return torch.exp2((torch.ceil(torch.log2(size.clamp_min(1.0))) - 14).clamp(0, 15))
+
+
 def augment(q, k, q_coeff: float, key_values: torch.Tensor):
     """(q', k') with q'.k' = q_coeff * q.k + key_values_j (key_values (..., Nk, 1) fp32)."""
-    extra = split_coordinate(key_values, k.dtype)
-    ones = torch.ones(q.shape[:-1] + (extra.shape[-1],), dtype=q.dtype, device=q.device)
+    if k.dtype == torch.float16:
+        step = float16_step(key_values)
+        extra = split_coordinate(key_values / step, k.dtype)
+        q_extra = step.to(q.dtype).expand(q.shape[:-1] + (extra.shape[-1],))
+    else:
+        extra = split_coordinate(key_values, k.dtype)
+        q_extra = torch.ones(q.shape[:-1] + (extra.shape[-1],), dtype=q.dtype, device=q.device)
     qa = q if q_coeff == 1.0 else q_coeff * q
-    return torch.cat([qa, ones], dim=-1), torch.cat([k, extra.expand(k.shape[:-1] + (extra.shape[-1],))], dim=-1)
+    return torch.cat([qa, q_extra], dim=-1), torch.cat([k, extra.expand(k.shape[:-1] + (extra.shape[-1],))], dim=-1)
 
 
 # -- how SDPA serves as a variant's "torch" backend -------------------------------------------------

@@ -42,6 +42,7 @@ because every prefix has its own potentials.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from ..first_order import first_order_only
 
 GRAD_MODES = ("unrolled", "implicit")
 # relative size of the Neumann term at which the implicit adjoint stops: about the accumulator's roundoff
@@ -159,6 +162,7 @@ class _StreamingSinkhorn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @functools.partial(first_order_only, name="the streaming Sinkhorn backward (backends 'cpu', 'cpu_implicit')")
     def backward(ctx, dout):
         keep, bias, scale, eps, cost, grad_mode, engine, T = ctx.meta
         q, k, v, out, lse, *pots = ctx.saved_tensors
