@@ -79,7 +79,7 @@ def _active_tiles(cf, gf, uf, af, tile_elements):
 
 
 def tiles_forward(c, g, u, tile_elements=None, active=None):
-    """W (..., Nq, A) over the ``active`` pairs, no autograd (see transport_weights_tiles)."""
+    """W (..., Nq, A) over the ``active`` pairs, no autograd (cpu.py's function wraps it)."""
     c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
     cf, gf, uf, lead = _flat(c, g, u)
     af = None if active is None else active.reshape(uf.shape)
@@ -112,22 +112,3 @@ def tiles_backward(dw, c, g, u, tile_elements=None, active=None):
             du[b, 0, cols] += gij.sum(0)
     return dc.reshape(c.shape), dg.reshape(g.shape), du.reshape(u.shape)
 
-
-class _TransportWeights(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, c, g, u, tile_elements, active):
-        ctx.save_for_backward(c, g, u, active)
-        ctx.tile_elements = tile_elements
-        return tiles_forward(c, g, u, tile_elements, active)
-
-    @staticmethod
-    def backward(ctx, dw):
-        c, g, u, active = ctx.saved_tensors
-        return tiles_backward(dw, c, g, u, ctx.tile_elements, active) + (None, None)
-
-
-def transport_weights_tiles(c, g, u, tile_elements=None, active=None):
-    """W (..., Nq, A) = sum_j u_ij softmax_t(c_it + g_jt) over the ``active`` pairs (all by default);
-    u is (..., Nq or 1, Nk). ``tile_elements`` caps the (i, j, t) tile (default: TILE_ELEMENTS, read per call)."""
-    c, g, u, tile_elements, active = _prepare(c, g, u, tile_elements, active)
-    return _TransportWeights.apply(c, g, u, tile_elements, active)
