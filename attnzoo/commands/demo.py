@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,9 @@ def train_with_bar(variant: str, cfg, index: int, total: int) -> dict:
         bar.set_postfix(test_acc=f"{row['test_acc']:.3f}", img_s=f"{row['images_per_s']:.0f}", refresh=False)
         bar.update(1)
 
+    # the demo trains afresh every time: a run it trained before in this folder is replaced (train
+    # itself refuses to replace a run it was not asked to resume)
+    shutil.rmtree(Path(cfg.train.out_dir) / "checkpoints", ignore_errors=True)
     t0 = time.perf_counter()
     try:
         summary = train(cfg, log=lambda *a, **k: None, on_epoch=on_epoch)

@@ -2,12 +2,13 @@
 
 Exit status: 0 when training ran (or stopped at --time-budget with its checkpoint written, or a
 resumed run already holds train.epochs epochs: "nothing left to train"), 2 for bad input, data or
-checkpoints (one ``error:`` line)."""
+checkpoints (one ``error:`` line), 130 when interrupted (Ctrl-C: one line saying what was kept)."""
 from __future__ import annotations
 
 import json
 import sys
 import time
+from pathlib import Path
 
 HELP = "train a ViT / OT-ViT with any attention variant (runs under torchrun for DDP)"
 
@@ -45,6 +46,7 @@ def run(args) -> int:
         print(f"attnzoo train: error: --time-budget must be > 0 seconds, got {args.time_budget}", file=sys.stderr)
         return 2
     deadline = None if args.time_budget is None else time.time() + args.time_budget
+    cfg = None
     try:
         cfg = load_config(args.config, overrides)
         resume = cfg.train.out_dir if args.resume == "auto" else args.resume
@@ -52,4 +54,12 @@ def run(args) -> int:
     except (ValueError, TypeError, FileNotFoundError, CheckpointError, DataNotFoundError) as e:
         print(f"attnzoo train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: say what was kept and how to go on, without a traceback
+        if cfg is None:
+            raise
+        ckpt = Path(cfg.train.out_dir) / "checkpoints"
+        kept = (f"the last finished epoch is in {ckpt} (--resume continues; the epoch cut short is trained again)"
+                if (ckpt / "last.json").is_file() else "no epoch had finished, so there is no checkpoint")
+        print(f"\nattnzoo train: interrupted; {kept}", file=sys.stderr)
+        return 130
     return 0

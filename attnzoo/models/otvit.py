@@ -52,9 +52,9 @@ def resolve_gamma(rule: Union[str, float], embed_dim: int, num_heads: int) -> fl
             return math.sqrt(embed_dim)
         if rule == "sqrt_head_dim":
             return math.sqrt(embed_dim // num_heads)
-        raise ValueError(f"ot_gamma must be a positive number or one of {GAMMA_RULES}, got {rule!r}")
-    if isinstance(rule, bool) or not isinstance(rule, (int, float)) or not rule > 0:
-        raise ValueError(f"ot_gamma must be a positive number or one of {GAMMA_RULES}, got {rule!r}")
+        raise ValueError(f"ot_gamma must be a finite positive number or one of {GAMMA_RULES}, got {rule!r}")
+    if isinstance(rule, bool) or not isinstance(rule, (int, float)) or not 0 < rule < math.inf:
+        raise ValueError(f"ot_gamma must be a finite positive number or one of {GAMMA_RULES}, got {rule!r}")
     return float(rule)
 
 
@@ -68,6 +68,8 @@ class OTViT(ViT):
             raise ValueError(f"template_tokens must be 'all' or 'patches', got {template_tokens!r}")
         embed_dim = vit_kwargs.get("embed_dim", 256)
         num_heads = vit_kwargs.get("num_heads", 8)
+        if isinstance(ot_alpha, bool) or not isinstance(ot_alpha, (int, float)) or not 0 < ot_alpha < math.inf:
+            raise ValueError(f"ot_alpha must be a finite number > 0, got {ot_alpha!r}")
         self.ot_alpha = float(ot_alpha)
         self.ot_gamma = resolve_gamma(ot_gamma, embed_dim, num_heads)
         self.template_tokens = template_tokens

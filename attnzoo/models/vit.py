@@ -3,6 +3,8 @@ sec 9: patch embedding, a class token, learned position embeddings, ``depth`` ti
 attention is any attnzoo spec string, a final LayerNorm and a linear head on the class token."""
 from __future__ import annotations
 
+import math
+
 import torch
 from timm.layers import PatchEmbed, trunc_normal_
 from timm.models.vision_transformer import Block
@@ -32,6 +34,11 @@ class ViT(nn.Module):
             raise ValueError(f"img_size ({img_size}) must be a multiple of patch_size ({patch_size})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        # timm's MLP is int(embed_dim * mlp_ratio) wide: at least one unit, or torch fails on a negative size
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not (
+                math.isfinite(mlp_ratio) and int(embed_dim * mlp_ratio) >= 1):
+            raise ValueError(f"mlp_ratio must be a finite number with int(embed_dim * mlp_ratio) >= 1 "
+                             f"(embed_dim {embed_dim}), got {mlp_ratio!r}")
         self.attention = attention
         self.num_classes = num_classes
         self.embed_dim = embed_dim

@@ -3,6 +3,7 @@ overrides. Unknown keys and ill-typed values are ValueErrors naming the key."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
@@ -122,7 +123,7 @@ def _check_value(key: str, hint: Any, value: Any) -> Any:
     if hint is tuple:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key}: expected a list, got {value!r}")
-        return tuple(float(v) for v in value)
+        return tuple(_check_value(f"{key}[{i}]", float, v) for i, v in enumerate(value))
     if hint is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key}: expected true/false, got {value!r}")
@@ -149,7 +150,7 @@ def _check_value(key: str, hint: Any, value: Any) -> Any:
 
 def _build(cls, data: dict, prefix: str):
     if not isinstance(data, dict):
-        raise ValueError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -204,11 +205,12 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _require(o.lr_reference_batch > 0, "optim.lr_reference_batch", "a positive integer", o.lr_reference_batch)
     _require(t.log_every > 0, "train.log_every", "a positive integer", t.log_every)
     _require(0.0 <= d.partner_prob <= 1.0, "data.partner_prob", "in [0, 1]", d.partner_prob)
-    _require(o.lr > 0, "optim.lr", "> 0", o.lr)
-    _require(o.weight_decay >= 0, "optim.weight_decay", ">= 0", o.weight_decay)
+    # an infinite rate trains to NaN and an infinite warmup has no step count: finite numbers only
+    _require(0 < o.lr < math.inf, "optim.lr", "a finite number > 0", o.lr)
+    _require(0 <= o.weight_decay < math.inf, "optim.weight_decay", "a finite number >= 0", o.weight_decay)
     _require(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optim.betas", "two numbers in [0, 1)",
              list(o.betas))
-    _require(o.warmup_epochs >= 0, "optim.warmup_epochs", ">= 0", o.warmup_epochs)
+    _require(0 <= o.warmup_epochs < math.inf, "optim.warmup_epochs", "a finite number >= 0", o.warmup_epochs)
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", "in [0, optim.lr]", o.min_lr)
     _require(0.0 <= o.label_smoothing < 1.0, "optim.label_smoothing", "in [0, 1)", o.label_smoothing)
     _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "> 0 or null", o.grad_clip)
@@ -216,6 +218,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
     _require(t.max_steps_per_epoch is None or t.max_steps_per_epoch > 0, "train.max_steps_per_epoch",
              "a positive integer or null", t.max_steps_per_epoch)
     _require(bool(t.out_dir), "train.out_dir", "a folder name", t.out_dir)
+    # torch.manual_seed takes 64 bits and the data streams read the low 64 bits of the seed
+    _require(0 <= t.seed < 2 ** 63, "train.seed", "an integer in [0, 2^63)", t.seed)
     if t.device != "auto":
         try:
             device = torch.device(t.device)
@@ -229,10 +233,34 @@ def check(cfg: TrainConfig) -> TrainConfig:
     info = dataset_info(d.dataset)
     try:
         with torch.device("meta"):
-            build_model(m.name, **model_kwargs(m, info))
+            model = build_model(m.name, **model_kwargs(m, info))
     except (ValueError, TypeError) as e:
         raise ValueError(f"model: {e}") from None
+    _check_backends(model, m.name)
+    if t.compile_backend is not None:
+        from torch._dynamo import list_backends
+        known = list_backends(exclude_tags=())
+        _require(t.compile_backend in known, "train.compile_backend", f"null or one of {known}", t.compile_backend)
+    if t.compile_mode is not None:
+        from torch._inductor import list_mode_options
+        modes = list(list_mode_options())
+        _require(t.compile_mode in modes, "train.compile_mode", f"null or one of {modes}", t.compile_mode)
     return cfg
+
+
+def _check_backends(model, name: str) -> None:
+    """Every kernel backend named in ``model.attention`` or ``model.ot_backend`` exists: the layers
+    look their backend up at their first forward, which would be after the data is read."""
+    from ..ops.dispatch import backends
+    last_block = f"blocks.{len(model.blocks) - 1}."
+    for where, module in model.named_modules():
+        wanted, kind = getattr(module, "backend", None), getattr(module, "kind", None)
+        known = backends(kind) if isinstance(kind, str) else []
+        if wanted is None or wanted == "auto" or not known or wanted in known:
+            continue
+        key = "model.ot_backend" if name == "otvit" and where.startswith(last_block) else "model.attention"
+        raise ValueError(f"{key}: backend must be null, 'auto' or one of {known} for {kind} attention, "
+                         f"got {wanted!r}")
 
 
 def effective_lr(cfg: TrainConfig) -> float:
@@ -270,19 +298,51 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _parse_yaml(text, where: str):
+def _parse_yaml(text: Union[str, bytes], where: str):
     """yaml.safe_load, with a YAML syntax error as a ValueError naming ``where`` (the commands print
-    it as one ``error:`` line; yaml's own message is a multi-line traceback)."""
+    it as one ``error:`` line; yaml's own message is a multi-line traceback). A key given twice in
+    one mapping is an error too: safe_load would keep the last silently (a second ``train:``
+    section would drop the first's settings)."""
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
+        twice = _repeated_key(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise ValueError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+    if twice is not None:
+        key, line = twice
+        raise ValueError(f"{where}: key {key!r} is given twice (line {line}); YAML would keep only the last")
+    return data
+
+
+def _repeated_key(node, prefix: str = "", seen_nodes=None):
+    """(dotted key, line) of the first key repeated within one mapping of a composed YAML tree, or None."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if node is None or id(node) in seen_nodes:  # an alias points back at a node already checked
+        return None
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        keys = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key != "<<":  # merge keys may repeat
+                name = f"{prefix}{key}"
+                if key in keys:
+                    return name, key_node.start_mark.line + 1
+                keys.add(key)
+            found = _repeated_key(value_node, f"{prefix}{key}." if key is not None else prefix, seen_nodes)
+            if found is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _repeated_key(item, prefix, seen_nodes)
+            if found is not None:
+                return found
+    return None
 
 
 def read_yaml(path: Union[str, Path]):
     """A YAML file's contents ({} when empty); a syntax error is a ValueError naming the file."""
-    with open(path) as f:
-        return _parse_yaml(f, str(path)) or {}
+    return _parse_yaml(Path(path).read_bytes(), str(path)) or {}  # bytes: yaml names a bad encoding
 
 
 def load_config(path: Union[str, Path], overrides: Optional[list[str]] = None) -> TrainConfig:

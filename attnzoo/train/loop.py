@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from ..models import build_model, count_parameters
 from . import distributed as D
-from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, remove_stale_temporaries, restore,
-                         save_checkpoint)
+from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, remove_stale_temporaries, resolve,
+                         restore, save_checkpoint)
 from .config import TrainConfig, check, effective_lr, model_kwargs
 from .data import build_loaders, pipeline, uses_partners
 from .datasets import dataset_info
@@ -277,6 +277,21 @@ def _resume_state(cfg: TrainConfig, resume, info: D.DistInfo, allow_change: bool
     return weights, state, recorded
 
 
+def _refuse_to_replace(out_dir: Path, resume) -> None:
+    """A run that does not continue the checkpoint already in ``out_dir`` (no ``resume``, or a resume
+    from another folder) would replace it: its first save repoints last.json and deletes the files
+    no pointer names. Refused before anything is written, so nothing is lost."""
+    ckpt_dir = out_dir / "checkpoints"
+    if not any((ckpt_dir / f"{name}.json").is_file() for name in ("last", "best")):
+        return
+    if resume is not None and resolve(resume)[0].parent.resolve() == ckpt_dir.resolve():
+        return
+    what = "without --resume" if resume is None else f"from another checkpoint ({resume})"
+    raise CheckpointError(f"train.out_dir {out_dir} already holds a run ({ckpt_dir}/last.json); training into it "
+                          f"{what} would replace that run's checkpoints and metrics: pass --resume to continue "
+                          f"it, choose another --out-dir (train.out_dir), or delete {ckpt_dir} to start again")
+
+
 def epoch_fits(deadline: Optional[float], durations: list[float], now: Optional[float] = None) -> bool:
     """Whether another epoch is expected to end before ``deadline`` (a ``time.time()`` value): the
     slowest of the last three epochs (the first one includes compilation, so it errs on the safe
@@ -295,6 +310,7 @@ def _train(cfg: TrainConfig, resume, info: D.DistInfo, log, on_epoch=None, allow
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     out_dir = Path(cfg.train.out_dir)
+    _refuse_to_replace(out_dir, resume)
     resumed = _resume_state(cfg, resume, info, allow_config_change, log) if resume else None
     if resumed is not None and resumed[1]["epoch"] >= cfg.train.epochs:
         state = resumed[1]

@@ -162,7 +162,8 @@ def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, s
 def main(argv=None) -> int:
     import argparse
     import json
-    p = argparse.ArgumentParser(description="training images/s of a config (attnzoo.train.throughput)")
+    p = argparse.ArgumentParser(prog="python -m attnzoo.train.throughput",
+                                description="training images/s of a config (attnzoo.train.throughput)")
     p.add_argument("configs", nargs="+")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=20)
@@ -172,8 +173,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     for path in args.configs:
-        result = images_per_second(path, args.device, args.steps, not args.real_data, args.warmup, args.overrides,
-                                   profile_steps=args.profile_steps)
+        try:
+            result = images_per_second(path, args.device, args.steps, not args.real_data, args.warmup, args.overrides,
+                                       profile_steps=args.profile_steps)
+        except (ValueError, FileNotFoundError) as e:  # bad arguments, config or data: one line, as attnzoo train
+            p.exit(2, f"{p.prog}: error: {e}\n")
         tables = result.get("profile", {})
         print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
         if tables:
