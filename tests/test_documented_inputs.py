@@ -26,6 +26,7 @@ from attnzoo.ops import dispatch
 from tests import formulas as R
 from tests.common import INTERPRET, KERNEL_DEVICE, ON_GPU, seeded
 from tests.flash_rule import assert_flash_rule, flash_rule_failures, reference_or_rounded, scale_grad
+from tests.test_external_references import sinkformers_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -473,23 +474,11 @@ def test_multihead_kinds_follow_their_formula():
 # --- 5. Sinkformers, implicit gradients, half precision, shape fuzzing ---------------------------------
 
 def sinkformers_attention(q, k, v, max_iter, eps=1.0):
-    """Sinkformers' SinkhornDistance (Sander et al. 2022) as their code runs it: dual potentials u, v
-    updated in turn (even half-steps rows, odd ones columns) against uniform marginals 1/Nq, 1/Nk on
-    M = (s + u_i + v_j) / eps with s = scale q.k, then pi = exp(M) scaled by Nk (rows sum to ~1 for
-    Nq = Nk)."""
+    """Sinkformers' SinkhornDistance (Sander et al. 2022) as their code runs it, on s = scale q.k:
+    tests/test_external_references.sinkformers_plan (their dual-potential half-steps, the plan
+    scaled by Nk, so rows sum to ~1 for Nq = Nk), applied to v."""
     s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
-    nq, nk = s.shape[-2:]
-    u = torch.zeros(s.shape[:-1], dtype=s.dtype)
-    w = torch.zeros(s.shape[:-2] + (nk,), dtype=s.dtype)
-
-    def M():
-        return (s + u[..., :, None] + w[..., None, :]) / eps
-    for it in range(max_iter):
-        if it % 2 == 0:
-            u = eps * (math.log(1 / nq) - torch.logsumexp(M(), -1)) + u
-        else:
-            w = eps * (math.log(1 / nk) - torch.logsumexp(M().transpose(-2, -1), -1)) + w
-    return (torch.exp(M()) * nk) @ v
+    return sinkformers_plan(s, max_iter, eps) @ v
 
 
 @pytest.mark.parametrize("n_iters", [1, 3])
