@@ -6,7 +6,9 @@ either gives the float64 formula's second derivative or raises a RuntimeError. T
 backwards (Triton kernels, the streaming Sinkhorn passes) used to return gradients that autograd saw
 as constants, or with only a few differentiable steps around the kernels (the linear and OT Triton
 backwards), so the second derivative came out silently wrong; the streaming Sinkhorn one failed with
-torch's misleading "modified by an inplace operation". They now refuse create_graph with the way out.
+torch's misleading "modified by an inplace operation". They now refuse create_graph with the way out,
+and so do the backwards whose refusal used to be torch's own words, which do not name it: SDPA's fused
+kernels ('torch' backends), the blockwise custom op and OT's transport-weights custom op ('cpu').
 """
 from __future__ import annotations
 
@@ -87,9 +89,8 @@ def test_double_backward_is_right_or_refused_on_cpu_backends(variant, backend, p
     except ValueError as e:  # a backend that declines the call says why
         assert "cannot run this" in str(e)
         return
-    except RuntimeError as e:  # refused: never a silently wrong second derivative
-        if backend.startswith("cpu") and variant == "sinkhorn":  # attnzoo's own message, with the way out
-            assert "double backward" in str(e) and "backend='reference'" in str(e), str(e)
+    except RuntimeError as e:  # refused: never a silently wrong second derivative, always with the way out
+        assert "double backward" in str(e) and "backend='reference'" in str(e), str(e)
         return
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"d2/d{n}: {m}")
@@ -109,6 +110,22 @@ def test_double_backward_through_triton_is_refused_under_the_interpreter(variant
 def test_the_reference_way_out_gives_the_formulas_second_derivative(variant):
     for a, b in zip(_got(variant, "reference", True, True), _want(variant, True, True)):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "l2"])
+def test_sdpa_math_kernel_still_differentiates_twice(variant):
+    """A float mask that requires grad sends SDPA on CPU to its math kernel (plain aten ops), which
+    autograd differentiates twice: the refusal hangs only on the fused kernels' nodes, so this call
+    gives the formula's second derivative in q, k, v and the mask."""
+    mask = torch.randn(B, H, NQ, NK, generator=seeded(22), dtype=torch.float64)
+    allow = torch.ones(B, H, NQ, NK, dtype=torch.bool)
+    leaves = lambda: [t.clone().requires_grad_() for t in _inputs() + [mask]]
+    got = _second_derivative(lambda q, k, v, m: getattr(AF, variant)(q, k, v, attn_mask=m, backend="torch"),
+                             leaves(), True)
+    want = _second_derivative(lambda q, k, v, m: getattr(R, variant)(q, k, v, allow, m, 1 / math.sqrt(D)),
+                              leaves(), True)
+    for name, a, b in zip(["q", "k", "v", "mask"], got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"d2/d{n}: {m}")
 
 
 def test_first_order_gradients_still_flow_under_create_graph_false():

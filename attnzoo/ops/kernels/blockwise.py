@@ -20,7 +20,8 @@ keep, causal and add_a (add_b is a bias, not a mask: sigmoid's b and Fenchel's l
 
 The op is a ``torch.library.custom_op`` with a fake (meta) implementation and a registered
 autograd formula, so ``torch.compile`` treats it as one opaque node (no graph break, and no
-unrolling of the block loops into the graph).
+unrolling of the block loops into the graph). The backward op has no derivative of its own: double
+backward (create_graph=True) is refused with the way out (``first_order.first_order_only``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..first_order import first_order_only
 
 KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
 # Chosen by measurement (benchmarks/fused_softmax_family.py --mode blocks, docs/kernels_cpu_torch.md):
@@ -259,7 +262,9 @@ def _backward(ctx, grad_out, _grad_stat):
             None, None, None, None, None)
 
 
-_blockwise_op.register_autograd(_backward, setup_context=_setup_context)
+_blockwise_op.register_autograd(first_order_only(_backward, "the blockwise backward (backend 'cpu', and 'torch' "
+                                                            "for sigmoid and relu)"),
+                                setup_context=_setup_context)
 
 
 def _as4d(t):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..first_order import first_order_only
+
 from .factorised import ot_attention_factorised
 from .tiles import tiles_backward, tiles_forward
 
@@ -97,7 +99,10 @@ def _autograd_backward(ctx, dw):
     return _transport_weights_backward_op(dw.contiguous(), c, g, u)
 
 
-_transport_weights_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+# the backward op has no derivative of its own: double backward is refused with the way out
+_transport_weights_op.register_autograd(first_order_only(_autograd_backward, "the OT transport-weights backward "
+                                                                             "(backend 'cpu')"),
+                                        setup_context=_setup_context)
 
 
 def transport_weights(c, g, u):
