@@ -38,13 +38,3 @@ def first_order_only(backward, name: str):
 
     return wrapper
 
-
-def refuse_double_backward_at(node, name: str) -> None:
-    """The same refusal for an autograd node attnzoo does not own (torch's fused SDPA kernels, whose
-    backward has no derivative: torch's own error does not name the way out). A pre-hook runs just
-    before the node's backward, under the grad mode of the backward pass: one check per backward."""
-    def check(grad_outputs):
-        if torch.is_grad_enabled():
-            raise double_backward_error(name)
-
-    node.register_prehook(check)

@@ -19,12 +19,6 @@ kernel's fp32 dot product adds them back to ~16 (22) bits. float16's range is sm
 passes 65504 at |k| = 256): there the coordinates hold x / s and q' holds s, s a power of two
 (``float16_step``). Gradients flow through autograd
 (d hi / dx = 1, d lo / dx = 0 once hi's dependence is counted), so they are exact as well.
-
-Double backward (create_graph=True): SDPA's fused kernels have none, and torch's error ("derivative
-for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented") does not say what
-to do. ``first_order_sdpa`` hangs attnzoo's refusal, which names backend='reference', on the fused
-kernel's node; when SDPA picks its math kernel (e.g. a mask that requires grad) autograd
-differentiates it twice and nothing is refused.
 """
 from __future__ import annotations
 
@@ -33,12 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..first_order import refuse_double_backward_at
 from ..masking import causal_keep
-
-# autograd node names of SDPA's fused kernels (CPU flash, CUDA flash / efficient / cuDNN): their
-# backwards have no derivative. The math kernel is plain aten ops and differentiates twice.
-_FUSED_NODE_PREFIX = "ScaledDotProduct"
 
 
 def sdpa_mask(attn_mask, is_causal, nq, nk, device, dtype):
@@ -82,24 +71,12 @@ def _round_up_head_dims(q, k, v):
     return q, k, v
 
 
-def first_order_sdpa(out):
-    """``out`` (SDPA's output), with double backward through a fused kernel refused in attnzoo's words
-    (module docstring). Skipped while torch.compile traces: there AOTAutograd owns the backward and
-    refuses double backward itself."""
-    if torch.compiler.is_compiling():
-        return out
-    node = out.grad_fn
-    if node is not None and node.name().startswith(_FUSED_NODE_PREFIX):
-        refuse_double_backward_at(node, "torch's fused scaled_dot_product_attention kernel (backend 'torch')")
-    return out
-
-
 def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=False):
     mask, causal, has_key = sdpa_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device, q.dtype)
     dv = v.shape[-1]
     q, k, v = _round_up_head_dims(q, k, v)
-    out = first_order_sdpa(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                          is_causal=causal, scale=scale, enable_gqa=enable_gqa))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                         scale=scale, enable_gqa=enable_gqa)
     if out.shape[-1] != dv:  # v was padded to the common head dim
         out = out[..., :dv]
     if has_key is not None:
@@ -164,8 +141,8 @@ def mask_grad_on_cpu(q, k, v, **kw):
 
 def plain_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
     """SDPA itself, for the calls that need none of ``sdpa_attention``'s adjustments."""
-    return first_order_sdpa(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
-                                                           scale=scale, enable_gqa=enable_gqa))
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
 def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, **_):
