@@ -98,7 +98,7 @@ def row_cells(row: dict) -> list[str]:
 def _sorted(rows: list[dict]) -> list[dict]:
     variants = list(OrderedDict.fromkeys(r["variant"] for r in rows))
     return sorted(rows, key=lambda r: (r["mode"], r["dtype"], variants.index(r["variant"]), r["seq_len"],
-                                       r["kind"] != "attnzoo", r["backend"] == "auto"))
+                                       r["heads"], r["head_dim"], r["kind"] != "attnzoo", r["backend"] == "auto"))
 
 
 def rich_table(result: dict, title: str | None = None):
@@ -110,8 +110,10 @@ def rich_table(result: dict, title: str | None = None):
     table = Table(title=title or f"attnzoo bench - {env.get('device_name')}, {', '.join(dtypes)}, "
                                  f"heads x dim {', '.join(f'{h}x{d}' for h, d in shapes)}, batch = batch_tokens / N",
                   caption_justify="left")
-    columns = ["variant", "backend", "N", "mode"] + (["dtype"] if len(dtypes) > 1 else []) + [
-        "time", "TFLOP/s", "tok/s", "peak mem", "t/SDPA", "mem/SDPA"]
+    # several head counts (--heads 1 4) or dtypes: a column for each, else rows of different problems look alike
+    many_shapes = len(shapes) > 1
+    columns = ["variant", "backend", "N"] + (["H x D"] if many_shapes else []) + ["mode"] + (
+        ["dtype"] if len(dtypes) > 1 else []) + ["time", "TFLOP/s", "tok/s", "peak mem", "t/SDPA", "mem/SDPA"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("variant", "backend", "mode", "dtype", "time") else "right")
     reasons: OrderedDict = OrderedDict()
@@ -120,7 +122,8 @@ def rich_table(result: dict, title: str | None = None):
         if row["status"] != OK or row.get("reason"):
             time += f" [{reasons.setdefault(row['reason'], len(reasons) + 1)}]"
         cells = [row["variant"] + (" (causal)" if row["causal"] and row["variant"] != "masked" else ""),
-                 backend_label(row), str(row["seq_len"]), row["mode"]] + ([row["dtype"]] if len(dtypes) > 1 else [])
+                 backend_label(row), str(row["seq_len"])] + ([f"{row['heads']}x{row['head_dim']}"] if many_shapes else []) + [
+                 row["mode"]] + ([row["dtype"]] if len(dtypes) > 1 else [])
         cells += [time, "" if row.get("tflops") is None else f"{row['tflops']:.3g}", fmt_rate(row.get("tokens_per_s")),
                   fmt_bytes(row.get("peak_memory_bytes")), fmt_ratio(row.get("ratio_time_vs_sdpa")),
                   fmt_ratio(row.get("ratio_memory_vs_sdpa"))]
