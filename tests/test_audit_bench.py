@@ -99,3 +99,14 @@ def _analyze_args(tool, **kw):
 def test_analyze_rejects_negative_train_seconds(value):
     with pytest.raises(UsageError, match="--train-seconds must be >= 0"):
         analyze.check_arguments(_analyze_args("topolip", train_seconds=value))
+
+
+def test_compare_names_the_schema_of_a_models_result(tmp_path, capsys):
+    from attnzoo import cli
+    from attnzoo.bench.schema import MODELS_SCHEMA, validate_models, write_json
+    models = validate_models({"schema": MODELS_SCHEMA, "created": "2026-01-01T00:00:00+00:00", "environment": {},
+                              "settings": {}, "methods": {}, "models": {}, "results": []})
+    path = write_json(models, tmp_path / "models.json")
+    assert cli.main(["bench", "--compare", str(path), str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "--compare" in err and "schema must be 'attnzoo.bench/1'" in err and MODELS_SCHEMA in err, err
