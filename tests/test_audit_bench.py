@@ -110,3 +110,52 @@ def test_compare_names_the_schema_of_a_models_result(tmp_path, capsys):
     assert cli.main(["bench", "--compare", str(path), str(path)]) != 0
     err = capsys.readouterr().err
     assert "--compare" in err and "schema must be 'attnzoo.bench/1'" in err and MODELS_SCHEMA in err, err
+
+
+# ---- plots: what a folder holds after a run ---------------------------------------------------------
+
+def _tiny_result(modes, measure_memory=True, heads=(2,)):
+    cfg = BenchConfig(variants=["softmax"], backends=["sdpa"], seq_lens=[8, 16], batch_tokens=32, head_dim=8,
+                      heads=list(heads), modes=modes, warmup=1, min_repeats=1, max_repeats=1, target_seconds=0.0,
+                      measure_memory=measure_memory)
+    return run(cfg, progress=False)
+
+
+def test_no_memory_run_writes_no_empty_memory_plot(tmp_path):
+    from attnzoo.bench.plots import plot_results
+    result = _tiny_result(["fwd"], measure_memory=False)
+    assert all(r["peak_memory_bytes"] is None for r in result["results"])
+    written = plot_results(result, tmp_path, prefix="bench_")
+    assert [p.name for p in written] == ["bench_time_fwd_float32.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_time_fwd_float32.png"]
+
+
+def test_rerun_into_a_folder_removes_the_earlier_runs_plots_only(tmp_path):
+    from attnzoo.bench import write_outputs
+    write_outputs(_tiny_result(["fwd", "fwd+bwd"], heads=(1, 2)), tmp_path, "bench")
+    assert (tmp_path / "bench_time_fwd_bwd_float32_h1_d8.png").exists()
+    others = [tmp_path / "other_time_fwd_float32.png", tmp_path / "bench_time_notes.png", tmp_path / "mine.png"]
+    for p in others:   # another run's plots and a user's files stay
+        p.write_bytes(b"x")
+    files = write_outputs(_tiny_result(["fwd"]), tmp_path, "bench")
+    pngs = sorted(p.name for p in tmp_path.glob("bench_*.png"))
+    assert pngs == sorted([p.name for p in files["plots"]] + ["bench_time_notes.png"])
+    assert pngs == sorted(["bench_memory_fwd_float32.png", "bench_time_fwd_float32.png", "bench_time_notes.png"])
+    assert all(p.exists() for p in others)
+
+
+def test_one_panel_plot_keeps_its_title_inside_the_figure(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnzoo.bench.plots import plot_results
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    plot_results(_tiny_result(["fwd"]), tmp_path)
+    assert figures
+    for fig in figures:
+        fig.canvas.draw()
+        box = fig._suptitle.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width, fig._suptitle.get_text())
