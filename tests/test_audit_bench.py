@@ -159,3 +159,14 @@ def test_one_panel_plot_keeps_its_title_inside_the_figure(tmp_path, monkeypatch)
         fig.canvas.draw()
         box = fig._suptitle.get_window_extent()
         assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width, fig._suptitle.get_text())
+
+
+def test_row_lines_tell_head_counts_apart(tmp_path, capsys):
+    from attnzoo import cli
+    assert cli.main(["bench", "--variants", "softmax", "--backends", "sdpa", "--seq-lens", "8", "--batch-tokens", "16",
+                     "--head-dim", "4", "--heads", "1", "2", "--mode", "fwd", "--min-repeats", "1", "--repeats", "1",
+                     "--target-seconds", "0", "--no-memory", "--out", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2
+    labels = [line.split(" ok ")[0].split("]", 1)[1] for line in lines]
+    assert len(set(labels)) == 2 and "H=1" in labels[0] and "H=2" in labels[1], labels

@@ -61,13 +61,14 @@ def time_cell(row: dict) -> str:
     return fmt_time(t["median"]) + (f" +-{spread:.0f}%" if spread is not None else " (1 run)")
 
 
-def row_line(row: dict, elapsed: float | None = None) -> str:
+def row_line(row: dict, elapsed: float | None = None, heads: bool = False) -> str:
     """One plain line per finished row, for logs and captured output where a progress bar is invisible:
-    [elapsed] variant backend(->resolved) N mode dtype status median ratio first-call (reason)."""
+    [elapsed] variant backend(->resolved) N [H, when ``heads``: a run of several head counts] mode dtype
+    status median ratio first-call (reason)."""
     parts = [] if elapsed is None else [f"[{elapsed:7.1f}s]"]
     parts += [f"{row['variant'] + (' (causal)' if row['causal'] and row['variant'] != 'masked' else ''):<14}",
-              f"{backend_label(row):<22}", f"N={row['seq_len']:<6}", f"{row['mode']:<8}", f"{row['dtype']:<9}",
-              f"{row['status']:<11}"]
+              f"{backend_label(row):<22}", f"N={row['seq_len']:<6}"] + ([f"H={row['heads']:<4}"] if heads else []) + [
+              f"{row['mode']:<8}", f"{row['dtype']:<9}", f"{row['status']:<11}"]
     if row["status"] == OK:
         parts.append(f"{fmt_time(row['time_s']['median']):>10}")
         ratio = row.get("ratio_time_vs_sdpa")
