@@ -65,18 +65,28 @@ def summary_counts(changes: list[Change], threshold: float) -> dict:
     return counts
 
 
-def _cells(c: Change, threshold: float) -> list[str]:
-    variant, backend, n, batch, heads, _, dtype, mode, causal = c.key
+def _many_shapes(changes: list[Change]) -> bool:
+    """More than one (heads, head dim) among the pairs: a column tells their rows apart."""
+    return len({(c.key[4], c.key[5]) for c in changes}) > 1
+
+
+def _cells(c: Change, threshold: float, shape: bool = False) -> list[str]:
+    variant, backend, n, batch, heads, head_dim, dtype, mode, causal = c.key
     old_t = fmt_time(c.old["time_s"]["median"]) if c.old["status"] == OK else c.old["status"]
     new_t = fmt_time(c.new["time_s"]["median"]) if c.new["status"] == OK else c.new["status"]
     s, m = c.speedup, c.memory_ratio
-    return [variant + (" (causal)" if causal and variant != "masked" else ""), backend, str(n), mode, dtype, old_t,
-            new_t, "" if s is None else f"{s:.3g}x", "" if m is None else f"{m:.3g}x",
-            fmt_bytes(c.new.get("peak_memory_bytes")), c.verdict(threshold)]
+    return [variant + (" (causal)" if causal and variant != "masked" else ""), backend, str(n)] + (
+        [f"{heads}x{head_dim}"] if shape else []) + [
+        mode, dtype, old_t, new_t, "" if s is None else f"{s:.3g}x", "" if m is None else f"{m:.3g}x",
+        fmt_bytes(c.new.get("peak_memory_bytes")), c.verdict(threshold)]
 
 
 COLUMNS = ("variant", "backend", "N", "mode", "dtype", "old time", "new time", "speed-up", "memory new/old",
            "new memory", "verdict")
+
+
+def _columns(shape: bool) -> tuple:
+    return COLUMNS[:3] + ("H x D",) + COLUMNS[3:] if shape else COLUMNS
 
 
 def device_warning(old: dict, new: dict) -> str | None:
@@ -88,12 +98,13 @@ def rich_compare(old: dict, new: dict, threshold: float = 0.1):
     from rich.table import Table
     changes, only_old, only_new = compare(old, new)
     table = Table(title=f"compare: old {old['created']} -> new {new['created']} (threshold {threshold:.0%})")
-    for col in COLUMNS:
+    shape = _many_shapes(changes)
+    for col in _columns(shape):
         table.add_column(col, justify="right" if col in ("N", "speed-up", "memory new/old") else "left")
     for c in changes:
         verdict = c.verdict(threshold)
         style = "red" if verdict == "REGRESSION" else "green" if verdict == "faster" else None
-        table.add_row(*_cells(c, threshold), style=style)
+        table.add_row(*_cells(c, threshold, shape), style=style)
     counts = summary_counts(changes, threshold)
     caption = ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
     caption += f"; only in old: {len(only_old)}, only in new: {len(only_new)}"
@@ -110,8 +121,10 @@ def markdown_compare(old: dict, new: dict, threshold: float = 0.1) -> str:
     warning = device_warning(old, new)
     if warning:
         lines += [f"**Warning:** {warning}", ""]
-    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(c, threshold)) + " |" for c in changes]
+    shape = _many_shapes(changes)
+    columns = _columns(shape)
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cells(c, threshold, shape)) + " |" for c in changes]
     counts = summary_counts(changes, threshold)
     lines += ["", "Summary: " + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items()))
               + f"; only in old: {len(only_old)}, only in new: {len(only_new)}", ""]

@@ -31,9 +31,11 @@ attnzoo bench --overhead --out benchmarks/results/cpu           # per-call overh
 ```
 Each run writes `NAME.jsonl` while it runs (a header line, then one line per finished row, flushed at
 once), then `NAME.json` (every measurement and the environment), `NAME.md` (tables) and
-`NAME_time_*.png` / `NAME_memory_*.png` (log-log plots) to `--out`, and prints a table. On a terminal
+`NAME_time_*.png` / `NAME_memory_*.png` (log-log plots; no memory plot with `--no-memory`; the plots
+an earlier run of the same NAME left in `--out` are removed first) to `--out`, and prints a table. On a terminal
 a progress bar shows while it runs; when the output is a pipe or a log, one plain line per finished
-row instead (variant, backend, N, mode, status, median time, x SDPA, first-call time). If the run is
+row instead (variant, backend, N, heads when `--heads` names several, mode, status, median time, x SDPA,
+first-call time); the terminal and `--compare` tables add an `H x D` column then too. If the run is
 killed, `--from-jsonl` rebuilds the JSON, Markdown and plots from the rows it finished. Variants are names or spec strings; `--backends` filters attnzoo's
 backends (`reference`, `torch`, `cpu`, `triton`, ..., `auto`) and the baselines (`sdpa`,
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`, `sdpa-math`, `torch-flex`, `flash-attn`, `fla`,

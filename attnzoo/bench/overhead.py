@@ -141,6 +141,15 @@ def _layer_candidates(c: OverheadConfig) -> list[Candidate]:
     return out
 
 
+def _unique(candidates: list[Candidate]) -> list[Candidate]:
+    """One candidate per name: samples are kept by name, so a repeated spec (``--variants softmax softmax``,
+    or two spellings of one call) would put two samples a round under one name and misalign its ratios."""
+    first: dict[str, Candidate] = {}
+    for x in candidates:
+        first.setdefault(x.name, x)
+    return list(first.values())
+
+
 def _interleaved(candidates: list[Candidate], c: OverheadConfig, advance: Callable[[], None]) -> dict[str, list]:
     """Per candidate name, its per-call seconds in every round (rounds rotate the order)."""
     runnable = [x for x in candidates if x.call is not None]
@@ -201,7 +210,7 @@ def run(config: OverheadConfig, progress: bool = True) -> dict:
     torch.set_num_threads(c.threads)
     start = time.perf_counter()
     try:
-        groups = [_functional_candidates(c), _layer_candidates(c)]
+        groups = [_unique(_functional_candidates(c)), _unique(_layer_candidates(c))]
         rows = []
         with progress_bar(progress, "overhead") as bar:
             task = bar.add_task("", total=c.rounds * len(groups))

@@ -3,6 +3,7 @@ grid benchmark); the GPU kernel measurement's ratios to SDPA (``plot_speed``).""
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def _slug(mode: str, dtype: str, heads: int, head_dim: int, many: bool) -> str:
     return base + (f"_h{heads}_d{head_dim}" if many else "")
 
 
+def _stale_plots(out_dir: Path, prefix: str) -> list[Path]:
+    """The plots an earlier run named ``prefix`` left in ``out_dir`` (exactly the names ``_slug`` makes)."""
+    pattern = re.compile(re.escape(prefix) + rf"({'|'.join(METRICS)})_(fwd|fwd_bwd)_[a-z0-9]+(_h\d+_d\d+)?\.png")
+    return [p for p in out_dir.iterdir() if pattern.fullmatch(p.name)]
+
+
+# a figure narrower than this cuts its title off (one panel of 3.6 inches)
+MIN_FIGURE_WIDTH = 7.2
+
+
 def _colours(rows: list[dict], plt) -> dict:
     """One colour per backend name, the same in every panel of a figure."""
     names = sorted({r["backend"] for r in rows})
@@ -51,6 +62,10 @@ def plot_results(result: dict, out_dir, prefix: str = "") -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # a re-run into the same folder: the plots of modes, dtypes or shapes this run lacks would sit
+    # beside a JSON they do not belong to
+    for path in _stale_plots(out_dir, prefix):
+        path.unlink()
     # "auto" duplicates the line of the backend it resolves to: left out of the plots
     rows = [r for r in result["results"] if r["status"] == OK and r["backend"] != "auto"]
     groups = OrderedDict()
@@ -62,11 +77,14 @@ def plot_results(result: dict, out_dir, prefix: str = "") -> list[Path]:
     for (mode, dtype, heads, head_dim), members in groups.items():
         variants = list(OrderedDict.fromkeys(r["variant"] for r in members))
         for metric, (ylabel, value, fmt, base) in METRICS.items():
+            if not any(value(r) for r in members):  # --no-memory: no plot of empty axes
+                continue
             ncols = min(5, len(variants))
             nrows = math.ceil(len(variants) / ncols)
             colours = _colours(members, plt)
             height = 2.9 * nrows + 0.7
-            fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, height), squeeze=False)
+            width = max(3.6 * ncols, MIN_FIGURE_WIDTH)
+            fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False)
             for ax, variant in zip(axes.flat, variants):
                 lines = OrderedDict()
                 for r in members:
@@ -90,7 +108,7 @@ def plot_results(result: dict, out_dir, prefix: str = "") -> list[Path]:
             fig.suptitle(f"{metric} vs N - {mode}, {dtype}, {heads} head(s) x {head_dim}, batch*N fixed - {device}",
                          fontsize=10)
             # fixed margins: tight_layout costs seconds per figure on a small machine
-            fig.subplots_adjust(left=0.25 / ncols, right=0.98, bottom=0.5 / height, top=1 - 0.6 / height,
+            fig.subplots_adjust(left=0.9 / width, right=0.98, bottom=0.5 / height, top=1 - 0.6 / height,
                                 wspace=0.35, hspace=0.45)
             path = out_dir / f"{prefix}{metric}_{_slug(mode, dtype, heads, head_dim, many)}.png"
             fig.savefig(path, dpi=110)

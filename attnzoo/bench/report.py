@@ -61,13 +61,14 @@ def time_cell(row: dict) -> str:
     return fmt_time(t["median"]) + (f" +-{spread:.0f}%" if spread is not None else " (1 run)")
 
 
-def row_line(row: dict, elapsed: float | None = None) -> str:
+def row_line(row: dict, elapsed: float | None = None, heads: bool = False) -> str:
     """One plain line per finished row, for logs and captured output where a progress bar is invisible:
-    [elapsed] variant backend(->resolved) N mode dtype status median ratio first-call (reason)."""
+    [elapsed] variant backend(->resolved) N [H, when ``heads``: a run of several head counts] mode dtype
+    status median ratio first-call (reason)."""
     parts = [] if elapsed is None else [f"[{elapsed:7.1f}s]"]
     parts += [f"{row['variant'] + (' (causal)' if row['causal'] and row['variant'] != 'masked' else ''):<14}",
-              f"{backend_label(row):<22}", f"N={row['seq_len']:<6}", f"{row['mode']:<8}", f"{row['dtype']:<9}",
-              f"{row['status']:<11}"]
+              f"{backend_label(row):<22}", f"N={row['seq_len']:<6}"] + ([f"H={row['heads']:<4}"] if heads else []) + [
+              f"{row['mode']:<8}", f"{row['dtype']:<9}", f"{row['status']:<11}"]
     if row["status"] == OK:
         parts.append(f"{fmt_time(row['time_s']['median']):>10}")
         ratio = row.get("ratio_time_vs_sdpa")
@@ -98,7 +99,7 @@ def row_cells(row: dict) -> list[str]:
 def _sorted(rows: list[dict]) -> list[dict]:
     variants = list(OrderedDict.fromkeys(r["variant"] for r in rows))
     return sorted(rows, key=lambda r: (r["mode"], r["dtype"], variants.index(r["variant"]), r["seq_len"],
-                                       r["kind"] != "attnzoo", r["backend"] == "auto"))
+                                       r["heads"], r["head_dim"], r["kind"] != "attnzoo", r["backend"] == "auto"))
 
 
 def rich_table(result: dict, title: str | None = None):
@@ -110,8 +111,10 @@ def rich_table(result: dict, title: str | None = None):
     table = Table(title=title or f"attnzoo bench - {env.get('device_name')}, {', '.join(dtypes)}, "
                                  f"heads x dim {', '.join(f'{h}x{d}' for h, d in shapes)}, batch = batch_tokens / N",
                   caption_justify="left")
-    columns = ["variant", "backend", "N", "mode"] + (["dtype"] if len(dtypes) > 1 else []) + [
-        "time", "TFLOP/s", "tok/s", "peak mem", "t/SDPA", "mem/SDPA"]
+    # several head counts (--heads 1 4) or dtypes: a column for each, else rows of different problems look alike
+    many_shapes = len(shapes) > 1
+    columns = ["variant", "backend", "N"] + (["H x D"] if many_shapes else []) + ["mode"] + (
+        ["dtype"] if len(dtypes) > 1 else []) + ["time", "TFLOP/s", "tok/s", "peak mem", "t/SDPA", "mem/SDPA"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("variant", "backend", "mode", "dtype", "time") else "right")
     reasons: OrderedDict = OrderedDict()
@@ -120,7 +123,8 @@ def rich_table(result: dict, title: str | None = None):
         if row["status"] != OK or row.get("reason"):
             time += f" [{reasons.setdefault(row['reason'], len(reasons) + 1)}]"
         cells = [row["variant"] + (" (causal)" if row["causal"] and row["variant"] != "masked" else ""),
-                 backend_label(row), str(row["seq_len"]), row["mode"]] + ([row["dtype"]] if len(dtypes) > 1 else [])
+                 backend_label(row), str(row["seq_len"])] + ([f"{row['heads']}x{row['head_dim']}"] if many_shapes else []) + [
+                 row["mode"]] + ([row["dtype"]] if len(dtypes) > 1 else [])
         cells += [time, "" if row.get("tflops") is None else f"{row['tflops']:.3g}", fmt_rate(row.get("tokens_per_s")),
                   fmt_bytes(row.get("peak_memory_bytes")), fmt_ratio(row.get("ratio_time_vs_sdpa")),
                   fmt_ratio(row.get("ratio_memory_vs_sdpa"))]

@@ -35,6 +35,9 @@ def validate(result: dict) -> dict:
     """Raise ValueError naming the first field that does not match the layout; return ``result``."""
     if not isinstance(result, dict):
         raise ValueError(f"a benchmark result must be a JSON object, got {type(result).__name__}")
+    if "schema" in result and result["schema"] != SCHEMA:  # before the fields: a models/overhead result lacks some
+        raise ValueError(f"benchmark result: schema must be {SCHEMA!r} (a kernel benchmark, `attnzoo bench`), got "
+                         f"{result['schema']!r}")
     for key, typ in TOP_LEVEL.items():
         if key not in result or not _type_ok(result[key], typ):
             raise ValueError(f"benchmark result: '{key}' must be a {typ.__name__}")

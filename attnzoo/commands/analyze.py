@@ -82,11 +82,11 @@ def check_arguments(args) -> None:
         for value in values if isinstance(values, list) else [values]:
             if value is not None and value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name, low in (("radii", 0.0), ("train_seconds", -1.0), ("alpha", 0.0)):
+    for name, zero_allowed in (("radii", False), ("train_seconds", True), ("alpha", False)):
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and not value > low:
-                raise UsageError(f"--{name.replace('_', '-')} must be {'> 0' if low == 0 else '>= 0'}, got {value}")
+            if value is not None and not (value >= 0 if zero_allowed else value > 0):
+                raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if zero_allowed else '> 0'}, got {value}")
     if args.tool == "fenchel":
         if args.checkpoint and not args.config:
             raise UsageError("--checkpoint needs --config (the YAML it was trained with, or the run's metrics.json)")

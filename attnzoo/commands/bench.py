@@ -399,7 +399,9 @@ def run(args) -> int:
     old = compared[0] if compared else None   # loaded before a long run, not after it
     config = _config(args)
     out, name = _out_dir(args, config.device), _name(args, "bench")
-    result, log_name = _logged_run(args, run_bench, config, out, name, row_line)
+    many_heads = len(set(config.heads)) > 1   # else the lines of different head counts read alike
+    result, log_name = _logged_run(args, run_bench, config, out, name,
+                                   lambda row, elapsed: row_line(row, elapsed, heads=many_heads))
     _print_table(console, result)
     files = write_outputs(result, out, name)
     console.print(f"wrote {files['json']}, {files['markdown']}, {log_name} and {len(files['plots'])} plots in {out}")
