@@ -170,3 +170,24 @@ def test_row_lines_tell_head_counts_apart(tmp_path, capsys):
     assert len(lines) == 2
     labels = [line.split(" ok ")[0].split("]", 1)[1] for line in lines]
     assert len(set(labels)) == 2 and "H=1" in labels[0] and "H=2" in labels[1], labels
+
+
+def test_result_files_get_the_usual_permissions(tmp_path):
+    """bench.json / bench.md were written 0600 (mkstemp's mode) while the PNGs beside them were 0644:
+    a results folder shared with others could not be read by them."""
+    import json
+    import os
+    import stat
+
+    from attnzoo.bench import schema
+
+    old = os.umask(0o022)
+    try:
+        schema.write_json({"a": 1, "p": tmp_path}, tmp_path / "r.json")
+        schema.write_text("x\n", tmp_path / "r.md")
+    finally:
+        os.umask(old)
+    for name in ("r.json", "r.md"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~schema._UMASK
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1, "p": str(tmp_path)}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left

@@ -69,28 +69,18 @@ def validate(result: dict) -> dict:
     return result
 
 
-def write_json(result: dict, path) -> Path:
-    """Write atomically (temporary file in the same folder, then rename); values JSON cannot hold
-    (paths, dtypes) are written as their str()."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=False, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def write_text(text: str, path) -> Path:
+    """Write atomically: a temporary file in the same folder, given the usual permissions (mkstemp
+    makes 0600 files; the plots beside it are 0644), then renamed over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -98,6 +88,11 @@ def write_text(text: str, path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json(result: dict, path) -> Path:
+    """``write_text`` of the JSON; values JSON cannot hold (paths, dtypes) are written as their str()."""
+    return write_text(json.dumps(result, indent=1, sort_keys=False, default=str) + "\n", path)
 
 
 def _read(path) -> object:
