@@ -191,3 +191,20 @@ def test_result_files_get_the_usual_permissions(tmp_path):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~schema._UMASK
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1, "p": str(tmp_path)}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_lipschitz_plot_names_the_variants_it_cannot_draw(tmp_path, monkeypatch):
+    """A variant paper 002 gives no bound for (relu, linear) has no estimate / bound ratio to draw: it
+    used to drop out of lipschitz.png without a word."""
+    from attnzoo.analysis import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    row = {"weights": "random", "n_tokens": 4, "radius": 1.0, "estimate": 0.5}
+    rows = [dict(row, variant="softmax", bound=1.0), dict(row, variant="relu", bound=None)]
+    plots.lipschitz_plot(rows, tmp_path / "l.png")
+    texts = [t.get_text() for t in figures[0].texts]
+    assert any("relu" in t and "no bound" in t for t in texts), texts
+    assert not any("softmax" in t for t in texts if "no bound" in t)
+    plots.lipschitz_plot(rows[:1], tmp_path / "l.png")
+    assert not [t for t in figures[1].texts if "no bound" in t.get_text()]

@@ -42,6 +42,10 @@ def lipschitz_plot(rows, path):
     axes[0].set_xscale("log", base=2)
     axes[1].legend(fontsize=7)
     fig.suptitle("Query Lipschitz estimate vs paper 002 bounds (<= 1 everywhere)")
+    unbounded = [v for v in variants if not any(r["bound"] for r in rows if r["variant"] == v)]
+    if unbounded:  # no ratio to draw: say so on the figure rather than leave them out without a word
+        fig.text(0.5, 0.005, f"no bound in paper 002 for {', '.join(unbounded)}: their estimates are in the "
+                 "JSON only", ha="center", va="bottom", fontsize=8)
     return _save(fig, path)
 
 
