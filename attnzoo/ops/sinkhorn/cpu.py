@@ -8,14 +8,12 @@ Tiles hold B*H*block_q*block_k elements: the default block size keeps that near 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
-from torch import Tensor
 
 from ..common import upcast
 from ..masking import split_mask
-from .streaming import GRAD_MODES, Problem, causal_by_prefix, neumann_sums, streaming_sinkhorn
+from .streaming import GRAD_MODES, Problem, causal_by_prefix, streaming_sinkhorn
 
 TILE_ELEMENTS = 1 << 20
 
@@ -149,12 +147,6 @@ class TorchEngine:
             out[..., ks] += (w[..., None, qs] @ e).squeeze(-2)
         return out
 
-    def implicit_sums(self, p, g, f, dg):
-        """streaming.neumann_sums through the opaque op below, so that torch.compile(fullgraph=True)
-        traces the implicit backward: the series stops on a tensor value, which a graph cannot hold."""
-        return _neumann_sums_op(p.q, p.k, p.v, p.keep, p.bias, g, f, dg, float(p.scale), float(p.eps), p.cost,
-                                self.block_q, self.block_k)
-
     def grad_qk(self, p, g, lse, dout, delta, terms):
         acc = self.acc_dtype(p)
         dq = torch.zeros(p.q.shape, dtype=acc, device=p.q.device)
@@ -177,22 +169,6 @@ class TorchEngine:
                 dq[..., qs, :] += a * (dL @ kb)
                 dk[..., ks, :] += a * (dL.transpose(-1, -2) @ qb)
         return dq, dk
-
-
-# The implicit adjoint's Neumann series as one custom op (the Triton backend's implicit backward is one
-# too, triton.sinkhorn_bwd_implicit): eager and compiled calls run the same loop on the same engine.
-# It runs inside a backward only (grad mode off), so it needs no autograd formula.
-@torch.library.custom_op("attnzoo::sinkhorn_neumann_sums_cpu", mutates_args=())
-def _neumann_sums_op(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], bias: Optional[Tensor], g: Tensor,
-                     f: Tensor, dg: Tensor, scale: float, eps: float, cost: str, block_q: Optional[int],
-                     block_k: Optional[int]) -> tuple[Tensor, Tensor]:
-    p = Problem(q, k, v, keep, bias, scale, eps, cost)
-    return neumann_sums(TorchEngine(block_q, block_k), p, g, f, dg)
-
-
-@_neumann_sums_op.register_fake
-def _(q, k, v, keep, bias, g, f, dg, scale, eps, cost, block_q, block_k):
-    return torch.empty_like(dg), torch.empty_like(f)
 
 
 def check_options(dropout_p: float, grad_mode: str) -> None:

@@ -117,12 +117,10 @@ def _adjoint_unrolled(engine, p, fs, gs, dg):
     return st(fs), st(gs), st(DG), st(DF)
 
 
-def neumann_sums(engine, p, g, f, dg):
-    """(W_g, W_f): the sums of the implicit-function adjoint's Neumann series at the (approximate)
-    fixed point (g, f), P_ij = exp(L_ij + f_i + g_j). Stops on the size of the term, a branch on
-    tensor values: an engine that runs under torch.compile hides this loop in an opaque op
-    (``implicit_sums``, see cpu.py)."""
+def _adjoint_implicit(engine, p, g, lse, dg):
+    """Neumann series of the implicit-function adjoint at the (approximate) fixed point g."""
     c = p.col_target
+    f = -lse  # row potential of the final plan: P_ij = exp(L_ij + f_i + g_j)
     w_g = torch.zeros_like(dg)
     w_f = torch.zeros_like(f)
     # g is only defined up to a constant (g + t gives the same P): that direction has eigenvalue 1 in
@@ -149,15 +147,6 @@ def neumann_sums(engine, p, g, f, dg):
         warnings.warn(f"Sinkhorn implicit backward: the adjoint series did not converge in {IMPLICIT_MAX_ITERS} "
                       "terms (eps too small or the forward far from its fixed point); use grad_mode='unrolled'",
                       RuntimeWarning, stacklevel=2)
-    return w_g, w_f
-
-
-def _adjoint_implicit(engine, p, g, lse, dg):
-    """Neumann series of the implicit-function adjoint at the (approximate) fixed point g, as the
-    stacks of engine.grad_qk."""
-    f = -lse  # row potential of the final plan: P_ij = exp(L_ij + f_i + g_j)
-    sums = getattr(engine, "implicit_sums", None)
-    w_g, w_f = sums(p, g, f, dg) if sums is not None else neumann_sums(engine, p, g, f, dg)
     # one term with C = exp(L + f + g - c), R = exp(L + f + g): the stacks' G[t + 1] - c and G[t]
     return f[None], torch.stack([g, g]), w_g[None], w_f[None]
 
