@@ -125,6 +125,26 @@ def test_autocast_bf16_meets_the_flash_rule(name, kw):
     assert_flash_rule(_layer_id(name, kw), torch.bfloat16, 1.0, triples)
 
 
+def test_sinkhorn_implicit_backward_under_compile_matches_eager():
+    """cpu_implicit's backward stops its Neumann series on a tensor value (streaming.neumann_sums), so
+    torch.compile breaks the graph there rather than tracing it (fullgraph=True is refused; a custom op
+    hiding the loop gave a wrong dq on torch 2.11 and was taken back). Compiled, it must equal eager."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (6, 5, 5))
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out,) + torch.autograd.grad(out.square().sum(), leaves)
+
+    sinkhorn = lambda q, k, v: attnzoo.functional.sinkhorn(q, k, v, n_iters=20, backend="cpu_implicit")
+    want = step(sinkhorn)
+    got = step(torch.compile(sinkhorn, backend="aot_eager", dynamic=False))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # The Triton backends under the interpreter: an interpreted launch cannot be traced, so their ops are
 # opaque there (ops/triton_utils.kernel_op; a traced launch-free op would return uninitialised memory),
 # and every layer still traces as one graph (fullgraph=True). On a GPU, tests/test_triton_gpu.py
