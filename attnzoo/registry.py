@@ -165,9 +165,7 @@ def _unknown_kwargs(name: str, cls: type, kwargs: dict, bad: list[str]) -> Value
         options = set(catalog.get(kind).hook.options()) if catalog.is_declared(kind) else set()
         options |= {"kind"} if name in _WRAPPERS else set()
         known = known | options
-    close = difflib.get_close_matches(bad[0], sorted(known), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ValueError(f"{name} does not take {bad}{hint}; its options are {sorted(options)} (besides timm's "
+    return ValueError(f"{name} does not take {bad}{close_match(bad[0], sorted(known))}; its options are {sorted(options)} (besides timm's "
                       "constructor arguments)")
 
 

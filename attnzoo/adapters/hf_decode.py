@@ -101,8 +101,9 @@ def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tok
     new, nk = query.shape[-2], key.shape[-2]
     couples = kernel.couples_queries
     # the mask is causality plus padding (causal_and_rest): one row, and no logit bias in it (a one-row
-    # T5 position bias is the bias of the new query only, not of the earlier ones)
-    per_key = mask is None or (mask.shape[-2] == 1 and _padding_only(mask))
+    # T5 position bias is the bias of the new query only, not of the earlier ones). Only a variant that
+    # couples queries asks: reading the values is a device sync
+    per_key = couples and (mask is None or (mask.shape[-2] == 1 and _padding_only(mask)))
     if couples and not per_key and nk > new:
         raise ValueError(f"{_what(kernel, module)}: a cached step of a variant that couples queries needs "
                          "the mask to be causality plus padding, and this one is not (a sliding window, "

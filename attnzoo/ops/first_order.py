@@ -18,23 +18,16 @@ import functools
 import torch
 
 
-def double_backward_error(name: str) -> RuntimeError:
-    """The error every first-order-only backward raises under create_graph=True: names the backward
-    and the way out."""
-    return RuntimeError(
-        f"{name} computes its gradient in kernels that autograd cannot differentiate again: double "
-        "backward (create_graph=True) is not supported on this backend; use backend='reference', "
-        "whose eager formula autograd differentiates twice")
-
-
 def first_order_only(backward, name: str):
     """``backward(ctx, *grads)`` that raises a RuntimeError naming ``name`` and the way out when run
     with create_graph=True (grad mode is on inside a backward exactly then)."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
-            raise double_backward_error(name)
+            raise RuntimeError(
+                f"{name} computes its gradient in kernels that autograd cannot differentiate again: double "
+                "backward (create_graph=True) is not supported on this backend; use backend='reference', "
+                "whose eager formula autograd differentiates twice")
         return backward(ctx, *grads)
 
     return wrapper
-
