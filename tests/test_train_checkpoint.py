@@ -74,7 +74,8 @@ CORRUPTIONS = [  # (which file, damage, exception, message)
     ("state", lambda p: p.unlink(), CheckpointNotFoundError, "missing"),
     ("weights", lambda p: p.unlink(), CheckpointNotFoundError, "missing"),
     ("pointer", _garbage, CheckpointError, "pointer"),
-    ("pointer", lambda p: p.unlink(), CheckpointNotFoundError, "no checkpoint"),
+    # both pointers gone (with last.json alone gone, the run resumes from best.json: test_audit_cli_train.py)
+    ("pointer", lambda p: [f.unlink() for f in p.parent.glob("*.json")], CheckpointNotFoundError, "no checkpoint"),
 ]
 
 

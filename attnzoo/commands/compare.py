@@ -1,5 +1,5 @@
-"""attnzoo compare PLAN.yaml | CONFIG.yaml ... [--seeds 0 1 2] [--set key=value] [--out-dir DIR]
-[--parallel N] [--time-budget SECONDS]."""
+"""attnzoo compare PLAN.yaml | CONFIG.yaml ... [--vary key=value ...] [--seeds 0 1 2] [--set key=value]
+[--out-dir DIR] [--parallel N] [--time-budget SECONDS]."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,10 @@ def add_arguments(parser) -> None:
                         "or 0 for configs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field of every run, as in attnzoo train")
+    parser.add_argument("--vary", action="append", default=[], metavar="KEY=VALUE",
+                        help="with configs: one run of each config per value, named CONFIG-VALUE; repeat it to "
+                             "compare variants of one config, e.g. --vary model.attention=softmax --vary "
+                             'model.attention="sinkhorn(n_iters=5)" (several keys: every combination)')
     parser.add_argument("--out-dir", default=None, help="folder of the runs, the table and the curves")
     parser.add_argument("--data-dir", default=None, help="folder holding a local copy of the dataset")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="train only these runs of the plan "
@@ -38,6 +42,9 @@ def run(args) -> int:
     from ..train import protocol
     try:
         if len(args.plan) == 1 and Path(args.plan[0]).is_file() and protocol.is_plan(args.plan[0]):
+            if args.vary:
+                raise UsageError(f"--vary applies to configs; {args.plan[0]} is a plan: give its runs their "
+                                 "settings with set: [KEY=VALUE, ...]")
             plan = protocol.load_plan(args.plan[0])
         else:
             for p in args.plan:
@@ -45,7 +52,7 @@ def run(args) -> int:
                     raise UsageError(f"{p!r} not found: pass one plan (configs/compare/*.yaml) or training configs")
                 if protocol.is_plan(p):
                     raise UsageError(f"{p} is a plan: pass it alone")
-            plan = protocol.plan_from_configs(args.plan, args.out_dir)
+            plan = protocol.plan_from_configs(args.plan, args.out_dir, args.vary)
         if args.out_dir:
             plan.out_dir = Path(args.out_dir)
         if args.seeds:

@@ -34,6 +34,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from ..train import CheckpointError, DataNotFoundError, load_config, train
+    from ..train.checkpoint import newest_pointer
     overrides = list(args.overrides)
     if args.data_dir is not None:
         overrides.append(f"data.data_dir={json.dumps(args.data_dir)}")
@@ -59,7 +60,7 @@ def run(args) -> int:
             raise
         ckpt = Path(cfg.train.out_dir) / "checkpoints"
         kept = (f"the last finished epoch is in {ckpt} (--resume continues; the epoch cut short is trained again)"
-                if (ckpt / "last.json").is_file() else "no epoch had finished, so there is no checkpoint")
+                if newest_pointer(ckpt) is not None else "no epoch had finished, so there is no checkpoint")
         print(f"\nattnzoo train: interrupted; {kept}", file=sys.stderr)
         return 130
     return 0

@@ -12,7 +12,8 @@ carries no checksum for a file it needs (one written by an older attnzoo, loaded
 pointer) is refused rather than trusted. A save writes the state, then the weights, then
 ``best.json`` (when the epoch is the best), then ``last.json``: a crash at any moment leaves both
 pointers naming complete, verified files (``best.json`` can only run ahead of ``last.json``, by
-the epoch that ``--resume`` then trains again)."""
+one epoch; in a run's first save ``last.json`` may not exist yet). A run folder resumes from the
+newest of the two (``newest_pointer``), so no finished epoch is trained again."""
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,10 @@ def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the usual permissions
         write(tmp)
+        # mkstemp makes 0600 files; give the usual permissions after the write, since a writer may
+        # replace the file rather than write into it (safetensors' save_file does: its file was 0600)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -144,12 +147,41 @@ def _remove_unreferenced(ckpt_dir: Path) -> None:
             f.unlink(missing_ok=True)
 
 
-def resolve(path: Union[str, Path], which: str = "last") -> tuple[Path, Path, dict]:
+def newest_pointer(folder: Union[str, Path]) -> Union[Path, None]:
+    """The pointer (``last.json`` or ``best.json``) of a run dir or its checkpoints/ dir that names the
+    latest epoch, or None when there is none. ``best.json`` runs ahead of ``last.json`` when a save
+    was killed between the two (in a run's first save, ``last.json`` is then absent)."""
+    folder = Path(folder)
+    if (folder / "checkpoints").is_dir():
+        folder = folder / "checkpoints"
+    pointers = [folder / f"{name}.json" for name in ("last", "best") if (folder / f"{name}.json").is_file()]
+    if len(pointers) < 2:
+        return pointers[0] if pointers else None
+    return max(pointers, key=_pointer_epoch)  # max keeps the first (last.json) on a tie
+
+
+def _pointer_epoch(p: Path) -> int:
+    epoch = _read_pointer(p).get("epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise CheckpointError(f"checkpoint pointer {p} is corrupt (its epoch is {epoch!r}); delete it or pass the "
+                              f".safetensors file directly")
+    return epoch
+
+
+POINTERS = ("newest", "last", "best")
+
+
+def resolve(path: Union[str, Path], which: str = "newest") -> tuple[Path, Path, dict]:
     """(weights file, state file, expected checksums) from a run dir, its checkpoints/ dir, a pointer
-    .json, or a .safetensors (whose checksums come from a pointer beside it that names it, if any)."""
+    .json, or a .safetensors (whose checksums come from a pointer beside it that names it, if any).
+    For a folder, ``which`` picks the pointer: ``"newest"`` (``newest_pointer``), ``"last"`` or ``"best"``."""
+    if which not in POINTERS:
+        raise ValueError(f"which must be one of {POINTERS}, got {which!r}")
     p = Path(path)
     if p.is_dir():
-        p = p / "checkpoints" / f"{which}.json" if (p / "checkpoints").is_dir() else p / f"{which}.json"
+        newest = newest_pointer(p) if which == "newest" else None
+        name = "last" if which == "newest" else which
+        p = newest or (p / "checkpoints" / f"{name}.json" if (p / "checkpoints").is_dir() else p / f"{name}.json")
     sums: dict = {}
     if p.suffix == ".safetensors":
         weights, state = p, p.with_name(p.name[:-len(".safetensors")] + ".state.pt")
@@ -163,7 +195,7 @@ def resolve(path: Union[str, Path], which: str = "last") -> tuple[Path, Path, di
     else:
         if not p.is_file():
             raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r} (looked for {p}); train first or "
-                                          f"pass a run directory, a {which}.json or a .safetensors file")
+                                          f"pass a run directory, a last.json / best.json or a .safetensors file")
         sums = _read_pointer(p)
         weights, state = p.parent / sums["weights"], p.parent / sums["state"]
     for f in (weights, state):
@@ -222,10 +254,10 @@ def load_state(path: Union[str, Path], expected_sha256: str = None) -> dict:
     return state
 
 
-def load_checkpoint(path: Union[str, Path], which: str = "last") -> tuple[dict, dict]:
+def load_checkpoint(path: Union[str, Path], which: str = "newest") -> tuple[dict, dict]:
     """(weights, state) of a checkpoint, every file verified against a checksum recorded when it was
     saved (a pointer's, or the pair's own when the weights file is named directly);
-    CheckpointNotFoundError / CheckpointError with the reason."""
+    CheckpointNotFoundError / CheckpointError with the reason. ``which``: see ``resolve``."""
     weights_file, state_file, sums = resolve(path, which)
     state_sum = sums.get("state_sha256")
     if state_sum is None:  # no pointer names the pair: the weights file records its state's checksum
@@ -266,13 +298,11 @@ def _with_defaults(saved: dict, defaults: dict) -> dict:
     return out
 
 
-def check_resumable(state: dict, config: dict, path, allow_change: bool = False,
-                    device_type: str = None, defaults: dict = None) -> list[str]:
-    """The settings a resume changes, as ``"key: checkpoint A, config B"`` lines. A checkpoint whose
-    model (or dataset) differs from the config is always refused; any other change (learning rate,
-    seed, batch size, epochs, ..., or the device type) would make the run differ from an
-    uninterrupted one, so it is refused unless ``allow_change``. ``defaults``: the config's default
-    values, for settings a checkpoint saved by an older attnzoo does not record."""
+def check_same_model(state: dict, config: dict, path, defaults: dict = None, advice: str = "") -> dict:
+    """The checkpoint's recorded config (settings it predates filled in from ``defaults``), after
+    checking that it trained the model ``config`` describes: the whole ``model`` section and the
+    dataset. Otherwise a CheckpointError listing each differing key: weights of another attention,
+    head count, ... can have the same shapes and load without a word. ``advice``: what to do instead."""
     saved = state.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} records no config, so it cannot be checked against this one")
@@ -281,8 +311,20 @@ def check_resumable(state: dict, config: dict, path, allow_change: bool = False,
     diffs = _differences({"model": saved.get("model", {}), "dataset": saved.get("data", {}).get("dataset")},
                          {"model": config["model"], "dataset": config["data"]["dataset"]})
     if diffs:
-        raise CheckpointError(f"checkpoint {path} was trained with a different model: {'; '.join(diffs)}; resume with "
-                              f"the checkpoint's settings or train into a new train.out_dir")
+        raise CheckpointError(f"checkpoint {path} was trained with a different model: {'; '.join(diffs)}"
+                              f"{'; ' + advice if advice else ''}")
+    return saved
+
+
+def check_resumable(state: dict, config: dict, path, allow_change: bool = False,
+                    device_type: str = None, defaults: dict = None) -> list[str]:
+    """The settings a resume changes, as ``"key: checkpoint A, config B"`` lines. A checkpoint whose
+    model (or dataset) differs from the config is always refused; any other change (learning rate,
+    seed, batch size, epochs, ..., or the device type) would make the run differ from an
+    uninterrupted one, so it is refused unless ``allow_change``. ``defaults``: the config's default
+    values, for settings a checkpoint saved by an older attnzoo does not record."""
+    saved = check_same_model(state, config, path, defaults,
+                             advice="resume with the checkpoint's settings or train into a new train.out_dir")
     rest = lambda c: {k: v for k, v in c.items() if k != "model"}  # noqa: E731
     changes = [d for d in _differences(rest(saved), rest(config)) if d.split(":")[0] not in RESUME_INCIDENTAL]
     saved_device = state.get("device_type")

@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from ..models import build_model, count_parameters
 from . import distributed as D
-from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, remove_stale_temporaries, resolve,
-                         restore, save_checkpoint)
+from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, newest_pointer, remove_stale_temporaries,
+                         resolve, restore, save_checkpoint)
 from .config import TrainConfig, check, effective_lr, model_kwargs
 from .data import build_loaders, pipeline, uses_partners
 from .datasets import dataset_info
@@ -282,12 +282,13 @@ def _refuse_to_replace(out_dir: Path, resume) -> None:
     from another folder) would replace it: its first save repoints last.json and deletes the files
     no pointer names. Refused before anything is written, so nothing is lost."""
     ckpt_dir = out_dir / "checkpoints"
-    if not any((ckpt_dir / f"{name}.json").is_file() for name in ("last", "best")):
+    pointer = newest_pointer(ckpt_dir)
+    if pointer is None:
         return
     if resume is not None and resolve(resume)[0].parent.resolve() == ckpt_dir.resolve():
         return
     what = "without --resume" if resume is None else f"from another checkpoint ({resume})"
-    raise CheckpointError(f"train.out_dir {out_dir} already holds a run ({ckpt_dir}/last.json); training into it "
+    raise CheckpointError(f"train.out_dir {out_dir} already holds a run ({pointer}); training into it "
                           f"{what} would replace that run's checkpoints and metrics: pass --resume to continue "
                           f"it, choose another --out-dir (train.out_dir), or delete {ckpt_dir} to start again")
 

@@ -26,13 +26,16 @@ that a plan cut short keeps whole seeds. ``deadline`` (a ``time.time()`` value, 
 run that an earlier run of the same model says cannot finish in time."""
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from .checkpoint import newest_pointer
 from .config import TrainConfig, load_config, read_yaml
 
 PLAN_KEYS = {"title", "out_dir", "seeds", "set", "level", "runs"}
@@ -119,13 +122,50 @@ def load_plan(path) -> Plan:
                 runs, _strings(data.get("set"), "set"), float(level))
 
 
-def plan_from_configs(paths: list[str], out_dir: Optional[str] = None) -> Plan:
-    """A plan of training configs, each run named after its file."""
-    runs = [PlanRun(Path(p).stem, Path(p)) for p in paths]
+VARY_HINT = ("to compare variants of one config, pass it once with one --vary per variant, e.g. --vary "
+             "model.attention=softmax --vary model.attention=sigmoid, or write a plan (configs/compare/*.yaml) "
+             "naming each run and its set: overrides")
+
+
+def plan_from_configs(paths: list[str], out_dir: Optional[str] = None, vary: Optional[list[str]] = None) -> Plan:
+    """A plan of training configs, each run named after its file. ``vary``: ``KEY=VALUE`` overrides;
+    each value of a key gives every config one run per value (several keys: every combination),
+    named ``FILE-VALUE`` (``vit_fashion_mnist-sigmoid``)."""
+    options = _vary_options(vary or [])
+    runs = []
+    for path in paths:
+        for choice in itertools.product(*options.values()):
+            overrides = [f"{key}={value}" for key, value in zip(options, choice)]
+            runs.append(PlanRun("-".join([Path(path).stem, *map(_name_part, choice)]), Path(path), overrides))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
-        raise ValueError(f"two configs share a file name: {names}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if vary:
+            raise ValueError(f"--vary gives two runs one name ({repeated}): their values differ only in characters "
+                             "a folder name drops; write a plan (configs/compare/*.yaml) naming each run")
+        raise ValueError(f"two configs share a file name ({repeated}), and a run is named after its config's file; "
+                         f"{VARY_HINT}")
     return Plan(" vs ".join(names), Path(out_dir or "runs/compare"), [0], runs)
+
+
+def _vary_options(vary: list[str]) -> dict[str, list[str]]:
+    """``["model.attention=softmax", "model.attention=relu"]`` -> {"model.attention": ["softmax", "relu"]}."""
+    options: dict[str, list[str]] = {}
+    for item in vary:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"--vary expects KEY=VALUE (e.g. model.attention=sigmoid), got {item!r}")
+        values = options.setdefault(key.strip(), [])
+        if value in values:
+            raise ValueError(f"--vary {item} is given twice")
+        values.append(value)
+    return options
+
+
+def _name_part(value: str) -> str:
+    """A --vary value as part of a run's folder name: letters, digits, '.' and '_' kept, any other run
+    of characters one '-' ("sinkhorn(n_iters=5, eps=0.5)" -> "sinkhorn-n_iters-5-eps-0.5")."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", value).strip("-") or "empty"
 
 
 def run_dir(plan: Plan, name: str, seed: int) -> Path:
@@ -157,7 +197,7 @@ def status(cfg: TrainConfig) -> str:
     folder = Path(cfg.train.out_dir)
     metrics = folder / "metrics.json"
     if not metrics.is_file():
-        return "partial" if (folder / "checkpoints" / "last.json").is_file() else "new"
+        return "partial" if newest_pointer(folder) is not None else "new"
     saved = json.loads(metrics.read_text())
     diffs = _differences(saved.get("config", {}), cfg.to_dict())
     if diffs:
@@ -171,7 +211,7 @@ def _resume_from(cfg: TrainConfig, state: str, log) -> Optional[str]:
     holds metrics but no checkpoint (carried from another machine without them)."""
     if state != "partial":
         return None
-    if (Path(cfg.train.out_dir) / "checkpoints" / "last.json").is_file():
+    if newest_pointer(cfg.train.out_dir) is not None:
         return cfg.train.out_dir
     log(f"{cfg.train.out_dir}: metrics but no checkpoint to resume from: training from the first epoch")
     return None
