@@ -19,39 +19,68 @@ def _csv(cast):
     return parse
 
 
+def _shown(values) -> str:
+    """A list default as it is typed on the command line: comma-separated, no brackets or quotes."""
+    return ",".join(map(str, values))
+
+
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="tool", required=True, metavar="TOOL")
     p = sub.add_parser("lipschitz", help="query-Lipschitz estimate vs paper 002 / 001 bounds over N and R")
-    p.add_argument("--variants", type=_csv(str), default=["softmax", "l2", "sinkhorn", "sigmoid", "multihead"])
-    p.add_argument("--tokens", type=_csv(int), default=[2, 4, 8, 16])
-    p.add_argument("--radii", type=_csv(float), default=[0.5, 1.0, 2.0])
-    p.add_argument("--dim", type=int, default=3)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--ascent-steps", type=int, default=20)
+    default = ["softmax", "l2", "sinkhorn", "sigmoid", "multihead"]
+    p.add_argument("--variants", type=_csv(str), default=default, metavar="V1,V2,...",
+                   help=f"comma-separated variants to estimate (default {_shown(default)}; relu and "
+                   "linear have no bound in paper 002: the figure names them, their estimates are in the JSON)")
+    p.add_argument("--tokens", type=_csv(int), default=[2, 4, 8, 16], metavar="N1,N2,...",
+                   help="comma-separated token counts N of the context X (default 2,4,8,16)")
+    p.add_argument("--radii", type=_csv(float), default=[0.5, 1.0, 2.0], metavar="R1,R2,...",
+                   help="comma-separated radii R of the ball B_R holding x and every token (default 0.5,1.0,2.0)")
+    p.add_argument("--dim", type=int, default=3, help="token dimension d (default %(default)s)")
+    p.add_argument("--samples", type=int, default=8,
+                   help="random starting points (x, X) of the search for the sup, per N and R (default %(default)s)")
+    p.add_argument("--ascent-steps", type=int, default=20,
+                   help="gradient-ascent steps on ||D_x Gamma|| from each starting point (default %(default)s)")
     p = sub.add_parser("wasserstein", help="W1-Lipschitz ratios of attention on perturbed clouds")
-    p.add_argument("--variants", type=_csv(str), default=["softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear"])
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--dim", type=int, default=2)
-    p.add_argument("--clouds", type=int, default=4)
+    default = ["softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear"]
+    p.add_argument("--variants", type=_csv(str), default=default, metavar="V1,V2,...",
+                   help=f"comma-separated variants to measure (default {_shown(default)})")
+    p.add_argument("--tokens", type=int, default=16, help="points per cloud (default %(default)s)")
+    p.add_argument("--dim", type=int, default=2, help="point dimension d (default %(default)s)")
+    p.add_argument("--clouds", type=int, default=4,
+                   help="random clouds, each perturbed by noise, dropped and added points (default %(default)s)")
     p = sub.add_parser("dynamics", help="particles vs Gaussian ODEs, d=2 cone study, limit-rank histograms")
-    p.add_argument("--particles", type=int, default=20000)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rank-points", type=int, default=30)
+    p.add_argument("--particles", type=int, default=20000,
+                   help="particles sampled from the initial Gaussian (default %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="RK4 steps of the particle system up to t = 1 "
+                   "(default %(default)s)")
+    p.add_argument("--rank-points", type=int, default=30,
+                   help="random starting covariances per histogram of limiting ranks (default %(default)s)")
     p = sub.add_parser("fenchel", help="paper 004 Fig 4: ||lambda* - alpha z|| / ||lambda*|| per layer and head")
     p.add_argument("--checkpoint", help="an `attnzoo train` run dir / .safetensors (needs --config)")
-    p.add_argument("--config", help="the YAML config the checkpoint was trained with, or the run's metrics.json")
-    p.add_argument("--train-seconds", type=float, default=60.0, help="without --checkpoint: train a tiny ViT this long")
-    p.add_argument("--images", type=int, default=64)
-    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--config", help="the YAML config the checkpoint was trained with, or the run's metrics.json; "
+                   "checked against the config the checkpoint records (model section and dataset)")
+    p.add_argument("--train-seconds", type=float, default=60.0, help="without --checkpoint: train a tiny softmax "
+                   "ViT on Fashion-MNIST this many seconds (default %(default)s)")
+    p.add_argument("--images", type=int, default=64, help="Fashion-MNIST test images fed through the model "
+                   "(default %(default)s)")
+    p.add_argument("--alpha", type=float, default=1.0,
+                   help="the scale alpha in ||lambda* - alpha z|| (> 0, default %(default)s)")
     p = sub.add_parser("topolip", help="TopoLip of ViTs with each attention variant vs a ResNet-18, clean and corrupted")
-    p.add_argument("--variants", type=_csv(str), default=["softmax", "l2", "sigmoid", "linear"])
-    p.add_argument("--train-seconds", type=float, default=30.0, help="per model (0: untrained)")
-    p.add_argument("--images", type=int, default=8)
-    p.add_argument("--max-points", type=int, default=64)
-    for q in sub.choices.values():
-        q.add_argument("--out", help="output folder (default runs/analysis/<tool>)")
-        q.add_argument("--seed", type=int, default=0)
-        q.add_argument("--threads", type=int, default=1)
+    default = ["softmax", "l2", "sigmoid", "linear"]
+    p.add_argument("--variants", type=_csv(str), default=default, metavar="S1,S2,...",
+                   help=f"comma-separated attention specs, one ViT each (default {_shown(default)})")
+    p.add_argument("--train-seconds", type=float, default=30.0,
+                   help="seconds of training on Fashion-MNIST per model (0: untrained; default %(default)s)")
+    p.add_argument("--images", type=int, default=8, help="Fashion-MNIST test images, each one point cloud per layer "
+                   "(default %(default)s)")
+    p.add_argument("--max-points", type=int, default=64,
+                   help="points kept per cloud (evenly spaced among its tokens) for the persistent homology "
+                   "(default %(default)s)")
+    for tool, q in sub.choices.items():
+        q.add_argument("--out", help=f"output folder of the JSON and PNGs (default runs/analysis/{tool})")
+        q.add_argument("--seed", type=int, default=0, help="seed of every random draw and of training "
+                       "(default %(default)s)")
+        q.add_argument("--threads", type=int, default=1, help="CPU threads torch uses (default %(default)s)")
 
 
 POSITIVE = ("tokens", "dim", "samples", "ascent_steps", "clouds", "particles", "steps", "rank_points", "images",
@@ -94,7 +123,7 @@ def check_arguments(args) -> None:
             if value and not Path(value).exists():
                 raise UsageError(f"{option} {value!r} does not exist")
         if args.checkpoint:
-            args.model_config = _model_config(args.config)
+            args.trained = _checked_checkpoint(args.checkpoint, args.config)
     if args.tool in ("fenchel", "topolip") and not (args.tool == "fenchel" and args.checkpoint):
         from ..train.datasets import FASHION_MNIST_INSTALL, fashion_mnist_present
         if not fashion_mnist_present():
@@ -259,10 +288,10 @@ def _train(model, seconds, seed):
     return model, {"steps": step, "seconds": seconds, "test_acc_1000": acc}
 
 
-def _model_config(path: str) -> dict:
-    """The ``model:`` section of a YAML config, or of a run's metrics.json (which records the resolved
-    config, overrides included); UsageError naming --config when the file cannot be read as one."""
-    from ..train.config import read_yaml
+def _train_config(path: str):
+    """The TrainConfig of a YAML config, or of a run's metrics.json (which records the resolved config,
+    overrides included); UsageError naming --config when the file cannot be read as one."""
+    from ..train.config import from_dict, read_yaml
     try:
         if path.endswith(".json"):
             cfg = json.loads(Path(path).read_text()).get("config")
@@ -274,17 +303,34 @@ def _model_config(path: str) -> dict:
     if not isinstance(model, dict) or "name" not in model:
         raise UsageError(f"--config {path!r} has no model section with a name (a training config, or a run's "
                          "metrics.json)")
-    return model
+    try:
+        return from_dict(cfg)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--config {path!r}: {e}") from None
 
 
-def _load_checkpoint(args):
-    from ..models.factory import build_model
-    from ..train.checkpoint import load_checkpoint
-    m = dict(args.model_config)
-    model = build_model(m.pop("name"), img_size=28, in_chans=1, num_classes=10, **m)
-    weights, _ = load_checkpoint(args.checkpoint)
+def _checked_checkpoint(checkpoint: str, config: str):
+    """(the model --config describes, with the checkpoint's weights loaded; its description), after
+    checking the checkpoint against --config as ``train --resume`` does (one comparison,
+    ``check_same_model``): the model section and the dataset. Without it, weights of another attention
+    or head count with the same shapes would load into a model that was never trained."""
+    from ..train.checkpoint import CheckpointError, check_same_model, load_checkpoint
+    from ..train.config import TrainConfig
+    from ..train.datasets import dataset_info
+    from ..train.loop import model_from_config
+    cfg = _train_config(config)
+    if cfg.data.dataset != "fashion_mnist":
+        raise UsageError(f"--config {config!r} trains on {cfg.data.dataset}; analyze fenchel reads Fashion-MNIST "
+                         "images, so it needs a model trained on fashion_mnist")
+    try:
+        weights, state = load_checkpoint(checkpoint)
+        check_same_model(state, cfg.to_dict(), checkpoint, defaults=TrainConfig().to_dict(),
+                         advice="pass the config it was trained with (its run folder's metrics.json records it)")
+    except CheckpointError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+    model = model_from_config(cfg, dataset_info(cfg.data.dataset))
     model.load_state_dict(weights)
-    return model.eval(), {"checkpoint": str(args.checkpoint)}
+    return model.eval(), {"checkpoint": str(checkpoint), "epoch": state["epoch"], "attention": cfg.model.attention}
 
 
 # ---- fenchel --------------------------------------------------------------------------------------
@@ -293,9 +339,7 @@ def _fenchel(args, out):
 
     from ..analysis import fenchel_dual, plots
     if args.checkpoint:
-        if not args.config:
-            raise ValueError("--checkpoint needs --config (the YAML it was trained with)")
-        model, info = _load_checkpoint(args)
+        model, info = args.trained
     else:
         model, info = _train_vit("softmax", args.train_seconds, args.seed)
     x, _ = _fashion(args.images, False, args.seed + 1)

@@ -3,6 +3,7 @@
 files, a local copy, or torchvision's download), CIFAR-10/100 (torchvision), or generated look-alikes."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import struct
 from dataclasses import dataclass
@@ -152,11 +153,40 @@ def _fashion_mnist(train: bool, data_dir, download, verify: bool = True):
     from torchvision.datasets import FashionMNIST
     root = data_dir or "data"
     try:
-        ds = FashionMNIST(root=root, train=train, download=True)
+        with removed_on_failure(root):
+            ds = FashionMNIST(root=root, train=train, download=True)
     except Exception as e:  # no network, proxy, disk...
         raise DataNotFoundError(f"Fashion-MNIST files not found in {looked}, and the download into {root!r} failed "
-                                f"({e}); {how}") from None
+                                f"({last_line(e)}); {how}") from None
     return ds.data.unsqueeze(1).clone(), ds.targets.to(torch.int64).clone()
+
+
+@contextlib.contextmanager
+def removed_on_failure(root):
+    """Run a download into ``root``; if it fails, remove what it created there (files and folders
+    that were not there before: torchvision makes ``FashionMNIST/raw/`` before its first request),
+    so a failed attempt leaves the disk as it found it. What was there before is never touched."""
+    root = Path(root)
+    existed = root.exists()
+    before = set(root.rglob("*")) if existed else set()
+    try:
+        yield
+    except BaseException:
+        created = set(root.rglob("*")) - before if root.exists() else set()
+        created |= set() if existed else {root}
+        for path in sorted(created, key=lambda q: len(q.parts), reverse=True):  # contents before their folder
+            try:
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+            except OSError:  # something else wrote there meanwhile: leave it, report the download's error
+                pass
+        raise
+
+
+def last_line(error: BaseException) -> str:
+    """An exception's message as one line: its last non-empty line (urllib's reason, where
+    torchvision's message lists every mirror it tried over several lines)."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 # ---- CIFAR -----------------------------------------------------------------------------------
@@ -168,9 +198,10 @@ def _cifar(name, train, data_dir, download):
     how = (f"download it where the network allows (torchvision fetches it into {root}/{folder} with "
            f"data.download: true), or copy that folder and pass its parent as --data-dir")
     try:
-        ds = cls(root=root, train=train, download=download)
+        with removed_on_failure(root):
+            ds = cls(root=root, train=train, download=download)
     except Exception as e:
-        raise DataNotFoundError(f"{name} not available under {root!r} ({e}); {how}") from None
+        raise DataNotFoundError(f"{name} not available under {root!r} ({last_line(e)}); {how}") from None
     images = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).contiguous()
     return images, torch.as_tensor(ds.targets, dtype=torch.int64)
 
