@@ -248,6 +248,16 @@ def test_every_analyze_option_has_help_text():
                     assert "comma-separated" in action.help and "[" not in action.help, (tool, action.help)
 
 
+def test_analyze_lipschitz_refuses_to_draw_an_empty_figure(tmp_path, capsys):
+    # relu alone drew two empty panels (the figure plots estimate / bound, and paper 002 bounds no relu)
+    out = tmp_path / "out"
+    fast = ["--tokens", "2", "--radii", "1", "--samples", "1", "--ascent-steps", "1", "--out", str(out)]
+    assert main(["analyze", "lipschitz", "--variants", "relu,linear", *fast]) == 2
+    err = _one_error_line(capsys, "analyze")
+    assert "no Lipschitz bound for relu, linear" in err and "softmax" in err, err
+    assert not out.exists()
+
+
 # -- item 15: the README's CPU guidance and what a "(cpu)" cell of the GPU table means ----------------
 
 def test_readme_says_how_to_install_without_a_gpu_and_what_a_cpu_cell_means():

@@ -29,8 +29,9 @@ def add_arguments(parser) -> None:
     p = sub.add_parser("lipschitz", help="query-Lipschitz estimate vs paper 002 / 001 bounds over N and R")
     default = ["softmax", "l2", "sinkhorn", "sigmoid", "multihead"]
     p.add_argument("--variants", type=_csv(str), default=default, metavar="V1,V2,...",
-                   help=f"comma-separated variants to estimate (default {_shown(default)}; relu and "
-                   "linear have no bound in paper 002: the figure names them, their estimates are in the JSON)")
+                   help=f"comma-separated variants to estimate (default {_shown(default)}); paper 002 bounds "
+                   "softmax, l2, sinkhorn, sigmoid and multihead: any other is named on the figure, its estimates "
+                   "in the JSON, and at least one bounded variant is needed")
     p.add_argument("--tokens", type=_csv(int), default=[2, 4, 8, 16], metavar="N1,N2,...",
                    help="comma-separated token counts N of the context X (default 2,4,8,16)")
     p.add_argument("--radii", type=_csv(float), default=[0.5, 1.0, 2.0], metavar="R1,R2,...",
@@ -106,6 +107,12 @@ def check_arguments(args) -> None:
                 raise UsageError(f"--variants: {e}") from None
     if getattr(args, "variants", None) == []:
         raise UsageError("--variants must name at least one variant")
+    if args.tool == "lipschitz" and not any(map(_has_lipschitz_bound, args.variants)):
+        bounded = [v for v in allowed if _has_lipschitz_bound(v)]
+        raise UsageError(f"--variants: paper 002 gives no Lipschitz bound for {', '.join(args.variants)}, and the "
+                         f"figure draws estimate / bound, so it would be empty; add a variant it bounds "
+                         f"({', '.join(bounded)}): the others are then named on the figure, their estimates in the "
+                         "JSON")
     for name in POSITIVE:
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:
@@ -129,6 +136,17 @@ def check_arguments(args) -> None:
         if not fashion_mnist_present():
             raise UsageError(f"analyze {args.tool} trains on Fashion-MNIST, which is not installed: "
                              f"{FASHION_MNIST_INSTALL}")
+
+
+def _has_lipschitz_bound(variant: str) -> bool:
+    """Whether paper 002 bounds the variant's query Lipschitz constant (``analysis.lipschitz.bounds``
+    on any weights of the shapes ``_lipschitz`` draws: the bound's existence depends on the variant alone)."""
+    import torch
+
+    from ..analysis import lipschitz as L
+    heads = variant == "multihead"
+    x, v = (torch.ones(2, 1, 2), torch.eye(2).expand(2, 2, 2)) if heads else (torch.ones(2, 2), torch.eye(2))
+    return L.main_bound("softmax" if heads else variant, x, x, v, radius=1.0) is not None
 
 
 def run(args) -> int:
