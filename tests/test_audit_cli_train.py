@@ -214,6 +214,9 @@ def test_compare_names_the_way_when_two_configs_share_a_name(tmp_path, capsys):
     assert "share a file name" in err and "--vary model.attention=" in err, err
     assert main(["compare", str(config), "--vary", "model.attention", "--out-dir", str(tmp_path / "cmp")]) == 2
     assert "--vary expects KEY=VALUE" in _one_error_line(capsys, "compare")
+    assert main(["compare", str(config), "--vary", "model.attention=relu", "--set", "model.attention=l2",
+                 "--out-dir", str(tmp_path / "cmp")]) == 2
+    assert "given by --set and by --vary" in _one_error_line(capsys, "compare")
     plan = str(ROOT / "configs/compare/paper004_fashion_mnist.yaml")
     assert main(["compare", plan, "--vary", "model.attention=relu", "--out-dir", str(tmp_path / "cmp")]) == 2
     assert "--vary applies to configs" in _one_error_line(capsys, "compare")

@@ -52,6 +52,11 @@ def run(args) -> int:
                     raise UsageError(f"{p!r} not found: pass one plan (configs/compare/*.yaml) or training configs")
                 if protocol.is_plan(p):
                     raise UsageError(f"{p} is a plan: pass it alone")
+            keys = lambda items: {item.partition("=")[0].strip() for item in items}  # noqa: E731
+            both = keys(args.overrides) & keys(args.vary)
+            if both:
+                raise UsageError(f"{', '.join(sorted(both))} is given by --set and by --vary: --set would replace "
+                                 "every --vary value; drop one")
             plan = protocol.plan_from_configs(args.plan, args.out_dir, args.vary)
         if args.out_dir:
             plan.out_dir = Path(args.out_dir)
