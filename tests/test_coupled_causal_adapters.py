@@ -160,3 +160,42 @@ def test_timm_attention_with_a_band_and_is_causal():
         alone = torch.cat([layer(x[:, lo:hi], is_causal=True) for lo, hi in ((0, 3), (3, 7))], 1)
     assert max_diff(long[:, :4], short) <= EXACT
     assert max_diff(block, alone) <= EXACT
+
+
+# ---- T5 preference with a static cache -----------------------------------------------------------
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_t5_preference_refuses_a_static_cache(make):
+    """The static cache hands every max_cache_len slot to the kernel, which would shift the T5 offsets
+    j - i by the unused count (issue 31: other tokens, logits off by 0.56): refused, naming the way out.
+    The default (dynamic) cache still generates."""
+    pytest.importorskip("transformers", minversion="5.0")
+    torch.manual_seed(0)
+    model = make().double().eval()
+    attnzoo.swap(model, "fenchel(preference='t5')")
+    ids = torch.tensor([[3, 8, 11, 5]])
+    with pytest.raises(ValueError, match=r"static cache.*dynamic cache"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+    assert model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (1, 6)
+
+
+# ---- torch.compile (issue 31 rough edge 14) -----------------------------------------------------
+def test_compiled_softmax_swap_has_no_graph_break():
+    """The mask split reads the mask's values; a kernel whose queries do not couple does not need it, so
+    compiling a swapped Llama with a padding mask traces one graph (before: 12 breaks at bool(...))."""
+    pytest.importorskip("transformers", minversion="5.0")
+    torch.manual_seed(0)
+    model = _llama().eval()
+    attnzoo.swap(model, "softmax")
+    ids = torch.tensor([[3, 8, 11, 5], [7, 1, 4, 12]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(b.reason)[:120] for b in explained.break_reasons]
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        attnzoo.unswap(model)
+        sdpa = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert max_diff(eager[0, 1:], sdpa[0, 1:]) < 1e-5 and max_diff(eager[1], sdpa[1]) < 1e-5

@@ -102,6 +102,8 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     causal_queries = cross and (getattr(module, "is_decoder", False) is True
                                 or bool(getattr(module, "is_cross_attention", False))
                                 or bool(getattr(getattr(module, "config", None), "is_decoder", False)))
+    if kernel.reads_positions and not cross:
+        hf_decode.refuse_static_cache(kernel, module)
     new = query.shape[-2]
     # a cached step: what the kernel reads about the earlier positions beyond HF's keys and values
     if causal and not cross and (kernel.couples_queries or kernel.needs_key_tokens):
@@ -280,7 +282,8 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
         module.add_module(KERNEL_CHILD, kernel)
         kernel.train(module.training)
         hf_decode.unhook(module)
-        if kernel.needs_key_tokens or kernel.couples_queries:  # Fenchel's context tokens; a decoder's cache
+        # Fenchel's context tokens; a decoder's cache; a static cache, which the T5 preference refuses
+        if kernel.needs_key_tokens or kernel.couples_queries or kernel.reads_positions:
             hf_decode.hook(module)
         config._attn_implementation_internal = DISPATCH_NAME
     change.apply = apply
