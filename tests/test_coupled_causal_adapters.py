@@ -40,6 +40,13 @@ def _mistral(window=4):
                                             max_position_embeddings=32, sliding_window=window))
 
 
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=E, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=HEADS, num_key_value_heads=1,
+                                        max_position_embeddings=32))
+
+
 def _gemma2(window=4):
     from transformers import Gemma2Config, Gemma2ForCausalLM
     # attnzoo refuses HF's softcap argument: a Gemma2 without it, both layer kinds (sliding, full)
@@ -61,7 +68,8 @@ def _swapped(make):
 SEQS = (torch.tensor([3, 8, 11]), torch.tensor([7, 1, 4, 12]))
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _mistral, _gemma2], ids=["llama", "gpt2", "mistral", "gemma2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _mistral, _qwen2, _gemma2],
+                         ids=["llama", "gpt2", "mistral", "qwen2", "gemma2"])
 def test_hf_packed_sequences_equal_each_sequence_alone(make):
     """DataCollatorWithFlattening's input: batch 1, restarting position_ids, no cache (item 1)."""
     model = _swapped(make)
