@@ -89,23 +89,49 @@ def sinkhorn_plan(L, allow, n_iters):
     return _normalise_rows(K)
 
 
+def causal_row_problem(allow, add, i):
+    """Row i's problem of a variant that couples queries under is_causal=True and a mask (allow, add:
+    (..., nq, nk)), as docs/usage.md states the rule: over queries 0..i and keys 0..i + nk - nq, the
+    tokens row i sees (T_i) and their queries (and query i) take part, a pair (a, b) as the mask lets
+    the later of the two positions see the earlier. Returns (allow_i, add_i) of shape (..., i + 1, last + 1)."""
+    nq, nk = allow.shape[-2:]
+    off = nk - nq
+    last = i + off
+    sees = allow[..., i, : last + 1]
+    a_i = torch.zeros(allow.shape[:-2] + (i + 1, last + 1), dtype=torch.bool)
+    d_i = torch.zeros(a_i.shape, dtype=add.dtype)
+    for a in range(i + 1):
+        pa = a + off  # query a's position among the keys
+        if pa < 0:
+            continue
+        query_in = sees[..., pa] | (a == i)
+        for b in range(last + 1):
+            later, earlier = max(pa, b), min(pa, b)
+            a_i[..., a, b] = allow[..., later - off, earlier] & sees[..., b] & query_in
+            d_i[..., a, b] = add[..., later - off, earlier]
+    return a_i, d_i
+
+
 def sinkhorn(q, k, v, user_allow, add, scale, n_iters=3, eps=1.0, cost="l2", is_causal=False):
     """``user_allow`` is the attn_mask part only: causal Sinkhorn is Sinkhorn on every prefix
-    (paper 002 eq 2.6), where inside the prefix of query i every query sees every prefix key."""
+    (paper 002 eq 2.6), where inside the prefix of query i every query sees every prefix key; a mask
+    shapes each prefix problem as ``causal_row_problem`` states."""
     if cost == "l2":
         L = -scale * ((q[:, :, :, None, :] - k[:, :, None, :, :]) ** 2).sum(-1) / (2 * eps)
     else:
         L = scale * torch.einsum("bhid,bhjd->bhij", q, k) / eps
-    L = L + add
     if not is_causal:
-        return sinkhorn_plan(L, user_allow, n_iters) @ v
+        return sinkhorn_plan(L + add, user_allow, n_iters) @ v
     nq, nk = L.shape[-2:]
+    allow = torch.as_tensor(user_allow).expand(L.shape)
+    add = torch.as_tensor(add, dtype=L.dtype).expand(L.shape)
     out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
     for i in range(nq):
         last = i + nk - nq           # the prefix problem of query i: queries 0..i, keys 0..last
         if last < 0:
             continue
-        P = sinkhorn_plan(L[..., : i + 1, : last + 1], user_allow[..., : i + 1, : last + 1], n_iters)
+        allow_i, add_i = causal_row_problem(allow, add, i)
+        P = sinkhorn_plan(L[..., : i + 1, : last + 1] + add_i, allow_i, n_iters)
         out[..., i, :] = (P[..., i:i + 1, :] @ v[..., : last + 1, :])[..., 0, :]
     return out
 

@@ -19,6 +19,7 @@ from attnzoo.ops.sinkhorn import cpu as sk_cpu
 from attnzoo.ops.sinkhorn.streaming import Problem
 from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
                           needs_kernels, needs_triton, padding_mask, qkv, seeded)
+from tests.formulas import causal_row_problem
 from tests.flash_rule import LOW_PRECISION, assert_flash_rule, autocast_triples, reference_or_rounded, scale_grad
 from tests.memory_probe import LargestAllocation
 
@@ -58,16 +59,20 @@ def math_sinkhorn(q, k, v, keep, bias, *, scale, eps, cost, n_iters, causal):
         L = -scale * (q[..., :, None, :] - k[..., None, :, :]).pow(2).sum(-1) / (2 * eps)
     else:
         L = scale * torch.einsum("bhid,bhjd->bhij", q, k) / eps
-    if bias is not None:
-        L = L + bias.double()
     nq, nk = L.shape[-2:]
     keep = torch.ones(L.shape, dtype=torch.bool) if keep is None else keep.expand(L.shape)
+    bias = torch.zeros(L.shape, dtype=torch.float64) if bias is None else bias.double().expand(L.shape)
     if not causal:
-        return _plan(L, keep, n_iters) @ v
+        return _plan(L + bias, keep, n_iters) @ v
     rows = []
-    for i in range(nq):  # the prefix problem of query i: queries <= i, keys visible to query i
-        prefix = keep & (torch.arange(nq)[:, None] <= i) & (torch.arange(nk)[None, :] <= i + nk - nq)
-        rows.append(_plan(L, prefix, n_iters)[..., i:i + 1, :] @ v)
+    for i in range(nq):  # query i's problem: queries <= i, keys visible to query i, the mask's rule
+        last = i + nk - nq
+        if last < 0:
+            rows.append(torch.zeros_like(v[..., :1, :]))
+            continue
+        allow_i, add_i = causal_row_problem(keep, bias, i)
+        P = _plan(L[..., : i + 1, : last + 1] + add_i, allow_i, n_iters)
+        rows.append(P[..., i:i + 1, :] @ v[..., : last + 1, :])
     return torch.cat(rows, dim=-2)
 
 

@@ -17,9 +17,12 @@ mask, ...)``; a model whose attention does not, such as Falcon, is reported unsu
 
 The mask transformers builds for these implementations is its SDPA mask with the causal shortcut off:
 a bool (B, 1, Nq, Nk) tensor, True = take part (attnzoo's own convention), or None when nothing is
-masked. In a causal module that mask holds causality AND padding; the kernel gets causality as
-``is_causal=True`` and the padding as a (B, 1, 1, Nk) mask (``kernel.causal_and_rest``), so that
-Sinkhorn solves each prefix and no later token moves an earlier output. Grouped key/value heads go
+masked. In a causal module that mask holds causality AND padding (AND maybe a sliding window or
+packed sequences' blocks); the kernel gets causality as ``is_causal=True`` with the padding as a
+(B, 1, 1, Nk) mask, or with the mask itself when it has more structure (``kernel.causal_and_rest``),
+so that Sinkhorn solves each row's problem as ``ops.masking.coupled_causal_rows`` defines and no later
+token moves an earlier output. Under torch.compile a kernel whose queries do not couple gets the mask
+alone (the same answer, without the split's host sync and graph break). Grouped key/value heads go
 to the kernel as they are, with ``enable_gqa=True``. Cached decoding (what a kernel reads about the
 earlier positions beyond HF's keys and values) is in ``hf_decode``.
 """
@@ -79,9 +82,17 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
     if mask is not None and causal:
-        # HF's mask holds causality AND padding: causality goes to the kernel as is_causal (see
-        # causal_and_rest); one split per forward, as every layer gets the same mask
-        mask, causal = _split_once(attention_mask, mask, kwargs.get("position_bias"), query.shape[-2], key.shape[-2])
+        if kernel.couples_queries or kernel.needs_key_tokens or not torch.compiler.is_compiling():
+            # HF's mask holds causality AND padding (AND maybe a window or packed blocks): causality goes
+            # to the kernel as is_causal (see causal_and_rest); one split per forward, as every layer gets
+            # the same mask
+            mask, causal = _split_once(attention_mask, mask, kwargs.get("position_bias"), query.shape[-2],
+                                       key.shape[-2])
+        else:
+            # while torch.compile traces, a kernel whose rows do not couple (nor read the earlier positions'
+            # tokens) gets the mask alone: it already removes every key causality would, and the split's
+            # data-dependent answer would break the graph (and sync the host) on every forward
+            causal = False
     tokens = getattr(kernel, "_tokens", None)
     # HF has separate classes for cross-attention (BertCrossAttention), flags it on the module, or
     # (BART & co.) marks a decoder's cross-attention as the decoder's module that is not causal
@@ -91,6 +102,8 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     causal_queries = cross and (getattr(module, "is_decoder", False) is True
                                 or bool(getattr(module, "is_cross_attention", False))
                                 or bool(getattr(getattr(module, "config", None), "is_decoder", False)))
+    if kernel.reads_positions and not cross:
+        hf_decode.refuse_static_cache(kernel, module)
     new = query.shape[-2]
     # a cached step: what the kernel reads about the earlier positions beyond HF's keys and values
     if causal and not cross and (kernel.couples_queries or kernel.needs_key_tokens):
@@ -269,7 +282,8 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
         module.add_module(KERNEL_CHILD, kernel)
         kernel.train(module.training)
         hf_decode.unhook(module)
-        if kernel.needs_key_tokens or kernel.couples_queries:  # Fenchel's context tokens; a decoder's cache
+        # Fenchel's context tokens; a decoder's cache; a static cache, which the T5 preference refuses
+        if kernel.needs_key_tokens or kernel.couples_queries or kernel.reads_positions:
             hf_decode.hook(module)
         config._attn_implementation_internal = DISPATCH_NAME
     change.apply = apply

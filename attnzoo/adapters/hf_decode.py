@@ -150,6 +150,24 @@ def with_earlier_queries(kernel: AttentionLayer, module, query, mask):
     return queries, mask
 
 
+def refuse_static_cache(kernel: AttentionLayer, module) -> None:
+    """A kernel that reads the relative positions j - i (Fenchel's T5 preference) takes them bottom-right
+    aligned on the call's keys. A static cache hands every one of its max_cache_len slots, the unused
+    ones masked, so those offsets would be shifted by the unused count: a silently other answer.
+    Refused (the error names the way out) rather than computed."""
+    cache = call_cache(module)
+    cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder's self-attention part
+    layers = getattr(cache, "layers", None)
+    index = getattr(module, "layer_idx", None)
+    if layers is None or index is None or index >= len(layers):
+        return
+    if getattr(layers[index], "max_cache_len", None) is not None:  # transformers' StaticLayer and its kinds
+        raise ValueError(f"{_what(kernel, module)} reads relative positions (fenchel's preference='t5'), and a "
+                         f"static cache ({type(cache).__name__}: cache_implementation='static') hands the kernel "
+                         "every cache slot, the unused ones masked, so the offsets would be shifted; use the "
+                         "default dynamic cache (no cache_implementation) or use_cache=False")
+
+
 def _decoder_keys(cache, module) -> Optional[torch.Tensor]:
     """The decoder self-attention keys this layer has cached (B, Hkv, positions, D), or None."""
     layers = getattr(getattr(cache, "self_attention_cache", None), "layers", None)

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..layers.base import AttentionLayer
+from ..ops.masking import split_causal
 from .spec import Target
 
 
@@ -43,29 +44,12 @@ def drop_padded_queries(attn_mask, nq: int, first_token_key: int = 0):
 
 def causal_and_rest(attn_mask: torch.Tensor, nq: int, nk: int) -> tuple[Optional[torch.Tensor], bool]:
     """A host's mask that already holds causality (Hugging Face builds one (B, 1, Nq, Nk) mask of
-    causal AND padding) -> (mask for the kernel, is_causal).
-
-    Causality must reach the kernel as ``is_causal=True``: for Sinkhorn that means each prefix is
-    solved on its own (paper 002 eq 2.6), whereas normalising columns over a lower-triangular mask lets
-    later tokens move earlier outputs. A mask that keeps nothing outside the causal pattern (key j for
-    query i only when j <= i + Nk - Nq) gives is_causal=True plus what is left: a per-key (B, 1, 1, Nk)
-    padding mask when the mask is exactly causal AND per-key padding, else the mask itself (causality
-    is then applied twice, which is harmless). A mask that keeps a later key (bidirectional parts) is
-    not causal: (mask, False)."""
-    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
-    from ..ops.masking import causal_keep
-    causal = causal_keep(nq, nk, attn_mask.device)
-    if bool((keep & ~causal).any()):
-        return attn_mask, False
-    per_key = keep[..., -1:, :]  # the last query sees every key causality allows: only padding is missing
-    exact = bool((keep == (per_key & causal)).all())
-    if exact and attn_mask.dtype != torch.bool:
-        exact = bool((attn_mask.masked_fill(~keep, 0) == 0).all())  # a float bias is not padding
-    if not exact:
-        return attn_mask, True
-    if bool(per_key.all()):
-        return None, True
-    return (per_key if attn_mask.dtype == torch.bool else attn_mask[..., -1:, :]), True
+    causal AND padding, maybe AND a window or packed blocks) -> (mask for the kernel, is_causal):
+    ``ops.masking.split_causal``, the one definition both adapters use. A causal mask reaches the
+    kernel as is_causal=True (with the per-key padding, or the mask itself when it has more structure),
+    so a variant that couples queries solves each row's problem as ``masking.coupled_causal_rows``
+    defines and no later token moves an earlier output. Reads the mask's values (a host sync on a GPU)."""
+    return split_causal(attn_mask, nq, nk)
 
 
 def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x, first: int = 0, **call) -> torch.Tensor:

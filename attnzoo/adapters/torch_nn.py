@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..layers import tracing
-from ..layers.multihead import MultiheadAttention, is_causal_mask, refuse_nested
+from ..layers.multihead import MultiheadAttention, is_causal_mask, refuse_nested, split_causal_mask
 from .common import Change, describe_new_parameters, exchange, get_origin, param_names, set_origin
 from .kernel import kernel_layer, run_kernel
 from .spec import Target
@@ -58,9 +58,13 @@ class SwappedMultiheadAttention(MultiheadAttention):
         self._self_attention = query is key
         if not is_causal and attn_mask is not None:
             seq = 1 if query.dim() == 3 and self.batch_first else 0
-            # in a swapped model the causal mask means causality: it reaches the kernel as is_causal
-            # (prefix Sinkhorn), whether or not the caller passed torch's is_causal hint
-            is_causal = is_causal_mask(attn_mask, query.shape[seq], key.shape[seq])
+            # in a swapped model a causal mask means causality, whether or not the caller passed torch's
+            # is_causal hint: in self-attention any mask that keeps no later key (the triangle, a causal
+            # band, packed blocks); elsewhere exactly the causal mask. It then reaches the kernel as
+            # is_causal (with the mask when it holds more: layers/multihead.py's split_causal_mask)
+            n_q, n_k = query.shape[seq], key.shape[seq]
+            is_causal = (split_causal_mask(attn_mask, n_q, n_k)[1] if self._self_attention
+                         else is_causal_mask(attn_mask, n_q, n_k))
         try:
             return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                                    attn_mask=attn_mask, average_attn_weights=average_attn_weights,
@@ -153,7 +157,7 @@ def _note_causal_queries(layer: nn.TransformerDecoderLayer, args, kwargs) -> Non
     tgt, tgt_mask, tgt_is_causal = arg(0, "tgt", None), arg(2, "tgt_mask", None), arg(6, "tgt_is_causal", False)
     if not tgt_is_causal and tgt_mask is not None and tgt is not None:
         n = tgt.shape[1 if tgt.dim() == 3 and layer.self_attn.batch_first else 0]
-        tgt_is_causal = is_causal_mask(tgt_mask, n, n)
+        tgt_is_causal = split_causal_mask(tgt_mask, n, n)[1]
     object.__setattr__(layer.multihead_attn, CAUSAL_QUERIES, bool(tgt_is_causal))
 
 

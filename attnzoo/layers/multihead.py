@@ -31,7 +31,7 @@ from torch import nn
 
 from ..ops import validate as V
 from ..ops import variant as catalog
-from ..ops.masking import causal_keep
+from ..ops.masking import causal_keep, split_causal
 from ..ops.sizes import Shape
 from . import tracing
 from .base import TIMM_EXTRA
@@ -118,10 +118,12 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True, attn_mask=None,
                 average_attn_weights: bool = True, is_causal: bool = False):
         """As torch.nn.MultiheadAttention. Unbatched (L, E) inputs whatever ``batch_first`` says.
-        ``is_causal`` with an ``attn_mask`` is torch's hint that the mask is causal: when the mask is
-        exactly the causal mask, the kernel runs with ``is_causal=True`` (Sinkhorn then solves each
-        prefix, as causality requires, instead of normalising columns over the masked square);
-        otherwise the mask is applied as given. ``is_causal`` alone (torch requires the mask) is causal."""
+        ``is_causal`` with an ``attn_mask`` is torch's hint that the mask is causal: when the mask keeps
+        no later key (the causal mask, a causal band, packed blocks), the kernel runs with
+        ``is_causal=True`` and the mask (none for exactly the causal mask): Sinkhorn then solves each
+        row's problem as causality requires (``ops.masking.coupled_causal_rows``) instead of
+        normalising columns over the masked square; a mask that keeps a later key is applied as given.
+        ``is_causal`` alone (torch requires the mask) is causal."""
         proxy = tracing.fx_proxy(query, key, value, key_padding_mask, attn_mask)
         if proxy is not None:  # torch.fx symbolic tracing: this module is one call of the graph (tracing.py)
             return tracing.record_as_one_call(self, proxy, (query, key, value), dict(
@@ -140,10 +142,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         S = key.shape[0]
         H, hd = self.num_heads, self.head_dim
         if is_causal and attn_mask is not None:
-            if is_causal_mask(attn_mask, L, S):
-                attn_mask = None  # causality goes to the kernel as is_causal
-            else:
-                is_causal = False  # torch's hint was wrong about this mask: apply the mask as given
+            # causality goes to the kernel as is_causal, with the mask when it holds more (a band, packed
+            # blocks); torch's hint was wrong about a mask that keeps a later key: it applies as given
+            attn_mask, is_causal = split_causal_mask(attn_mask, L, S)
         q, k, v = self._project(query, key, value)
         q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
         mask = _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
@@ -214,6 +215,18 @@ def is_causal_mask(attn_mask: torch.Tensor, L: int, S: int) -> bool:
         return bool((attn_mask == ~keep).all())
     hidden = attn_mask == float("-inf")
     return bool((hidden == ~keep).all()) and bool((attn_mask.masked_fill(hidden, 0) == 0).all())
+
+
+def split_causal_mask(attn_mask: torch.Tensor, L: int, S: int):
+    """A torch-MHA mask ((L, S) or (B*H, L, S); bool True = masked, or float with -inf) -> (mask,
+    is_causal) by ``ops.masking.split_causal``, the rule both adapters share: (None, True) for exactly
+    the causal mask, (attn_mask, True) for one that keeps no later key but holds more (a causal band,
+    packed blocks: a variant that couples queries then reads only its causal part), (attn_mask, False)
+    for one that keeps a later key or does not have the (L, S) shape."""
+    if attn_mask.dim() not in (2, 3) or tuple(attn_mask.shape[-2:]) != (L, S):
+        return attn_mask, False
+    reduced, causal = split_causal(~attn_mask if attn_mask.dtype == torch.bool else attn_mask, L, S)
+    return (None if causal and reduced is None else attn_mask), causal
 
 
 def _sdpa_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):

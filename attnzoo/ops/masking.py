@@ -106,3 +106,97 @@ def propagate_query_nan(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         if not math.isnan(q.detach().sum()):
             return out
     return out.masked_fill(torch.isnan(q).any(-1, keepdim=True), math.nan)
+
+
+# -- causal masks with more structure than the triangle, for variants that couple queries -----------
+#
+# The rule (docs/usage.md, "Causal masks and variants that couple queries"): under is_causal=True with a
+# mask M, row i of a variant that couples queries (Sinkhorn) is the last row of that variant solved
+# NON-causally on the tokens row i sees, T_i = {key j <= i + Nk - Nq : M keeps (i, j)}, with query i
+# (and the queries of the tokens in T_i). Inside that problem a pair of tokens takes part, with its bias,
+# as M lets the LATER of the two see the EARLIER: the symmetric completion of M's causal part. So only
+# M's entries on or below the bottom-right diagonal are read (`block` and `block & tril` are the same
+# call), no later token can move an earlier output, a block-causal (packed) mask gives each sequence
+# alone, a band gives the variant over the window row i sees, per-key padding removes the padded tokens
+# as queries and keys, and the plain triangle gives paper 002 eq (2.6)'s prefix problems.
+
+
+def causal_completion(attn_mask: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """attn_mask (broadcastable to (..., nq, nk), bool or float) -> (..., nq, nk), same dtype: entry
+    (a, b) is M's entry for the later of query a's position (a + nk - nq) and key b seeing the earlier
+    one. On and below the bottom-right diagonal that is M itself; above it, M[b - (nk - nq), a + nk - nq]
+    (key b's own query row). Entries of a query with no position among the keys (a + nk - nq < 0) are
+    masked: such a query is in no row's problem."""
+    off = nk - nq
+    m = attn_mask.expand(*attn_mask.shape[:-2], nq, nk)
+    a = torch.arange(nq, device=m.device)[:, None]
+    b = torch.arange(nk, device=m.device)[None, :]
+    lower = b <= a + off
+    rows = torch.where(lower, a, b - off).clamp(0, nq - 1)
+    cols = torch.where(lower, b, a + off).clamp(0, nk - 1)
+    completed = m[..., rows, cols]
+    invalid = (a + off < 0) & ~lower   # a query before the first key: its upper entries have no mirror
+    if m.dtype == torch.bool:
+        return completed & ~invalid
+    return completed.masked_fill(invalid, -math.inf)
+
+
+def coupled_causal_rows(attn_mask, nq: int, nk: int):
+    """For a variant that couples queries, called with is_causal=True and ``attn_mask``: a function
+    ``row(i)`` giving the mask of row i's problem over queries 0..i and keys 0..m-1 (m = i + nk - nq + 1,
+    the keys visible to query i; m > 0), shape (..., i + 1, m), in attn_mask's dtype (a float one with
+    -inf where a pair does not take part); None when attn_mask is None (the plain prefix problem).
+    Row i of the causal call is then the last row of the variant run non-causally on
+    (q[..., :i + 1, :], k[..., :m, :], v[..., :m, :]) with that mask. Queries and keys outside T_i are
+    masked out entirely (a fully masked row or column drops out of a Sinkhorn problem)."""
+    if attn_mask is None:
+        if nk >= nq:  # every query has a position among the keys: the plain prefix problems
+            return lambda i: None
+        # more queries than keys: the first nq - nk queries have no position, so no row's problem has them
+        attn_mask = torch.ones((), dtype=torch.bool)
+    full = attn_mask.expand(*attn_mask.shape[:-2], nq, nk)
+    completed = causal_completion(full, nq, nk)
+    is_bool = full.dtype == torch.bool
+    keep_full = full if is_bool else full > -math.inf
+    off = nk - nq
+
+    def row(i: int) -> torch.Tensor:
+        m = i + off + 1
+        sees = keep_full[..., i, :m]                             # (..., m): T_i
+        pos = torch.arange(i + 1, device=full.device) + off      # the key index of each query 0..i
+        queries = sees[..., pos.clamp(min=0)] & (pos >= 0)       # the queries of the tokens in T_i ...
+        queries = queries | (torch.arange(i + 1, device=full.device) == i)   # ... and query i itself
+        keep = sees[..., None, :] & queries[..., :, None]
+        sub = completed[..., : i + 1, :m]
+        return sub & keep if is_bool else sub.masked_fill(~keep, -math.inf)
+    return row
+
+
+def keeps_only_causal(keep: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """0-dim bool tensor: the mask keeps no key j > i + nk - nq (nothing later than bottom-right causality)."""
+    return ~(keep & ~causal_keep(nq, nk, keep.device)).any()
+
+
+def split_causal(attn_mask: torch.Tensor, nq: int, nk: int):
+    """A host's mask that may hold causality (Hugging Face's (B, 1, Nq, Nk) mask of causal AND padding
+    AND maybe a window or packed blocks; torch's square subsequent mask) -> (mask for the kernel,
+    is_causal). The one place the adapters decide it; it reads the mask's values (a host sync on a GPU).
+
+    A mask that keeps a later key (bidirectional parts) is not causal: (mask, False). Otherwise
+    is_causal=True, with None when the mask is exactly the causal pattern, the per-key (..., 1, Nk) last
+    row when it is exactly causal AND per-key padding, else the mask itself: under the rule above
+    (``coupled_causal_rows``) a variant that couples queries reads only its causal part, and for any
+    other variant is_causal adds nothing the mask does not already remove."""
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
+    if not bool(keeps_only_causal(keep, nq, nk)):
+        return attn_mask, False
+    causal = causal_keep(nq, nk, attn_mask.device)
+    per_key = keep[..., -1:, :]  # the last query sees every key causality allows: only padding is missing
+    exact = bool((keep == (per_key & causal)).all())
+    if exact and attn_mask.dtype != torch.bool:
+        exact = bool((attn_mask.masked_fill(~keep, 0) == 0).all())  # a float bias is not padding
+    if not exact:
+        return attn_mask, True
+    if bool(per_key.all()):
+        return None, True
+    return (per_key if attn_mask.dtype == torch.bool else attn_mask[..., -1:, :]), True

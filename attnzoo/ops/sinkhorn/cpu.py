@@ -189,9 +189,11 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     check_options(dropout_p, grad_mode)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     (q, k, v), out_dtype = upcast(q, k, v)
-    keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
     kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode)
     engine = TorchEngine(block_q, block_k)
-    run = lambda q, k, v, keep, bias: streaming_sinkhorn(engine, q, k, v, keep, bias, **kw)
-    out = causal_by_prefix(run, q, k, v, (keep, bias)) if is_causal else run(q, k, v, keep, bias)
+
+    def run(q, k, v, mask):
+        keep, bias = split_mask(mask, False, q.shape[-2], k.shape[-2], q.device)
+        return streaming_sinkhorn(engine, q, k, v, keep, bias, **kw)
+    out = causal_by_prefix(run, q, k, v, attn_mask) if is_causal else run(q, k, v, attn_mask)
     return out.to(out_dtype)

@@ -13,7 +13,10 @@ Causal: paper 002 eq (2.6) defines masked attention as the variant applied to ea
 out_i = Sinkhorn(x_1..x_i)_i. For softmax this equals masking the score matrix; for Sinkhorn it
 does not (column sums couple rows), and masking the lower triangle would let query i depend on
 later queries through the column normalisation. We therefore run Sinkhorn on every prefix, which
-keeps the causal prefix property exact at O(N^3) cost for this reference.
+keeps the causal prefix property exact at O(N^3) cost for this reference. A mask given with
+is_causal=True (a band, packed blocks, padding) shapes each prefix problem as
+``masking.coupled_causal_rows`` defines: row i is solved on the tokens it sees, each pair as the
+mask lets the later token see the earlier one.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import math
 import torch
 
 from ..common import dot_logits, sq_dist, upcast, weights_dropout
-from ..masking import causal_keep, masked_softmax, safe_logsumexp, split_mask
+from ..masking import coupled_causal_rows, masked_softmax, safe_logsumexp, split_mask
 
 
 def sinkhorn_logits(q, k, *, scale, eps, cost):
@@ -61,17 +64,15 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, n_ite
         p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost)
         return (weights_dropout(p, dropout_p) @ v).to(out_dtype)
     nq, nk = q.shape[-2], k.shape[-2]
-    keep, bias = split_mask(attn_mask, False, nq, nk, q.device)
-    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
-    if bias is not None:
-        L = L + bias.to(L.dtype)
-    full_keep = torch.ones(L.shape[-2:], dtype=torch.bool, device=q.device) if keep is None else keep
-    visible = causal_keep(nq, nk, q.device)
+    row_mask = coupled_causal_rows(attn_mask, nq, nk)
     rows = []
     for i in range(nq):
-        # the prefix problem for query i: queries 0..i, keys visible to i (j <= i + nk - nq)
-        prefix_keep = full_keep & visible[i][None, :] & (torch.arange(nq, device=q.device) <= i)[:, None]
-        g = sinkhorn_potential(L, prefix_keep, n_iters)
-        p_i = masked_softmax((L + g)[..., i:i + 1, :], prefix_keep[..., i:i + 1, :])
-        rows.append(weights_dropout(p_i, dropout_p) @ v)
+        m = i + nk - nq + 1  # keys visible to query i
+        if m <= 0:  # no key visible: a zero row, as for every empty row
+            rows.append(v.new_zeros(*v.shape[:-2], 1, v.shape[-1]))
+            continue
+        # row i's problem: queries 0..i and the keys it sees, non-causal, under the rule's mask
+        p = sinkhorn_weights(q[..., :i + 1, :], k[..., :m, :], attn_mask=row_mask(i), scale=scale,
+                             n_iters=n_iters, eps=eps, cost=cost)[..., -1:, :]
+        rows.append(weights_dropout(p, dropout_p) @ v[..., :m, :])
     return torch.cat(rows, dim=-2).to(out_dtype)

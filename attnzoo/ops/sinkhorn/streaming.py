@@ -52,6 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..first_order import first_order_only
+from ..masking import coupled_causal_rows
 
 GRAD_MODES = ("unrolled", "implicit")
 # relative size of the Neumann term at which the implicit adjoint stops: about the accumulator's roundoff
@@ -196,22 +197,22 @@ def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters
                                     scale, eps, cost, n_iters, grad_mode, engine)
 
 
-def causal_by_prefix(run, q, k, v, masks=()):
-    """Causal Sinkhorn (paper 002 eq 2.6): row i is row i of Sinkhorn on queries 0..i and the keys
-    visible to query i (j <= i + Nk - Nq, bottom-right alignment), intersected with the mask.
+def causal_by_prefix(run, q, k, v, attn_mask=None):
+    """Causal Sinkhorn (paper 002 eq 2.6): row i is the last row of Sinkhorn on queries 0..i and the
+    keys visible to query i (j <= i + Nk - Nq, bottom-right alignment); with ``attn_mask`` (bool or
+    float, broadcastable to (B, H, Nq, Nk)) that problem is shaped as ``masking.coupled_causal_rows``
+    defines (the tokens row i sees, each pair as the mask lets the later one see the earlier one).
 
-    ``run(q, k, v, *masks)`` is a non-causal Sinkhorn call; ``masks`` are tensors broadcastable to
-    (B, H, Nq, Nk) (or None) that are cut to each prefix. Each prefix problem runs under activation
-    checkpointing: what autograd keeps per row is then a reference to the shared q, k, v and the
-    output row, not the prefix's output and potentials (O(N^2) over all rows); the backward
-    recomputes each prefix's forward once.
+    ``run(q, k, v, mask)`` is a non-causal Sinkhorn call taking an attn_mask (or None). Each prefix
+    problem runs under activation checkpointing: what autograd keeps per row is then a reference to
+    the shared q, k, v and the output row, not the prefix's output and potentials (O(N^2) over all
+    rows); the backward recomputes each prefix's forward once.
     """
     B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    masks = tuple(None if t is None else t.expand(B, H, nq, nk) for t in masks)
+    row_mask = coupled_causal_rows(attn_mask, nq, nk)
 
     def last_row(i, m, q, k, v):
-        sub = lambda t: None if t is None else t[..., : i + 1, :m]
-        out = run(q[..., : i + 1, :], k[..., :m, :], v[..., :m, :], *(sub(t) for t in masks))
+        out = run(q[..., : i + 1, :], k[..., :m, :], v[..., :m, :], row_mask(i))
         return out[..., -1:, :]
 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -538,5 +538,5 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
         return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags)[0]
 
     if is_causal:
-        return causal_by_prefix(run, q, k, v, (attn_mask,))
+        return causal_by_prefix(run, q, k, v, attn_mask)
     return run(q, k, v, attn_mask)
