@@ -269,19 +269,21 @@ def host_seconds(step: Callable[[], Any], device, n: int) -> TimeStats:
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch",)
 HOST_WAIT_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPY_EVENTS = ("cudaMemcpyAsync", "cudaMemcpy")
 
 
-def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dict:
-    """What ``n`` steps do, per step, read from torch.profiler: kernel launches and CUDA-graph
-    launches (CUDA), the aten ops dispatched (every device; nested calls counted, e.g. aten::linear
-    and the aten::addmm it calls), the host's time inside profiled calls (``op_host_ms_per_step``),
-    host waits, the GPU's busy time (the kernels' total), and with
-    ``rows`` the busiest operators by self time on the host and on the device."""
+def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0, *, together: bool = False) -> dict:
+    """What ``n`` steps do, per step, read from torch.profiler: kernel launches, CUDA-graph launches
+    and host-device copies (CUDA), the aten ops dispatched (every device; nested calls counted, e.g.
+    aten::linear and the aten::addmm it calls), the host's time inside profiled calls
+    (``op_host_ms_per_step``), host waits, the GPU's busy time (the kernels' total), and with
+    ``rows`` the busiest operators by self time on the host and on the device. ``together``: one
+    call of ``step`` runs all ``n`` steps (a training loop's epoch cut to n steps)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda(device) else [])
     _sync(device)
     with profile(activities=activities) as prof:
-        for _ in range(n):
+        for _ in range(1 if together else n):
             step()
         _sync(device)
     events = prof.key_averages()
@@ -301,6 +303,7 @@ def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dic
         kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
         out.update(launches_per_step=count(LAUNCH_EVENTS), graph_launches_per_step=count(GRAPH_LAUNCH_EVENTS),
                    host_waits_per_step=count(HOST_WAIT_EVENTS) - 1 / n,   # less the closing synchronisation
+                   copies_per_step=count(COPY_EVENTS),
                    device_ms_per_step=sum(getattr(e, device_key) for e in kernels) / n / 1e3)
         if rows:
             out["device_table"] = events.table(sort_by=device_key, row_limit=rows)
