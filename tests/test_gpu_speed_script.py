@@ -1,4 +1,4 @@
-"""benchmarks/gpu_speed.py (attnzoo.bench.gpu.session), the one GPU measurement, run on CPU with tiny
+"""benchmarks/gpu_speed.py (benchmarks/gpu_run/session.py), the one GPU measurement, run on CPU with tiny
 shapes and tiny models (its own code, not speed): rows for every case, the summary and full Markdown,
 the measured ranking table auto reads, extrapolated skips, the models phase and its mirror of the
 logs, and the device-call wrapper's syntax."""
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from attnzoo.bench import report
-from attnzoo.bench.gpu import cases as C
+from attnzoo.bench import speed_grid as C
+from attnzoo.bench.extrapolate import Extrapolation
+from attnzoo.bench.flops import flops
 from attnzoo.bench.ranking import measured_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,19 +86,25 @@ def test_ranking_and_summary_from_rows():
 
 
 def test_hopeless_rows_are_predicted_from_smaller_n():
-    case = C.Case("x", "x", "plain", "b", lambda *a: None, cost_power=2)
-    small = C.Shape(16, 32, 1024, 64, False)
-    big = C.Shape(4, 32, 4096, 64, False)
-    other_d = C.Shape(4, 16, 4096, 128, False)
-    measured = {("x", small): 10.0}
-    assert C.predicted_ms(measured, case, big) == pytest.approx(10.0 * 4)  # 4x fewer rows of 16x the cost
-    assert C.predicted_ms(measured, case, other_d) is None
+    # the one extrapolation rule (attnzoo bench and the GPU run): the largest smaller N, scaled by FLOPs
+    problems = C.benchmark_problems([64, 128], [1024, 4096], [False], 16384, 2048, torch.bfloat16, "cpu")
+    small, big, other_d = problems[0], problems[1], problems[3]
+    work = {p: flops("l2", p.shape, "fwd+bwd") for p in problems}
+    measured = Extrapolation()
+    measured.record(("x", 64), small.shape.seq_q, work[small], 10.0)
+    # 4x fewer rows of 16x the cost: 4x the FLOPs, from the variant's own formula
+    assert measured.predict(("x", 64), big.shape.seq_q, work[big]) == pytest.approx(10.0 * 4)
+    assert measured.predict(("x", 128), other_d.shape.seq_q, work[other_d]) is None
+    measured.record(("x", 64), 2048, work[small] * 2, 30.0)  # the largest smaller N wins, not the latest
+    measured.record(("x", 64), 512, work[small] / 2, 1.0)
+    assert measured.predict(("x", 64), big.shape.seq_q, work[big]) == pytest.approx(30.0 * 2)
 
 
 def test_shapes_follow_flash_attention_layout():
-    shapes = C.benchmark_shapes([64, 128], [1024, 16384], [False], 16384, 2048, torch.bfloat16)
-    assert [(s.batch, s.heads, s.n, s.head_dim) for s in shapes] == [(16, 32, 1024, 64), (1, 32, 16384, 64),
-                                                                      (16, 16, 1024, 128), (1, 16, 16384, 128)]
+    problems = C.benchmark_problems([64, 128], [1024, 16384], [False], 16384, 2048, torch.bfloat16, "cpu")
+    assert [(p.shape.batch, p.shape.heads, p.shape.seq_q, p.shape.head_dim) for p in problems] == [
+        (16, 32, 1024, 64), (1, 32, 16384, 64), (16, 16, 1024, 128), (1, 16, 16384, 128)]
+    assert C.problem_from_fields(C.row_fields(problems[1]), "cpu") == problems[1]
 
 
 def test_device_call_wrapper_parses():
