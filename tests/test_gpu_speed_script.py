@@ -107,5 +107,34 @@ def test_shapes_follow_flash_attention_layout():
     assert C.problem_from_fields(C.row_fields(problems[1]), "cpu") == problems[1]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_baseline_flavour_terms_add_what_the_formula_adds(causal):
+    # the speed phase's flex-t5 and flex-keybias rows are FlexTarget with a flavour: its score_mod term
+    # must add the T5 bucket bias (bidirectional unless causal) or the per-key mask to every logit
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from attnzoo.bench.baselines import FLEX_TERMS
+    from attnzoo.ops.fenchel.t5_reference import t5_log_preference
+    problem = C.benchmark_problems([8], [24], [causal], 48, 16, torch.float32, "cpu")[0]
+    b, h, n, d = problem.shape.batch, problem.shape.heads, problem.shape.seq_q, problem.shape.head_dim
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    logits = q @ k.transpose(-1, -2) / d ** 0.5
+    kw, leaves = C.T5.inputs(problem)
+    bias = kw["relative_bias"]._replace(table=leaves[0].detach().double())
+    assert bias.bidirectional is not causal
+    mask = C.KEY_BIAS.inputs(problem)[0]["attn_mask"].double()
+    expected = {"t5": t5_log_preference(bias.table, 32, 128, not causal, n, n), "mask": mask}
+    for name, inputs in (("t5", {"relative_bias": bias}), ("mask", {"attn_mask": mask})):
+        term = FLEX_TERMS[name](problem, **inputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex_attention's note that it runs uncompiled here
+            out = flex_attention(q, k, v, score_mod=term)
+        reference = torch.softmax(logits + expected[name], dim=-1) @ v
+        torch.testing.assert_close(out, reference, atol=1e-12, rtol=0)
+
+
 def test_device_call_wrapper_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], check=True)

@@ -31,6 +31,15 @@ def _type_ok(value, expected) -> bool:
     return isinstance(value, expected)
 
 
+def _check_fields(obj: dict, required: dict, optional: dict, where: str) -> None:
+    for key, typ in required.items():
+        if key not in obj or not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {obj.get(key)!r}")
+    for key, typ in optional.items():
+        if obj.get(key) is not None and not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {obj[key]!r}")
+
+
 def validate(result: dict) -> dict:
     """Raise ValueError naming the first field that does not match the layout; return ``result``."""
     if not isinstance(result, dict):
@@ -48,12 +57,7 @@ def validate(result: dict) -> dict:
             raise ValueError(f"benchmark result: environment.{key} is missing")
     for i, row in enumerate(result["results"]):
         where = f"results[{i}]"
-        for key, typ in ROW.items():
-            if key not in row or not _type_ok(row[key], typ):
-                raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {row.get(key)!r}")
-        for key, typ in ROW_OPTIONAL.items():
-            if row.get(key) is not None and not _type_ok(row[key], typ):
-                raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {row[key]!r}")
+        _check_fields(row, ROW, ROW_OPTIONAL, where)
         if row["status"] not in STATUSES:
             raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
         if row["mode"] not in MODES:
@@ -121,15 +125,6 @@ MODEL_ROW_OPTIONAL = {"reason": str, "items_per_s": float, "step_s": dict, "rati
                       "graph_launches_per_step": float,
                       "aten_ops_per_step": float, "host_waits_per_step": float, "device_ms_per_step": float,
                       "warmup_s": float, "parameters": int, "loss": float}
-
-
-def _check_fields(obj: dict, required: dict, optional: dict, where: str) -> None:
-    for key, typ in required.items():
-        if key not in obj or not _type_ok(obj[key], typ):
-            raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {obj.get(key)!r}")
-    for key, typ in optional.items():
-        if obj.get(key) is not None and not _type_ok(obj[key], typ):
-            raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {obj[key]!r}")
 
 
 def validate_models(result: dict) -> dict:

@@ -16,8 +16,8 @@ import torch
 from ..ops import dispatch
 from ..ops.sizes import Shape
 from .baselines import FlexTarget, SdpaTarget
-from .targets import AUTO, PLAIN, AttnzooTarget, Case, Flavour, Prepared, parse_variant
 from .problem import Problem, qkv, randn
+from .targets import AUTO, PLAIN, AttnzooTarget, Case, Flavour, Prepared, parse_variant
 
 MODE = "fwd+bwd"   # the speed phase times both directions of one prepared call (timing.time_directions)
 FLEX_N = 4096      # FlexAttention compiles one kernel per shape: its rows run at this N only

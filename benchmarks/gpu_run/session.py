@@ -198,7 +198,8 @@ class Session:
         """(case, problem) pairs, most informative first: N 4096 at D 64 first, then the rest by N."""
         problems = sorted(self.problems(), key=lambda p: (p.shape.seq_q != 4096, p.shape.head_dim != 64, p.causal,
                                                           p.shape.seq_q, p.shape.head_dim))
-        return [(c, p) for p in problems for c in self.cases() if c.applies(p)]
+        cases = self.cases()
+        return [(c, p) for p in problems for c in cases if c.applies(p)]
 
     def model_config(self, budget: Optional[float] = None) -> model_bench.ModelBenchConfig:
         a = self.args
