@@ -57,20 +57,20 @@ class TimeStats:
         return (self.p80 - self.p20) / (2 * self.median) if self.median > 0 else 0.0
 
 
-def quantile(sorted_xs: list[float], q: float) -> float:
-    if len(sorted_xs) == 1:
-        return sorted_xs[0]
-    pos = q * (len(sorted_xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+def p20_p80(xs: list[float]) -> tuple[float, float]:
+    """The 20th and 80th percentiles, interpolated between the samples (numpy's "linear" rule)."""
+    if len(xs) == 1:
+        return xs[0], xs[0]
+    cuts = statistics.quantiles(xs, n=5, method="inclusive")
+    return cuts[0], cuts[3]
 
 
 def summarize(samples: list[float]) -> TimeStats:
     if not samples:
         raise ValueError("summarize needs at least one timing sample")
     xs = sorted(float(x) for x in samples)
-    return TimeStats(median=statistics.median(xs), p20=quantile(xs, 0.2), p80=quantile(xs, 0.8),
+    p20, p80 = p20_p80(xs)
+    return TimeStats(median=statistics.median(xs), p20=p20, p80=p80,
                      min=xs[0], max=xs[-1], mean=statistics.fmean(xs),
                      std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
 
