@@ -88,7 +88,7 @@ WHAT = """\
   others are recorded as not expressible), flash-attn and flash-linear-attention (recorded as
   not installed when absent).
 - **Status**: `ok`, `oom`, `n/a` (unsupported, with the dispatcher's reason), `not installed`,
-  `skipped` (measured or predicted - from the same row at the previous N scaled by FLOPs - slower
+  `skipped` (measured or predicted - from the same row at the largest smaller N, scaled by FLOPs - slower
   than `--max-call-seconds`, an eager reference estimated larger than the host memory limit, a call
   interrupted past `--call-timeout-seconds`, `--budget-seconds` used up, or a backend left out with
   `--skip-backends`) or `error` - never a crash. Every reason is kept in the JSON and
