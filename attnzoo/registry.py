@@ -11,7 +11,6 @@ the adapters read it instead of knowing the wrappers.
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -92,9 +91,7 @@ def available() -> list[str]:
 
 
 def _unknown(name: str) -> ValueError:
-    close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return ValueError(f"unknown attention variant {name!r}{hint} Known: {', '.join(_REGISTRY)}")
+    return ValueError(f"unknown attention variant {name!r}{close_match(name, _REGISTRY)}. Known: {', '.join(_REGISTRY)}")
 
 
 def describe(name: str) -> dict:

@@ -1,5 +1,5 @@
 """One GPU measurement that always comes back, in a few minutes: the entry point of
-``attnzoo.bench.gpu.session`` (its docstring lists the phases and outputs), plus the "paper" phase,
+``gpu_run.session`` (benchmarks/gpu_run/) (its docstring lists the phases and outputs), plus the "paper" phase,
 which trains paper 004's models with attnzoo.train's own loop (benchmarks/paper_phase.py).
 
     python3 benchmarks/gpu_speed.py [--out DIR] [--budget-seconds 420] [--phases warm speed correctness models compile paper]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attnzoo.bench.gpu.session import main  # noqa: E402
+from gpu_run.session import main  # noqa: E402
 from paper_phase import PAPER  # noqa: E402
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 import traceback
 
-from attnzoo.bench.gpu.session import Phase
 from attnzoo.train.throughput import images_per_second
+from gpu_run.session import Phase
 
 # (label, config, overrides)
 RUNS = [

@@ -3,7 +3,7 @@ and the short section between the `<!-- bench:begin -->` / `<!-- bench:end -->` 
 Sources: benchmarks/results/cpu/bench_cpu.json (the CPU sweep), benchmarks/results/cpu/overhead.json
 (the per-call overhead), and the newest GPU results under benchmarks/results/gpu/<device>/: speed.json
 (the kernel table) and models.json (whole models, shown beside the kernel table). The pages are
-built by attnzoo.bench.docs.
+built by benchmarks/readme_pages.py.
 
     .venv/bin/python benchmarks/render_readme.py [--cpu JSON] [--overhead JSON] [--gpu-dir DIR] [--readme README.md] [--out PAGE.md]
 """
@@ -15,8 +15,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attnzoo.bench.docs import front_page, gpu_section, render  # noqa: E402
+from readme_pages import front_page, gpu_section, render  # noqa: E402
+
 from attnzoo.bench.schema import load_any, write_text  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

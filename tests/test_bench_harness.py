@@ -17,6 +17,7 @@ from attnzoo.bench.report import markdown_summary
 from attnzoo.bench.timing import summarize
 from attnzoo.ops import dispatch
 from attnzoo.ops.softmax.reference import softmax_attention
+from tests import benchmark_scripts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -381,7 +382,7 @@ def test_cli_compare_rejects_bad_json(tmp_path, capsys):
 # ---- generated README section -----------------------------------------------------------------------
 
 def test_docs_rendered_from_results(result, written):
-    from attnzoo.bench.docs import render
+    render = benchmark_scripts.load("readme_pages").render
     tmp_path, files = written
     doc = tmp_path / "docs" / "bench.md"
     text = render((result, files["json"]), None, doc)
@@ -393,7 +394,7 @@ def test_docs_rendered_from_results(result, written):
         assert f"| {variant} | fwd+bwd | 16 |" in text
     for forward in result["flop_conventions"]["forward"].values():
         assert forward.replace("|", "\\|") in text  # escaped inside the Markdown table
-    from attnzoo.bench.docs import GpuSection
+    GpuSection = benchmark_scripts.load("readme_pages").GpuSection
     gpu = GpuSection(device="Fake GPU 80GB", summary="| path | x |", cost_model="| call | y |",
                      source=tmp_path / "benchmarks" / "results" / "gpu" / "fake" / "speed.md")
     text = render((result, files["json"]), gpu, doc)

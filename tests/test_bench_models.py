@@ -17,6 +17,7 @@ from attnzoo.bench.model_zoo import MODELS, OWN, model_spec
 from attnzoo.bench.schema import validate_models
 from attnzoo.bench.timing import host_seconds, profile_steps, time_steps
 from attnzoo.layers.base import AttentionLayer
+from tests import benchmark_scripts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,7 +176,8 @@ def test_models_without_a_visible_gpu_is_one_line(tmp_path, capsys, monkeypatch)
 
 
 def test_pages_show_a_gpu_model_result_beside_the_kernel_table(result, tmp_path):
-    from attnzoo.bench.docs import front_page, gpu_section, render
+    pages = benchmark_scripts.load("readme_pages")
+    front_page, gpu_section, render = pages.front_page, pages.gpu_section, pages.render
     from attnzoo.bench.output import write_models_outputs
     gpu_dir = tmp_path / "benchmarks" / "results" / "gpu"
     fake = json.loads(json.dumps(result))

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_speed.py (attnzoo.bench.gpu.session), the one GPU measurement, run on CPU with tiny
+"""benchmarks/gpu_speed.py (benchmarks/gpu_run/session.py), the one GPU measurement, run on CPU with tiny
 shapes and tiny models (its own code, not speed): rows for every case, the summary and full Markdown,
 the measured ranking table auto reads, extrapolated skips, the models phase and its mirror of the
 logs, and the device-call wrapper's syntax."""
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from attnzoo.bench import report
-from attnzoo.bench.gpu import cases as C
+from attnzoo.bench import speed_grid as C
+from attnzoo.bench.extrapolate import Extrapolation
+from attnzoo.bench.flops import flops
 from attnzoo.bench.ranking import measured_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,19 +86,54 @@ def test_ranking_and_summary_from_rows():
 
 
 def test_hopeless_rows_are_predicted_from_smaller_n():
-    case = C.Case("x", "x", "plain", "b", lambda *a: None, cost_power=2)
-    small = C.Shape(16, 32, 1024, 64, False)
-    big = C.Shape(4, 32, 4096, 64, False)
-    other_d = C.Shape(4, 16, 4096, 128, False)
-    measured = {("x", small): 10.0}
-    assert C.predicted_ms(measured, case, big) == pytest.approx(10.0 * 4)  # 4x fewer rows of 16x the cost
-    assert C.predicted_ms(measured, case, other_d) is None
+    # the one extrapolation rule (attnzoo bench and the GPU run): the largest smaller N, scaled by FLOPs
+    problems = C.benchmark_problems([64, 128], [1024, 4096], [False], 16384, 2048, torch.bfloat16, "cpu")
+    small, big, other_d = problems[0], problems[1], problems[3]
+    work = {p: flops("l2", p.shape, "fwd+bwd") for p in problems}
+    measured = Extrapolation()
+    measured.record(("x", 64), small.shape.seq_q, work[small], 10.0)
+    # 4x fewer rows of 16x the cost: 4x the FLOPs, from the variant's own formula
+    assert measured.predict(("x", 64), big.shape.seq_q, work[big]) == pytest.approx(10.0 * 4)
+    assert measured.predict(("x", 128), other_d.shape.seq_q, work[other_d]) is None
+    measured.record(("x", 64), 2048, work[small] * 2, 30.0)  # the largest smaller N wins, not the latest
+    measured.record(("x", 64), 512, work[small] / 2, 1.0)
+    assert measured.predict(("x", 64), big.shape.seq_q, work[big]) == pytest.approx(30.0 * 2)
 
 
 def test_shapes_follow_flash_attention_layout():
-    shapes = C.benchmark_shapes([64, 128], [1024, 16384], [False], 16384, 2048, torch.bfloat16)
-    assert [(s.batch, s.heads, s.n, s.head_dim) for s in shapes] == [(16, 32, 1024, 64), (1, 32, 16384, 64),
-                                                                      (16, 16, 1024, 128), (1, 16, 16384, 128)]
+    problems = C.benchmark_problems([64, 128], [1024, 16384], [False], 16384, 2048, torch.bfloat16, "cpu")
+    assert [(p.shape.batch, p.shape.heads, p.shape.seq_q, p.shape.head_dim) for p in problems] == [
+        (16, 32, 1024, 64), (1, 32, 16384, 64), (16, 16, 1024, 128), (1, 16, 16384, 128)]
+    assert C.problem_from_fields(C.row_fields(problems[1]), "cpu") == problems[1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_baseline_flavour_terms_add_what_the_formula_adds(causal):
+    # the speed phase's flex-t5 and flex-keybias rows are FlexTarget with a flavour: its score_mod term
+    # must add the T5 bucket bias (bidirectional unless causal) or the per-key mask to every logit
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from attnzoo.bench.baselines import FLEX_TERMS
+    from attnzoo.ops.fenchel.t5_reference import t5_log_preference
+    problem = C.benchmark_problems([8], [24], [causal], 48, 16, torch.float32, "cpu")[0]
+    b, h, n, d = problem.shape.batch, problem.shape.heads, problem.shape.seq_q, problem.shape.head_dim
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    logits = q @ k.transpose(-1, -2) / d ** 0.5
+    kw, leaves = C.T5.inputs(problem)
+    bias = kw["relative_bias"]._replace(table=leaves[0].detach().double())
+    assert bias.bidirectional is not causal
+    mask = C.KEY_BIAS.inputs(problem)[0]["attn_mask"].double()
+    expected = {"t5": t5_log_preference(bias.table, 32, 128, not causal, n, n), "mask": mask}
+    for name, inputs in (("t5", {"relative_bias": bias}), ("mask", {"attn_mask": mask})):
+        term = FLEX_TERMS[name](problem, **inputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex_attention's note that it runs uncompiled here
+            out = flex_attention(q, k, v, score_mod=term)
+        reference = torch.softmax(logits + expected[name], dim=-1) @ v
+        torch.testing.assert_close(out, reference, atol=1e-12, rtol=0)
 
 
 def test_device_call_wrapper_parses():

@@ -44,14 +44,13 @@ def _render_readme_module():
 
 def test_benchmark_section_is_generated_from_committed_results():
     from attnzoo.bench import load
-    from attnzoo.bench.docs import front_page
     rr = _render_readme_module()
     cpu_json = ROOT / "benchmarks" / "results" / "cpu" / "bench_cpu.json"
     cpu = (load(cpu_json), cpu_json) if cpu_json.exists() else None
     gpu = rr.gpu_section(ROOT / "benchmarks" / "results" / "gpu")
     text = README.read_text()
     section = text.split(rr.BEGIN + "\n", 1)[1].split(rr.END, 1)[0]
-    assert section == front_page(cpu, gpu, README, ROOT / "docs" / "benchmarks.md"), \
+    assert section == rr.front_page(cpu, gpu, README, ROOT / "docs" / "benchmarks.md"), \
         "README's benchmark section is stale: run benchmarks/render_readme.py"
     assert "docs/benchmarks.md" in section
 

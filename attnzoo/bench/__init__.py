@@ -10,9 +10,16 @@
 - Per-call overhead: ``overhead.run(OverheadConfig(...))``, microseconds per fwd+bwd call at tiny
   shapes on the CPU against SDPA and timm's Attention (``write_overhead_outputs``).
 
-The GPU measurement's phases (``benchmarks/gpu_speed.py``) are ``attnzoo.bench.gpu``. The ``attnzoo
-bench`` command (attnzoo/commands/bench.py) is the front end; timing is ``timing``, every table
-``report``, FLOP conventions ``flops``.
+One grid serves ``attnzoo bench``, the GPU measurement and the ranking tables ``auto`` reads: one
+``Problem`` (``flops.Shape``, dtype, device, mode, causality), one case type (``targets.Case``: a
+variant spec through one backend with a flavour of inputs; ``targets`` attnzoo's backends,
+``baselines`` SDPA, FlexAttention, flash-attn, fla, torch's MultiheadAttention), one extrapolation
+rule (``extrapolate``) and one row log (``rowlog``). ``runner`` plans the CLI's part of the grid,
+``speed_grid`` the GPU measurement's (FlashAttention's shapes, each variant's flavours), whose rows
+``ranking`` turns into the measured tables. The GPU-run driver and the README renderer are not in
+the package: benchmarks/gpu_speed.py (benchmarks/gpu_run/) and benchmarks/render_readme.py. The
+``attnzoo bench`` command (attnzoo/commands/bench.py) is the front end; timing is ``timing``, every
+table ``report``, FLOP conventions ``flops``.
 """
 from .compare import compare, markdown_compare, rich_compare
 from .flops import Shape, flops

@@ -9,14 +9,14 @@ in this repository's CI (no GPU): they are written against those libraries' docu
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .errors import Unavailable, Unsupported
-from .problem import Problem, make_step, qkv, randn
-from .targets import Prepared, VariantSpec, parse_variant
+from .problem import Problem, qkv, randn
+from .targets import Case, Prepared, parse_variant
 
 SDPA = "sdpa"
 _SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -26,16 +26,8 @@ FLEX, FLASH_ATTN, FLA, TORCH_MHA = "torch-flex", "flash-attn", "fla", "torch-mha
 BASELINE_NAMES = (SDPA, *_SDPA_BACKENDS, FLEX, FLASH_ATTN, FLA, TORCH_MHA)
 
 
-class Baseline:
+class Baseline(Case):
     kind = "baseline"
-
-    def __init__(self, spec: VariantSpec, backend: str):
-        self.spec = spec
-        self.variant = spec.label
-        self.backend = backend
-
-    def prepare(self, problem: Problem) -> Prepared:  # pragma: no cover - overridden
-        raise NotImplementedError
 
 
 class SdpaTarget(Baseline):
@@ -48,21 +40,17 @@ class SdpaTarget(Baseline):
         if problem.shape.seq_q != problem.shape.nk and causal:
             raise Unsupported("SDPA's is_causal is top-left aligned; attnzoo's causal is bottom-right (Nq != Nk)")
         forced = _SDPA_BACKENDS.get(self.backend)
-
-        def forward():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        if forced is not None:
+        if forced is None:
+            def forward():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:  # the forward picks the kernel, its backward follows: forcing the forward forces both
             from torch.nn.attention import SDPBackend, sdpa_kernel
             which = getattr(SDPBackend, forced)
-            inner = make_step(forward, (q, k, v), problem)
 
-            def step():
+            def forward():
                 with sdpa_kernel([which]):
-                    inner()
-        else:
-            step = make_step(forward, (q, k, v), problem)
-        return Prepared(step, self.backend, ("sdpa", self.backend, problem.key(), causal),
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return Prepared(forward, [q, k, v], self.backend, ("sdpa", self.backend, problem.key(), causal),
                         materialises=self.backend == "sdpa-math")
 
 
@@ -72,7 +60,7 @@ def _installed(module: str) -> bool:
 
 class FlexTarget(Baseline):
     """torch.nn.attention.flex_attention (compiled once per process) with a score_mod per variant and a
-    causal BlockMask.
+    causal BlockMask; a flavour's inputs (``FLEX_TERMS``: a T5 table, a per-key bias) add their term.
     FlexAttention hard-wires the softmax normalisation: only softmax, l2 and first-order Fenchel
     without a preference tensor are expressible."""
 
@@ -103,20 +91,52 @@ class FlexTarget(Baseline):
             block_mask = create_block_mask(lambda b, h, qi, kj: kj <= qi + shift, None, None, s.seq_q, s.nk,
                                            device=problem.device)
 
+        extra, extra_leaves = self.flavour.inputs(problem)
+        term = FLEX_TERMS[self.flavour.name](problem, **extra) if self.flavour.name in FLEX_TERMS else None
+
         def forward():
             if kernel == "l2":
                 # -scale ||q - k||^2 = 2 (scale q.k) - scale ||q||^2 - scale ||k||^2
                 qq, kk = (q * q).sum(-1) * scale, (k * k).sum(-1) * scale
 
-                def score_mod(score, b, h, qi, kj):
+                def variant_mod(score, b, h, qi, kj):
                     return 2 * score - qq[b, h, qi] - kk[b, h, kj]
             elif kernel == "fenchel":
-                def score_mod(score, b, h, qi, kj):
+                def variant_mod(score, b, h, qi, kj):
                     return alpha * score
             else:
-                score_mod = None
+                variant_mod = None
+            score_mod = variant_mod
+            if term is not None:
+                def score_mod(score, b, h, qi, kj):
+                    return term(score if variant_mod is None else variant_mod(score, b, h, qi, kj), b, h, qi, kj)
             return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
-        return Prepared(make_step(forward, (q, k, v), problem), FLEX, ("flex", self.spec.label, problem.key(), causal))
+        return Prepared(forward, [q, k, v, *extra_leaves], FLEX,
+                        ("flex", self.spec.label, self.flavour.name, problem.key(), causal))
+
+
+def _t5_term(problem: Problem, relative_bias) -> Callable:
+    """The T5 bucketed relative bias of ``relative_bias`` (a T5Bias) as a score_mod term."""
+    from ..ops.fenchel.t5_buckets import t5_offset_lut
+    s = problem.shape
+    lut = t5_offset_lut(s.seq_q, s.nk, relative_bias.num_buckets, relative_bias.max_distance,
+                        relative_bias.bidirectional, problem.device)
+    table, shift = relative_bias.table, s.seq_q - 1
+
+    def term(score, b, h, qi, kj):
+        return score + table[lut[kj - qi + shift], h]
+    return term
+
+
+def _key_bias_term(problem: Problem, attn_mask) -> Callable:
+    """A float (B, 1, 1, Nk) mask added to the logits as a score_mod term."""
+    def term(score, b, h, qi, kj):
+        return score + attn_mask[b, 0, 0, kj]
+    return term
+
+
+# flavour name -> the score_mod term FlexAttention adds for that flavour's inputs
+FLEX_TERMS = {"t5": _t5_term, "mask": _key_bias_term}
 
 
 class FlashAttnTarget(Baseline):
@@ -133,8 +153,7 @@ class FlashAttnTarget(Baseline):
 
         def forward():
             return flash_attn_func(q, k, v, causal=causal)
-        return Prepared(make_step(forward, (q, k, v), problem), FLASH_ATTN,
-                        ("flash-attn", problem.key(), causal))
+        return Prepared(forward, [q, k, v], FLASH_ATTN, ("flash-attn", problem.key(), causal))
 
 
 class FlaTarget(Baseline):
@@ -155,7 +174,7 @@ class FlaTarget(Baseline):
 
         def forward():
             return chunk_linear_attn(q=phi(q), k=phi(k), v=v, scale=1.0, normalize=feature_map != "identity")[0]
-        return Prepared(make_step(forward, (q, k, v), problem), FLA, ("fla", self.spec.label, problem.key()))
+        return Prepared(forward, [q, k, v], FLA, ("fla", self.spec.label, problem.key()))
 
 
 class TorchMhaTarget(Baseline):
@@ -178,8 +197,7 @@ class TorchMhaTarget(Baseline):
 
         def forward():
             return module(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
-        return Prepared(make_step(forward, [x, *module.parameters()], problem), TORCH_MHA,
-                        ("torch-mha", problem.key(), causal))
+        return Prepared(forward, [x, *module.parameters()], TORCH_MHA, ("torch-mha", problem.key(), causal))
 
 
 def sdpa_names(device: torch.device) -> list[str]:

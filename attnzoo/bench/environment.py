@@ -115,12 +115,6 @@ def device_name(device) -> str:
     return cpu_model()
 
 
-def slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for result folders)."""
-    out = "".join(c.lower() if c.isalnum() else "-" for c in name)
-    return "-".join(p for p in out.split("-") if p) or "device"
-
-
 def unusable_device(device) -> str | None:
     """Why ``device`` cannot run a benchmark here, in one line, or None when it can: a CUDA device
     asked for where none is visible (torch's own error is a traceback about drivers), an index past

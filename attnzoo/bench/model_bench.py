@@ -23,7 +23,6 @@ compiled, then with CUDA graphs, the model's own attention first each time, so t
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import math
@@ -33,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..models.amp import bf16_autocast
 from . import environment, errors
 from .guard import CallInterrupted, interrupt_after
 from .model_zoo import MODELS, OWN, SIZES, ModelSpec, missing_library, model_spec
@@ -123,10 +123,6 @@ def plan(config: ModelBenchConfig) -> list[Case]:
     return out
 
 
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-
-
 class Trainer:
     """One case's model, optimizer, batch and training step."""
 
@@ -157,7 +153,7 @@ class Trainer:
     def step(self) -> None:
         if self.cudagraphs:  # a new step: the graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        with _autocast(self.device):
+        with bf16_autocast(self.device):
             loss = self.case.model.loss(self.run_model, self.batch)
         loss.backward()
         self.optimizer.step()

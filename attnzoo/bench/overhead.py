@@ -36,7 +36,7 @@ from .progress import progress_bar
 from .runner import all_variants
 from .schema import OVERHEAD_SCHEMA, validate_overhead
 from .targets import parse_variant
-from .timing import quantile
+from .timing import p20_p80
 
 SDPA, SDPA_CAUSAL = "F.scaled_dot_product_attention", "F.scaled_dot_product_attention (causal)"
 TIMM, TIMM_CAUSAL = "timm Attention(64, 2)", "timm Attention(64, 2) (causal)"
@@ -185,12 +185,13 @@ def _rows(candidates: list[Candidate], samples: dict[str, list]) -> list[dict]:
             status, reason = x.error or (errors.ERROR, f"its reference {x.reference} could not run")
             rows.append({**row, "status": status, "reason": reason})
             continue
-        mine = sorted(samples[x.name])
-        ratios = sorted(a / b for a, b in zip(samples[x.name], ref))
+        mine = samples[x.name]
+        ratios = [a / b for a, b in zip(mine, ref)]
+        (p20, p80), (ratio_p20, ratio_p80) = p20_p80(mine), p20_p80(ratios)
         us, ref_us = statistics.median(mine) * 1e6, statistics.median(ref) * 1e6
-        rows.append({**row, "us": us, "p20_us": quantile(mine, 0.2) * 1e6, "p80_us": quantile(mine, 0.8) * 1e6,
+        rows.append({**row, "us": us, "p20_us": p20 * 1e6, "p80_us": p80 * 1e6,
                      "reference_us": ref_us, "extra_us": us - ref_us, "ratio": statistics.median(ratios),
-                     "ratio_p20": quantile(ratios, 0.2), "ratio_p80": quantile(ratios, 0.8), "rounds": len(mine)})
+                     "ratio_p20": ratio_p20, "ratio_p80": ratio_p80, "rounds": len(mine)})
     return rows
 
 

@@ -208,7 +208,7 @@ def markdown_report(result: dict) -> str:
     return "\n".join(parts)
 
 
-# -- the kernel speed measurement (attnzoo.bench.gpu: benchmarks/gpu_speed.py's speed.json rows) -------
+# -- the kernel speed measurement (speed_grid's cases: benchmarks/gpu_speed.py's speed.json rows) -----
 # A row: {"case": "l2 / triton", "table_variant", "flavour", "backend", batch, heads, n, head_dim,
 # causal, dtype, "fwd": ms, "fwd+bwd": ms, "mem_fwd_mb", "mem_fwd_bwd_mb", "first_call_s", ...}.
 

@@ -5,7 +5,9 @@ conventions); every further line is one finished row, written and flushed as soo
 A run killed half-way (device time ran out, OOM killer, Ctrl-C) leaves every finished row on disk;
 ``load_rowlog`` turns the file into a normal result (``schema.validate`` passes) that ``write_outputs``,
 ``--compare`` and the docs renderer take like any other. The model benchmark (``--models``) keeps the
-same kind of log; its header's schema says which result the log rebuilds.
+same kind of log; its header's schema says which result the log rebuilds. The GPU measurement keeps
+its kernel rows (rows.jsonl, no header: speed.json is rewritten after every phase) and its model rows
+in the same kind of log, with a mirror in the device call's $OUT.
 """
 from __future__ import annotations
 
@@ -19,33 +21,40 @@ from .schema import MODELS_SCHEMA, validate, validate_models
 
 
 class RowLog:
-    """``run(config, on_start=log.start, on_row=log.row)`` writes ``path`` as the run goes."""
+    """``run(config, on_start=log.start, on_row=log.row)`` writes ``path`` (and ``mirror``, a second
+    copy, when given) as the run goes."""
 
-    def __init__(self, path):
-        self.path = Path(path)
+    def __init__(self, path, mirror=None):
+        self.paths = [Path(path)] + ([] if mirror is None else [Path(mirror)])
+        self.path = self.paths[0]
         self.rows = 0
-        self._file = None
+        self._files = []
 
-    def start(self, header: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w")
-        self._write(header)
+    def start(self, header: Optional[dict] = None) -> None:
+        """Open the log; ``header`` (the result without its rows) is its first line when given."""
+        for path in self.paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._files = [open(path, "w") for path in self.paths]
+        if header is not None:
+            self._write(header)
 
     def row(self, row: dict) -> None:
-        if self._file is None:
+        if not self._files:
             raise RuntimeError("RowLog.row called before RowLog.start (pass on_start=log.start to run)")
         self._write(row)
         self.rows += 1
 
     def _write(self, obj: dict) -> None:
         # one line, flushed: the OS keeps it even if this process dies right after
-        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = json.dumps(obj, separators=(",", ":"), default=str) + "\n"
+        for file in self._files:
+            file.write(line)
+            file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for file in self._files:
+            file.close()
+        self._files = []
 
     def __enter__(self) -> "RowLog":
         return self

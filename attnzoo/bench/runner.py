@@ -18,10 +18,11 @@ from .. import registry
 from . import errors
 from .baselines import anchor, baseline_targets
 from .dynamo import raised_recompile_limits
-from .flops import MODES, Shape, flops
+from .extrapolate import Extrapolation
+from .flops import MODES, Shape
 from .guard import CallInterrupted, interrupt_after
 from .memory import estimate_reference_bytes, peak_memory_bytes, timed_peak_cpu
-from .problem import Problem
+from .problem import Problem, make_step
 from .progress import progress_bar
 from .result import anchor_key, finish, header, is_anchor, set_ratio
 from .targets import attnzoo_targets, parse_variant
@@ -187,7 +188,7 @@ class Runner:
         self.device = torch.device(config.device)
         self.memory_limit = _memory_limit(config)
         self.cache: dict[tuple, dict] = {}       # cache_key -> measured fields (shared by "auto")
-        self.history: dict[tuple, tuple] = {}    # same row at the previous N -> (flops, median s)
+        self.history = Extrapolation()          # the same row at smaller N predicts this one
         self.timed_out: dict[tuple, str] = {}    # same row at a smaller N hit call_timeout_seconds -> its reason
         self.deadline: Optional[float] = None    # time.perf_counter() at which the budget runs out
         c = self.config
@@ -228,7 +229,7 @@ class Runner:
             "seq_len": s.seq_q, "batch": s.batch, "heads": s.heads, "head_dim": s.head_dim,
             "dtype": str(problem.dtype).replace("torch.", ""), "mode": problem.mode, "causal": causal,
             "status": errors.OK, "reason": None, "resolved_backend": None, "shared_with": None,
-            "flops": flops(spec.name, s, problem.mode, causal=causal, **spec.flop_kwargs()),
+            "flops": target.flops(problem),
             "time_s": None, "tflops": None, "tokens_per_s": None, "peak_memory_bytes": None,
             "ratio_time_vs_sdpa": None, "ratio_memory_vs_sdpa": None, "first_call_s": None,
         }
@@ -255,10 +256,11 @@ class Runner:
         if prepared.cache_key in self.cache:
             shared = self.cache[prepared.cache_key]
             if shared.get("time_s"):  # this row's own history too: it predicts this row at the next N
-                self.history[self._history_key(problem, target, causal)] = (row["flops"], shared["time_s"]["median"])
+                self.history.record(self._history_key(problem, target, causal), problem.shape.seq_q, row["flops"],
+                                    shared["time_s"]["median"])
             return {**row, **{k: v for k, v in shared.items() if k != "label"}, "shared_with": shared["label"]}
         measured = self._measure_prepared(problem, target, prepared, row["flops"], causal)
-        measured["label"] = f"{target.variant}/{target.backend}"
+        measured["label"] = target.label
         self.cache[prepared.cache_key] = measured
         return {**row, **{k: v for k, v in measured.items() if k != "label"}}
 
@@ -281,10 +283,8 @@ class Runner:
         if hkey in self.timed_out:  # a larger N (or the same compile) would only hit the limit again
             return {"status": errors.SKIPPED,
                     "reason": f"the same row at a smaller N was {self.timed_out[hkey]}"}
-        predicted = None
-        if hkey in self.history:
-            prev_flops, prev_median = self.history[hkey]
-            predicted = prev_median * n_flops / max(prev_flops, 1)
+        predicted = self.history.predict(hkey, s.seq_q, n_flops)
+        if predicted is not None:
             if predicted > c.max_call_seconds:
                 return {"status": errors.SKIPPED,
                         "reason": f"predicted {predicted:.3g} s per call (scaled by FLOPs from the previous N) "
@@ -292,22 +292,23 @@ class Runner:
         # CPU, predicted slow: one call gives both time and peak memory (the tracker's overhead is noise)
         once = (self.device.type == "cpu" and c.measure_memory and predicted is not None
                 and predicted > c.once_above_seconds)
+        step = make_step(prepared.forward, prepared.leaves, problem)
         try:
             if once:
                 with interrupt_after(self.call_limit()):
-                    seconds, peak = timed_peak_cpu(prepared.step)
+                    seconds, peak = timed_peak_cpu(step)
                 timing = Timing(summarize([seconds]), seconds, seconds, "once-predicted")
             else:
                 # the eager reference compiles nothing: its first call already is its steady cost
-                timing = time_call(prepared.step, self.device, self.rule, limit=self.call_limit,
-                                   probe=self._memory_probe(prepared.step) if c.measure_memory else None,
+                timing = time_call(step, self.device, self.rule, limit=self.call_limit,
+                                   probe=self._memory_probe(step) if c.measure_memory else None,
                                    eager=prepared.resolved == "reference")
                 peak = timing.probed
                 if c.measure_memory and peak is None:
                     with interrupt_after(self.call_limit()):
-                        peak = peak_memory_bytes(prepared.step, self.device)
+                        peak = peak_memory_bytes(step, self.device)
         except CallTooSlow as e:
-            self.history[hkey] = (n_flops, e.seconds)
+            self.history.record(hkey, s.seq_q, n_flops, e.seconds)
             which = ("first call of the eager reference, which compiles nothing" if e.from_first else
                      f"second call, after a first call of {e.first_call_s:.3g} s")
             return {"status": errors.SKIPPED, "first_call_s": e.first_call_s,
@@ -327,7 +328,7 @@ class Runner:
             self._recover()
             return failed
         stats = timing.stats
-        self.history[hkey] = (n_flops, stats.median)
+        self.history.record(hkey, s.seq_q, n_flops, stats.median)
         out = {"status": errors.OK, "time_s": stats.to_dict(), "peak_memory_bytes": peak,
                "first_call_s": timing.first_call_s,
                "tflops": n_flops / stats.median / 1e12 if stats.median > 0 else None,

@@ -31,6 +31,27 @@ def _type_ok(value, expected) -> bool:
     return isinstance(value, expected)
 
 
+def _check_fields(obj: dict, required: dict, optional: dict, where: str) -> None:
+    for key, typ in required.items():
+        if key not in obj or not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {obj.get(key)!r}")
+    for key, typ in optional.items():
+        if obj.get(key) is not None and not _type_ok(obj[key], typ):
+            raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {obj[key]!r}")
+
+
+def _check_status(row: dict, time_key: str, where: str) -> None:
+    """A known status; an ok row holds its timing statistics under ``time_key``, any other a reason."""
+    if row["status"] not in STATUSES:
+        raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
+    if row["status"] == OK:
+        t = row.get(time_key)
+        if not isinstance(t, dict) or any(not _type_ok(t.get(f), float) for f in TIME_FIELDS):
+            raise ValueError(f"{where}.{time_key} must hold {TIME_FIELDS} for a row with status 'ok'")
+    elif not row.get("reason"):
+        raise ValueError(f"{where}: a row with status {row['status']!r} must give a reason")
+
+
 def validate(result: dict) -> dict:
     """Raise ValueError naming the first field that does not match the layout; return ``result``."""
     if not isinstance(result, dict):
@@ -48,24 +69,12 @@ def validate(result: dict) -> dict:
             raise ValueError(f"benchmark result: environment.{key} is missing")
     for i, row in enumerate(result["results"]):
         where = f"results[{i}]"
-        for key, typ in ROW.items():
-            if key not in row or not _type_ok(row[key], typ):
-                raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {row.get(key)!r}")
-        for key, typ in ROW_OPTIONAL.items():
-            if row.get(key) is not None and not _type_ok(row[key], typ):
-                raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {row[key]!r}")
-        if row["status"] not in STATUSES:
-            raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
+        _check_fields(row, ROW, ROW_OPTIONAL, where)
         if row["mode"] not in MODES:
             raise ValueError(f"{where}.mode must be one of {MODES}, got {row['mode']!r}")
-        if row["status"] == OK:
-            t = row.get("time_s")
-            if not isinstance(t, dict) or any(not _type_ok(t.get(f), float) for f in TIME_FIELDS):
-                raise ValueError(f"{where}.time_s must hold {TIME_FIELDS} for a row with status 'ok'")
-            if not t["min"] <= t["median"] <= t["max"]:
-                raise ValueError(f"{where}.time_s: median must lie between min and max")
-        elif not row.get("reason"):
-            raise ValueError(f"{where}: a row with status {row['status']!r} must give a reason")
+        _check_status(row, "time_s", where)
+        if row["status"] == OK and not row["time_s"]["min"] <= row["time_s"]["median"] <= row["time_s"]["max"]:
+            raise ValueError(f"{where}.time_s: median must lie between min and max")
     return result
 
 
@@ -123,15 +132,6 @@ MODEL_ROW_OPTIONAL = {"reason": str, "items_per_s": float, "step_s": dict, "rati
                       "warmup_s": float, "parameters": int, "loss": float}
 
 
-def _check_fields(obj: dict, required: dict, optional: dict, where: str) -> None:
-    for key, typ in required.items():
-        if key not in obj or not _type_ok(obj[key], typ):
-            raise ValueError(f"{where}.{key} must be a {typ.__name__}, got {obj.get(key)!r}")
-    for key, typ in optional.items():
-        if obj.get(key) is not None and not _type_ok(obj[key], typ):
-            raise ValueError(f"{where}.{key} must be a {typ.__name__} or null, got {obj[key]!r}")
-
-
 def validate_models(result: dict) -> dict:
     """Raise ValueError naming the first field of a model-benchmark result that does not match."""
     if not isinstance(result, dict) or result.get("schema") != MODELS_SCHEMA:
@@ -140,16 +140,9 @@ def validate_models(result: dict) -> dict:
     for i, row in enumerate(result["results"]):
         where = f"results[{i}]"
         _check_fields(row, MODEL_ROW, MODEL_ROW_OPTIONAL, where)
-        if row["status"] not in STATUSES:
-            raise ValueError(f"{where}.status must be one of {STATUSES}, got {row['status']!r}")
-        if row["status"] == OK:
-            t = row.get("step_s")
-            if not isinstance(t, dict) or any(not _type_ok(t.get(f), float) for f in TIME_FIELDS):
-                raise ValueError(f"{where}.step_s must hold {TIME_FIELDS} for a row with status 'ok'")
-            if not _type_ok(row.get("items_per_s"), float) or row["items_per_s"] <= 0:
-                raise ValueError(f"{where}.items_per_s must be a number > 0 for a row with status 'ok'")
-        elif not row.get("reason"):
-            raise ValueError(f"{where}: a row with status {row['status']!r} must give a reason")
+        _check_status(row, "step_s", where)
+        if row["status"] == OK and (not _type_ok(row.get("items_per_s"), float) or row["items_per_s"] <= 0):
+            raise ValueError(f"{where}.items_per_s must be a number > 0 for a row with status 'ok'")
     return result
 
 

@@ -17,7 +17,8 @@ from .. import registry
 from ..functional import explain
 from ..ops import dispatch
 from .errors import Skipped, Unsupported
-from .problem import Problem, make_step, qkv, randn
+from .flops import flops
+from .problem import Problem, qkv, randn
 
 AUTO = dispatch.AUTO
 
@@ -87,30 +88,71 @@ def parse_variant(spec: str) -> VariantSpec:
 
 @dataclass
 class Prepared:
-    step: Callable[[], None]
-    resolved: str                  # the backend that runs (differs from the target's name for "auto")
-    cache_key: tuple               # two targets with one cache_key run the same kernel: measured once
+    """A case made ready for one problem: ``forward()`` is exactly the timed call, ``leaves`` the
+    tensors that get gradients ("fwd+bwd"); ``problem.make_step`` turns the pair into the timed unit."""
+    forward: Callable[[], torch.Tensor]
+    leaves: list
+    resolved: str                  # the backend that runs (differs from the case's backend for "auto")
+    cache_key: tuple               # two cases with one cache_key run the same kernel: measured once
     materialises: bool = False     # the eager reference: guarded by the memory estimate on CPU
 
 
-class AttnzooTarget:
-    kind = "attnzoo"
+def no_inputs(problem: Problem) -> tuple[dict, list]:
+    return {}, []
 
-    def __init__(self, spec: VariantSpec, backend: str):
+
+@dataclass(frozen=True)
+class Flavour:
+    """The call's inputs beyond q, k, v: ``inputs(problem) -> (keyword arguments, leaves)``, e.g. a
+    float mask or a per-key log u (the GPU measurement times each variant in such flavours)."""
+    name: str = "plain"
+    inputs: Callable[[Problem], tuple[dict, list]] = no_inputs
+
+
+PLAIN = Flavour()
+
+
+class Case:
+    """The one case type of the grid: a variant spec through one backend (attnzoo's, or a baseline
+    library's) with a flavour of inputs. ``prepare(problem) -> Prepared``, or one of errors.Unsupported,
+    Unavailable, Skipped saying why not. ``label`` names its row in the GPU measurement,
+    ``table_variant`` its key in the measured ranking table (None: not ranked), ``applies(problem)``
+    which problems the GPU measurement gives it."""
+    kind = "attnzoo"
+    compiles = False   # each new shape / mode costs a torch.compile: planned last
+
+    def __init__(self, spec: VariantSpec, backend: str, flavour: Flavour = PLAIN, label: Optional[str] = None,
+                 table_variant: Optional[str] = None, applies: Callable[[Problem], bool] = lambda problem: True):
         self.spec = spec
         self.variant = spec.label
         self.backend = backend
+        self.flavour = flavour
+        self.label = label or f"{spec.label}/{backend}"
+        self.table_variant = table_variant
+        self.applies = applies
+
+    def flops(self, problem: Problem) -> int:
+        """FLOPs of one call of this case on ``problem`` (its mode), by the variant's own formula."""
+        return flops(self.spec.name, problem.shape, problem.mode, causal=self.spec.causal(problem.causal),
+                     **self.spec.flop_kwargs())
+
+    def prepare(self, problem: Problem) -> Prepared:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class AttnzooTarget(Case):
+    """The spec's functional through one dispatcher backend (or "auto")."""
 
     @property
     def compiles(self) -> bool:
         """attnzoo's FlexAttention backends compile per shape / mode: planned last (see runner.plan)."""
         return "flex" in self.backend
 
-    def _resolve(self, q, k, v, causal: bool) -> str:
+    def _resolve(self, q, k, v, causal: bool, extra: dict) -> str:
         """Ask the dispatcher (through attnzoo.explain) who runs this call; its reason if nobody can."""
         try:
             choice = explain(self.spec.kernel, q, k, v, backend=self.backend, is_causal=causal,
-                                **self.spec.kernel_kwargs)
+                             **self.spec.kernel_kwargs, **extra)
         except ValueError as e:
             raise Unsupported(str(e)) from None
         name = choice.backend.name
@@ -122,18 +164,19 @@ class AttnzooTarget:
     def prepare(self, problem: Problem) -> Prepared:
         causal = self.spec.causal(problem.causal)
         q, k, v = qkv(problem)
-        resolved = self._resolve(q, k, v, causal)
-        key = ("attnzoo", self.spec.label, resolved, problem.key(), causal)
+        extra, extra_leaves = self.flavour.inputs(problem)
+        resolved = self._resolve(q, k, v, causal, extra)
+        key = ("attnzoo", self.spec.label, self.flavour.name, resolved, problem.key(), causal)
         if self.spec.timed_module is not None:
-            return Prepared(self._module_step(problem, causal), resolved, key, resolved == "reference")
+            return Prepared(*self._module_call(problem, causal), resolved, key, resolved == "reference")
         fn, kw = self.spec.resolved.record.functional, self.spec.kernel_kwargs
         backend = None if self.backend == AUTO else self.backend
 
         def forward():
-            return fn(q, k, v, is_causal=causal, backend=backend, **kw)
-        return Prepared(make_step(forward, (q, k, v), problem), resolved, key, resolved == "reference")
+            return fn(q, k, v, is_causal=causal, backend=backend, **kw, **extra)
+        return Prepared(forward, [q, k, v, *extra_leaves], resolved, key, resolved == "reference")
 
-    def _module_step(self, problem: Problem, causal: bool):
+    def _module_call(self, problem: Problem, causal: bool):
         s = problem.shape
         embed = s.heads * s.head_dim
         module_forward, params = self.spec.timed_module(
@@ -144,7 +187,7 @@ class AttnzooTarget:
 
         def forward():
             return module_forward(x, causal)
-        return make_step(forward, [x, *params], problem)
+        return forward, [x, *params]
 
 
 def _interpreted() -> bool:

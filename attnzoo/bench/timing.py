@@ -57,20 +57,20 @@ class TimeStats:
         return (self.p80 - self.p20) / (2 * self.median) if self.median > 0 else 0.0
 
 
-def quantile(sorted_xs: list[float], q: float) -> float:
-    if len(sorted_xs) == 1:
-        return sorted_xs[0]
-    pos = q * (len(sorted_xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+def p20_p80(xs: list[float]) -> tuple[float, float]:
+    """The 20th and 80th percentiles, interpolated between the samples (numpy's "linear" rule)."""
+    if len(xs) == 1:
+        return xs[0], xs[0]
+    cuts = statistics.quantiles(xs, n=5, method="inclusive")
+    return cuts[0], cuts[3]
 
 
 def summarize(samples: list[float]) -> TimeStats:
     if not samples:
         raise ValueError("summarize needs at least one timing sample")
     xs = sorted(float(x) for x in samples)
-    return TimeStats(median=statistics.median(xs), p20=quantile(xs, 0.2), p80=quantile(xs, 0.8),
+    p20, p80 = p20_p80(xs)
+    return TimeStats(median=statistics.median(xs), p20=p20, p80=p80,
                      min=xs[0], max=xs[-1], mean=statistics.fmean(xs),
                      std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
 
@@ -269,19 +269,21 @@ def host_seconds(step: Callable[[], Any], device, n: int) -> TimeStats:
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch",)
 HOST_WAIT_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPY_EVENTS = ("cudaMemcpyAsync", "cudaMemcpy")
 
 
-def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dict:
-    """What ``n`` steps do, per step, read from torch.profiler: kernel launches and CUDA-graph
-    launches (CUDA), the aten ops dispatched (every device; nested calls counted, e.g. aten::linear
-    and the aten::addmm it calls), the host's time inside profiled calls (``op_host_ms_per_step``),
-    host waits, the GPU's busy time (the kernels' total), and with
-    ``rows`` the busiest operators by self time on the host and on the device."""
+def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0, *, together: bool = False) -> dict:
+    """What ``n`` steps do, per step, read from torch.profiler: kernel launches, CUDA-graph launches
+    and host-device copies (CUDA), the aten ops dispatched (every device; nested calls counted, e.g.
+    aten::linear and the aten::addmm it calls), the host's time inside profiled calls
+    (``op_host_ms_per_step``), host waits, the GPU's busy time (the kernels' total), and with
+    ``rows`` the busiest operators by self time on the host and on the device. ``together``: one
+    call of ``step`` runs all ``n`` steps (a training loop's epoch cut to n steps)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda(device) else [])
     _sync(device)
     with profile(activities=activities) as prof:
-        for _ in range(n):
+        for _ in range(1 if together else n):
             step()
         _sync(device)
     events = prof.key_averages()
@@ -301,6 +303,7 @@ def profile_steps(step: Callable[[], Any], device, n: int, rows: int = 0) -> dic
         kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
         out.update(launches_per_step=count(LAUNCH_EVENTS), graph_launches_per_step=count(GRAPH_LAUNCH_EVENTS),
                    host_waits_per_step=count(HOST_WAIT_EVENTS) - 1 / n,   # less the closing synchronisation
+                   copies_per_step=count(COPY_EVENTS),
                    device_ms_per_step=sum(getattr(e, device_key) for e in kernels) / n / 1e3)
         if rows:
             out["device_table"] = events.table(sort_by=device_key, row_limit=rows)

@@ -327,7 +327,8 @@ def check_device(device) -> None:
 def _out_dir(args, device: str, what: str = "") -> Path:
     if args.out is not None:
         return Path(args.out)
-    from ..bench.environment import device_name, slug
+    from ..bench.environment import device_name
+    from ..ops.measured import slug
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / "bench" / f"{what}{slug(device_name(device))}-{stamp}"
 

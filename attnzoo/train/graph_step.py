@@ -25,11 +25,12 @@ step goes on uncaptured; with ``true`` it is an error. On the CPU nothing is cap
 static step runs as it is (what the CPU tests compare against the plain loop)."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
+
+from ..models.amp import bf16_autocast
 
 WARMUP_STEPS = 3
 
@@ -52,11 +53,6 @@ def graph_choice(cfg, device: torch.device, world: int, pipeline: str) -> bool:
         raise ValueError(f"train.graph=true needs one process and data.pipeline=device (got {world} processes, "
                          f"{pipeline} pipeline); use train.graph=auto to fall back")
     return True
-
-
-def _autocast(enabled: bool):
-    # a captured graph must not reuse autocast's cast-weight cache across replays
-    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if enabled else contextlib.nullcontext()
 
 
 class _Captured:
@@ -162,7 +158,7 @@ class GraphedTrainStep:
         real = weight > 0
         batch = self.data.batch(index, self.epoch)
         images, labels = batch[0], batch[1]
-        with _autocast(self.amp):
+        with bf16_autocast(self.device, self.amp, cache=False):  # a graph replays: no cast cache
             if len(batch) == 4:
                 logits = self.model(images, templates=batch[2], template_mask=batch[3] & real)
             else:
@@ -217,7 +213,7 @@ class GraphedEval:
     def _body(self) -> None:
         at = self.step_index * self.batch + self.offsets
         index, weight = self.order[at], self.weight[at]
-        with torch.no_grad(), _autocast(self.amp):
+        with torch.no_grad(), bf16_autocast(self.device, self.amp, cache=False):
             logits = self.model(self.data.pixels(index))
             labels = self.data.labels[index]
             self.loss_sum += (F.cross_entropy(logits.float(), labels, reduction="none").double() * weight).sum()

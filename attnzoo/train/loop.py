@@ -1,7 +1,6 @@
 """The training loop: ``train(cfg, resume=None)``. Runs alone or under torchrun (DDP)."""
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -14,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from ..models import build_model, count_parameters
+from ..models.amp import bf16_autocast
 from . import distributed as D
 from .checkpoint import (CheckpointError, check_resumable, load_checkpoint, newest_pointer, remove_stale_temporaries,
                          resolve, restore, save_checkpoint)
@@ -105,12 +105,6 @@ def _forward(model, batch, device, fmt=torch.contiguous_format):
     return model(images), labels
 
 
-def _autocast(cfg: TrainConfig, device: torch.device):
-    if cfg.train.amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 class TrainStep:
     """One optimisation step on a batch without waiting for the device: returns (loss, number of
     correct predictions) as device tensors and the batch size. The training loop and the
@@ -123,7 +117,7 @@ class TrainStep:
 
     def __call__(self, batch):
         cfg = self.cfg
-        with _autocast(cfg, self.device):
+        with bf16_autocast(self.device, cfg.train.amp):
             logits, labels = _forward(self.net, batch, self.device, self.fmt)
             loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.optim.label_smoothing)
         self.optimizer.zero_grad(set_to_none=True)
@@ -147,7 +141,7 @@ def evaluate(model, loader, cfg: TrainConfig, info: D.DistInfo, graph: Optional[
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     correct = torch.zeros((), dtype=torch.int64, device=info.device)
     count = 0
-    with torch.no_grad(), _autocast(cfg, info.device):
+    with torch.no_grad(), bf16_autocast(info.device, cfg.train.amp):
         for batch in loader:
             logits, labels = _forward(model, batch[:2], info.device, fmt)
             loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..bench.timing import profile_steps
 from . import distributed as D
 from .config import load_config
 from .data import Splits, augmentation, build_loaders, load_splits
@@ -32,27 +33,15 @@ def _sync(device: torch.device) -> None:
 
 
 def step_profile(run_steps, n: int, device: torch.device, rows: int = 15) -> dict:
-    """Where ``n`` training steps spend their time: torch.profiler's busiest operators by self time on
-    the host and on the device, and how many kernel launches and host waits a step makes (a small
-    model whose steps take far longer than its FLOPs allow is bound by one of these)."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        seconds = run_steps()
-    events = prof.key_averages()
-
-    def count(*names):
-        return sum(e.count for e in events if e.key in names) / n
-
-    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    out = {"steps": n, "ms_per_step": 1e3 * seconds / n,
-           "launches_per_step": count("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"),
-           "host_waits_per_step": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
-           "copies_per_step": count("cudaMemcpyAsync", "cudaMemcpy"),
-           "host_table": events.table(sort_by="self_cpu_time_total", row_limit=rows)}
-    if device.type == "cuda":
-        out["device_table"] = events.table(sort_by=device_key, row_limit=rows)
-    return out
+    """Where ``n`` training steps spend their time (the harness's profiler, ``bench.timing.profile_steps``,
+    on ``run_steps()``, which runs all n): the busiest operators by self time on the host and on the
+    device, and how many kernel launches, host waits and copies a step makes (a small model whose steps
+    take far longer than its FLOPs allow is bound by one of these)."""
+    seconds = []
+    profiled = profile_steps(lambda: seconds.append(run_steps()), device, n, rows, together=True)
+    counts = {key: profiled.get(key, 0.0) for key in ("launches_per_step", "host_waits_per_step", "copies_per_step")}
+    return {"steps": n, "ms_per_step": 1e3 * seconds[0] / n, **counts,
+            **{key: profiled[key] for key in ("host_table", "device_table") if key in profiled}}
 
 
 def images_per_second(config_path: str, device: str = "cuda", steps: int = 20, synthetic: bool = True,

@@ -25,14 +25,6 @@ from ..common import upcast
 from ..masking import causal_keep, masked_softmax
 
 
-def transport_weights_reference(c, g, u):
-    """The kernels' contract, materialising the cube: W (..., Nq, A) from c (..., Nq, A),
-    g (..., Nk, A), u (..., Nq or 1, Nk)."""
-    s = masked_softmax(c.unsqueeze(-2) + g.unsqueeze(-3), None)
-    s = torch.nan_to_num(s, nan=0.0)          # rows with every template removed
-    return (u.unsqueeze(-1) * s).sum(-2)
-
-
 def keep_and_bias(attn_mask, is_causal, nq, nk, device):
     """(keep, bias) as masking.split_mask, without its data-dependent shortcut (a float mask always
     gives a keep tensor), so torch.compile traces it as one graph."""

@@ -74,10 +74,6 @@ FACTOR_MAX = 58.0
 FACTOR_COLUMNS = 8
 
 
-def interpreting() -> bool:
-    return INTERPRETED
-
-
 # (BLOCK_X, BLOCK_Y, num_warps, num_stages); the first of each list is the untuned choice.
 # "scan": the logsumexp and weighted-sum passes (q, k tiles only); "attend": + a (BLOCK_X, Dv)
 # fp32 accumulator; "grad_v": + (BLOCK_X, Dv) accumulator, dout tiles; "grad_qk": + k, v resident,

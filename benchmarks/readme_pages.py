@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import OK
-from .report import (_md_escape, cost_model_markdown, fmt_bytes, fmt_time, markdown_summary, models_settings_line,
+from attnzoo.bench.errors import OK
+from attnzoo.bench.report import (_md_escape, cost_model_markdown, fmt_bytes, fmt_time, markdown_summary, models_settings_line,
                      models_summary_markdown, overhead_markdown, speed_summary_markdown, settings_line)
-from .schema import load_any
+from attnzoo.bench.schema import load_any
 
 HOW_TO = """\
 ```bash
@@ -43,7 +43,10 @@ backends (`reference`, `torch`, `cpu`, `triton`, ..., `auto`) and the baselines 
 `--device cuda` where no GPU is visible stop the command before any work, in one error line.
 Standard runs: `benchmarks/sweep_cpu.py` (CPU) and `benchmarks/gpu_speed.py` (GPU, docs/gpu.md); this
 page: `benchmarks/render_readme.py`. One harness serves all three benchmarks: `attnzoo.bench.timing`
-times everything, `attnzoo.bench.report` writes every table.
+times everything, `attnzoo.bench.report` writes every table, and one grid of cases (a variant spec
+through one backend, or a baseline, with a flavour of inputs) serves `attnzoo bench`, the GPU run
+and the measured ranking tables `auto` reads, with one rule for skipping a row predicted too slow
+(its time at the largest smaller N, scaled by the FLOP count).
 
 **Whole models** (`--models`; default all four, each variant of `--variants` or the model's own list):
 timm `vit_small_patch16_224` (224 x 224, N = 197, batch 128), Hugging Face BERT-base (`BertForMaskedLM`,
@@ -85,7 +88,7 @@ WHAT = """\
   others are recorded as not expressible), flash-attn and flash-linear-attention (recorded as
   not installed when absent).
 - **Status**: `ok`, `oom`, `n/a` (unsupported, with the dispatcher's reason), `not installed`,
-  `skipped` (measured or predicted - from the same row at the previous N scaled by FLOPs - slower
+  `skipped` (measured or predicted - from the same row at the largest smaller N, scaled by FLOPs - slower
   than `--max-call-seconds`, an eager reference estimated larger than the host memory limit, a call
   interrupted past `--call-timeout-seconds`, `--budget-seconds` used up, or a backend left out with
   `--skip-backends`) or `error` - never a crash. Every reason is kept in the JSON and

@@ -9,9 +9,9 @@ import traceback
 
 import torch
 
-from ... import functional as AF
+from attnzoo import functional as AF
 
-from .cases import cuda_backends
+from attnzoo.bench.speed_grid import cuda_backends
 
 # awkward sizes: N not a multiple of any tile, Nq != Nk with bottom-right causal, a wide head
 SHAPES = [  # (B, H, Nq, Nk, D, causal)
@@ -74,8 +74,8 @@ def check(variant, spec, backend, shape, dtype, device) -> dict:
 
 def check_t5(backend, shape, dtype, device) -> dict:
     """FenchelAttention's T5 preference on a fused path against the float64 eager reference."""
-    from ...ops.fenchel import t5
-    from ...ops.fenchel.t5_reference import t5_bias_attention_reference
+    from attnzoo.ops.fenchel import t5
+    from attnzoo.ops.fenchel.t5_reference import t5_bias_attention_reference
     B, H, nq, nk, D, causal = shape
     q, k, v = _inputs(B, H, nq, nk, D, dtype, device, seed=11 + nq)
     table = torch.randn(32, H, dtype=torch.float64, device=device)

@@ -7,9 +7,10 @@ killed run still leaves everything measured so far:
 2. speed: FlashAttention's benchmark shapes (batch * N = 16384 tokens, hidden 2048; D 64 / 128,
    N 1024 / 4096 / 16384, causal and not, bf16): SDPA's default dispatch, its FlashAttention-2,
    cuDNN and memory-efficient kernels, FlexAttention, and every attnzoo backend of every variant
-   that runs on CUDA; median ms of the forward and of forward + backward (``timing.time_directions``),
-   the extra peak memory of each; rows whose time extrapolated from a smaller N exceeds
-   --max-call-ms are skipped as such;
+   that runs on CUDA, in each variant's flavours of inputs (the cases of ``attnzoo.bench.speed_grid``);
+   median ms of the forward and of forward + backward (``timing.time_directions``), the extra peak
+   memory of each; rows whose time extrapolated from a smaller N (``extrapolate``: scaled by the
+   FLOP count) exceeds --max-call-ms are skipped as such;
 3. correctness: every CUDA backend against float64 at awkward shapes (bf16, fp16, fp32);
 4. models: whole models' training throughput with each variant swapped in, eager, compiled and in
    CUDA graphs, with launches and host time per step (``attnzoo.bench.model_bench``);
@@ -28,7 +29,6 @@ under TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -39,16 +39,20 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import model_bench
-from ..model_zoo import MODELS, OWN
-from ..plots import plot_speed
-from ..ranking import measured_table
-from ..report import DIRECTIONS, model_row_line, speed_report
-from ..schema import write_json, write_text
-from . import cases as C
+from attnzoo.bench import errors, model_bench
+from attnzoo.bench import speed_grid as grid
+from attnzoo.bench.extrapolate import Extrapolation
+from attnzoo.bench.model_zoo import MODELS, OWN
+from attnzoo.bench.plots import plot_speed
+from attnzoo.bench.ranking import measured_table
+from attnzoo.bench.report import DIRECTIONS, model_row_line, speed_report
+from attnzoo.bench.rowlog import RowLog
+from attnzoo.bench.schema import write_json, write_text
+from attnzoo.ops.measured import slug
+
 from . import compile_check, correctness, warm
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def device_info(device) -> dict:
 
 
 class _Tee:
-    """A line file written to the results folder and, with --mirror, to a second folder too."""
+    """The text log, written to the results folder and, with --mirror, to a second folder too."""
 
     def __init__(self, *paths: Optional[Path]):
         self.files = [open(p, "w") for p in paths if p is not None]
@@ -143,20 +147,21 @@ class Session:
         self.order = BUILTIN + tuple(self.extra)
         self.shares = {**SHARES, **{x.name: x.share for x in extra}}
         self.device = torch.device(args.device)
+        if self.device.type == "cpu":  # the dry run runs its own code: the Triton cases in the interpreter too
+            os.environ.setdefault("ATTNZOO_BENCH_INTERPRETER", "1")
         self.info = device_info(self.device)
-        from ...ops.measured import slug
         self.out = args.out or ROOT / "benchmarks" / "results" / "gpu" / slug(self.info["name"])
         self.out.mkdir(parents=True, exist_ok=True)
         if args.mirror is not None:
             args.mirror.mkdir(parents=True, exist_ok=True)
-
-        def both(name):
-            return _Tee(self.out / name, None if args.mirror is None else args.mirror / name)
         self.start = time.time()
         self.end = self.start + args.budget_seconds
-        self.log_file = both("log.txt")
-        self.rows_file = _Tee(self.out / "rows.jsonl")   # in results.tar.gz; $OUT holds few files
-        self.models_file = both("models.jsonl") if "models" in args.phases else None
+        self.log_file = _Tee(self.out / "log.txt", None if args.mirror is None else args.mirror / "log.txt")
+        self.rows_file = RowLog(self.out / "rows.jsonl")   # in results.tar.gz; $OUT holds few files
+        self.rows_file.start()
+        self.models_file = None
+        if "models" in args.phases:
+            self.models_file = RowLog(self.out / "models.jsonl", None if args.mirror is None else args.mirror / "models.jsonl")
         self.rows = []
         self.models_result = None
         self.models_head, self.models_rows = None, []
@@ -172,27 +177,29 @@ class Session:
         share = self.shares[phase] / sum(self.shares[p] for p in left)
         return time.time() + share * max(0.0, self.end - time.time())
 
-    def shapes(self):
-        dtype = torch.bfloat16
-        if self.args.shapes:
+    def problems(self):
+        dtype, a = torch.bfloat16, self.args
+        if a.shapes:
             out = []
-            for spec in self.args.shapes:
+            for spec in a.shapes:
                 d, n, causal = spec.split(":")
-                out += C.benchmark_shapes([int(d)], [int(n)], [causal == "yes"], self.args.tokens, self.args.hidden, dtype)
+                out += grid.benchmark_problems([int(d)], [int(n)], [causal == "yes"], a.tokens, a.hidden, dtype, self.device)
             return out
-        return C.benchmark_shapes(self.args.head_dims, self.args.seq_lens, [c == "yes" for c in self.args.causal],
-                                  self.args.tokens, self.args.hidden, dtype)
+        return grid.benchmark_problems(a.head_dims, a.seq_lens, [c == "yes" for c in a.causal], a.tokens, a.hidden, dtype,
+                                       self.device)
 
     def cases(self):
-        cases = C.baseline_cases(self.device) + C.attnzoo_cases(self.device)
+        cases = grid.speed_cases(self.device)
         if self.args.only:
             cases = [c for c in cases if any(s in c.label for s in self.args.only)]
         return cases
 
     def plan(self):
-        """(case, shape) pairs, most informative first: N 4096 at D 64 first, then the rest by N."""
-        shapes = sorted(self.shapes(), key=lambda s: (s.n != 4096, s.head_dim != 64, s.causal, s.n, s.head_dim))
-        return [(c, s) for s in shapes for c in self.cases() if c.applies(s) and _flex_applies(c, s)]
+        """(case, problem) pairs, most informative first: N 4096 at D 64 first, then the rest by N."""
+        problems = sorted(self.problems(), key=lambda p: (p.shape.seq_q != 4096, p.shape.head_dim != 64, p.causal,
+                                                          p.shape.seq_q, p.shape.head_dim))
+        cases = self.cases()
+        return [(c, p) for p in problems for c in cases if c.applies(p)]
 
     def model_config(self, budget: Optional[float] = None) -> model_bench.ModelBenchConfig:
         a = self.args
@@ -220,7 +227,7 @@ class Session:
             if name in self.extra:
                 jobs += self.extra[name].warm_jobs(self)
         if "speed" in phases:
-            jobs += [("speed", warm.warm_speed, (dev, c.label, _shape_fields(s))) for c, s in self.plan()]
+            jobs += [("speed", warm.warm_speed, (dev, c.label, grid.row_fields(p))) for c, p in self.plan()]
         if "correctness" in phases:
             jobs += [("correctness", warm.warm_correctness, (dev, v, spec, b, shape, str(dt).replace("torch.", "")))
                      for v, spec, b, shape, dt in correctness.cases(self.device, self.dtypes)]
@@ -233,7 +240,7 @@ class Session:
                          limits={"models": self.args.model_workers})
 
     def phase_speed(self):
-        from ...ops.kernels.pointwise import triton as pointwise
+        from attnzoo.ops.kernels.pointwise import triton as pointwise
         default_sigmoid = pointwise.FAST_SIGMOID  # a sigmoid case selects its evaluation; later phases get the default
         try:
             return self._speed_rows()
@@ -241,25 +248,28 @@ class Session:
             pointwise.FAST_SIGMOID = default_sigmoid
 
     def _speed_rows(self):
-        from ..timing import time_directions
+        from attnzoo.bench.timing import time_directions
         deadline = self.deadline("speed")
-        measured = {}
-        for case, shape in self.plan():
-            row = {"case": case.label, "table_variant": case.table_variant, "flavour": case.flavour,
-                   "backend": case.backend, **_shape_fields(shape)}
-            predicted = C.predicted_ms(measured, case, shape)
+        measured = Extrapolation()   # ms per call, keyed by the case and everything of the shape but N
+        for case, problem in self.plan():
+            row = {"case": case.label, "table_variant": case.table_variant, "flavour": case.flavour.name,
+                   "backend": case.backend, **grid.row_fields(problem)}
+            key, n, work = (case.label, problem.shape.head_dim, problem.causal), problem.shape.seq_q, case.flops(problem)
+            predicted = measured.predict(key, n, work)
             if time.time() > deadline:
                 row["skipped"] = "speed phase deadline reached"
             elif predicted is not None and predicted > self.args.max_call_ms:
                 row["skipped"] = f"predicted {predicted:.0f} ms per call from smaller N > --max-call-ms"
             else:
                 try:
-                    built = case.build(shape, self.device, True)
-                    row.update(time_directions(built.forward, built.leaves, self.device))
-                    measured[(case.label, shape)] = row.get("fwd+bwd", row.get("fwd"))
-                    del built
-                except ValueError as e:  # a backend refusing this call says why
+                    prepared = case.prepare(problem)
+                    row.update(time_directions(prepared.forward, prepared.leaves, self.device))
+                    measured.record(key, n, work, row.get("fwd+bwd", row.get("fwd")))
+                    del prepared
+                except (ValueError, errors.Unsupported) as e:  # a backend refusing this call says why
                     row["skipped"] = f"refused: {e}"[:300]
+                except (errors.Unavailable, errors.Skipped) as e:
+                    row["skipped"] = str(e)[:300]
                 except Exception as e:  # noqa: BLE001 - a failure is a result
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     row["trace"] = traceback.format_exc()[-600:]
@@ -271,7 +281,7 @@ class Session:
 
     def _emit(self, row):
         self.rows.append(row)
-        self.rows_file.write(json.dumps(row, default=str) + "\n")
+        self.rows_file.row(row)
         timings = " ".join(f"{d} {row[d]:.3f} ms" for d in DIRECTIONS if d in row)
         self.log(f"{row['case']:<34} D{row['head_dim']} N{row['n']}{' causal' if row['causal'] else ''}: "
                  f"{timings or row.get('skipped') or row.get('error')}")
@@ -292,11 +302,11 @@ class Session:
 
         def on_start(head):
             self.models_head = head
-            self.models_file.write(json.dumps(head, default=str) + "\n")
+            self.models_file.start(head)
 
         def on_row(row):
             self.models_rows.append(row)
-            self.models_file.write(json.dumps(row, default=str) + "\n")
+            self.models_file.row(row)
             self.log("models " + model_row_line(row))
 
         self.models_result = model_bench.run(config, progress=False, on_start=on_start, on_row=on_row)
@@ -325,7 +335,7 @@ class Session:
                 write_json({"meta": meta, "rows": results[name]}, self.out / f"{name}.json")
         models = self._models_so_far()
         if models is not None:
-            from ..output import write_models_outputs
+            from attnzoo.bench.output import write_models_outputs
             files = write_models_outputs(models, self.out, "models")
             if self.args.mirror is not None:
                 write_text(files["markdown"].read_text(), self.args.mirror / "models.md")
@@ -337,18 +347,6 @@ class Session:
             except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
                 self.log(f"plot failed: {e}")
         self.log(f"wrote {self.out}")
-
-
-def _shape_fields(shape) -> dict:
-    d = dataclasses.asdict(shape)
-    d["dtype"] = str(shape.dtype).replace("torch.", "")
-    return d
-
-
-def _flex_applies(case, shape) -> bool:
-    """FlexAttention compiles one kernel per shape: the flex rows run at N 4096 only (one
-    compile per head dim and causality instead of one per N)."""
-    return not (case.backend == "flex" or case.label.startswith("flex")) or shape.n == 4096
 
 
 def report_only(args) -> int:

@@ -31,17 +31,16 @@ def _worker_init():
         torch._dynamo.config.recompile_limit = 256
 
 
-def warm_speed(device: str, label: str, shape_fields: dict) -> str:
+def warm_speed(device: str, label: str, fields: dict) -> str:
     import torch
 
-    from .cases import Shape, attnzoo_cases, baseline_cases
+    from attnzoo.bench import speed_grid as grid
     dev = torch.device(device)
-    shape = Shape(**{**shape_fields, "dtype": getattr(torch, shape_fields["dtype"])})
-    case = next(c for c in baseline_cases(dev) + attnzoo_cases(dev) if c.label == label)
-    built = case.build(shape, dev, True)
+    case = next(c for c in grid.speed_cases(dev) if c.label == label)
+    prepared = case.prepare(grid.problem_from_fields(fields, dev))
     with torch.no_grad():
-        built.forward()
-    out = built.forward()
+        prepared.forward()
+    out = prepared.forward()
     out.backward(torch.randn_like(out))
     return label
 
@@ -58,8 +57,8 @@ def warm_model(device: str, model: str, attention: str, mode: str, size: str, ba
     """Two training steps of one model case: the compile (and the CUDA graphs' recording) happen here."""
     import torch
 
-    from ..model_bench import Case, ModelBenchConfig, Trainer
-    from ..model_zoo import model_spec
+    from attnzoo.bench.model_bench import Case, ModelBenchConfig, Trainer
+    from attnzoo.bench.model_zoo import model_spec
     config = ModelBenchConfig(models=[model], modes=[mode], size=size, batch=batch, device=device).validate()
     trainer = Trainer(Case(model_spec(model), attention, mode), config, torch.device(device))
     for _ in range(2):

@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-from ... import registry
+from attnzoo import registry
 
 NAMES = ["softmax", "l2", "fenchel(preference='t5')", "sigmoid", "relu", "sinkhorn", "linear", "ot", "masked",
          "multihead", "fenchel(preference='context')"]
