@@ -170,6 +170,30 @@ def test_timm_attention_with_a_band_and_is_causal():
     assert max_diff(block, alone) <= EXACT
 
 
+def test_timm_attention_with_a_causal_mask_alone():
+    """The same layer given only the causal mask (a band, packed blocks), without is_causal: the mask
+    means causality, as in the torch.nn and HF adapters; before, it ran as a plain mask and token 5
+    moved the outputs of tokens 0..4 through Sinkhorn's column normalisation."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    attn = timm.layers.Attention(E, num_heads=HEADS).double().eval()
+    holder = nn.Sequential(attn)
+    attnzoo.swap(holder, SPEC)
+    layer = holder[0]
+    x = torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    moved = x.clone()
+    moved[:, 5] += 1.0
+    with torch.no_grad():
+        long = layer(x, attn_mask=_band(9, 3))
+        later = layer(moved, attn_mask=_band(9, 3))
+        short = layer(x[:, :4], attn_mask=_band(4, 3), is_causal=True)
+        block = layer(x[:, :7], attn_mask=_block_causal([3, 4]))
+        alone = torch.cat([layer(x[:, lo:hi], is_causal=True) for lo, hi in ((0, 3), (3, 7))], 1)
+    assert max_diff(long[:, :5], later[:, :5]) <= EXACT
+    assert max_diff(long[:, :4], short) <= EXACT
+    assert max_diff(block, alone) <= EXACT
+
+
 # ---- T5 preference with a static cache -----------------------------------------------------------
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_t5_preference_refuses_a_static_cache(make):

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import variant as catalog
+from ..ops.masking import split_causal
 from ..ops.validate import close_match
 from . import tracing
 
@@ -162,6 +163,11 @@ class AttentionLayer(nn.Module):
         B, N, _ = x.shape
         if attn_mask is not None and attn_mask.dim() == 3:  # timm and HF hand (B, N, N) masks (_heads_mask)
             attn_mask = _heads_mask(attn_mask)
+        if attn_mask is not None and not is_causal and self.couples_queries:
+            # self-attention: a mask that keeps no later key means causality, as in the torch.nn and HF
+            # adapters (ops.masking.split_causal, the one rule); as a plain mask, a variant that couples
+            # queries would let later tokens move earlier outputs through its column normalisation
+            attn_mask, is_causal = split_causal(attn_mask, N, N)
         q, k, v = self.project_qkv(x)
         out = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x, **extra)
         out = out.transpose(1, 2).reshape(B, N, self.attn_dim)
