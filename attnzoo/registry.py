@@ -170,11 +170,14 @@ def _unknown_kwargs(name: str, cls: type, kwargs: dict, bad: list[str]) -> Value
 
 
 def layer(spec: str) -> type:
-    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer; a
-    wrapper whose layer has another interface binds its ``timm_class``)."""
+    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer). A
+    wrapper that host models see as its kind (``multihead(kind=K, ...)``) binds K's layer, the module
+    attnzoo.swap puts in a timm model for the same spec: timm's layout, one module either way."""
     name, spec_kwargs = parse_spec(spec)
     wrapper = _WRAPPERS.get(name)
-    cls = wrapper.timm_class if wrapper is not None and wrapper.timm_class is not None else _REGISTRY[name]
+    if wrapper is not None and wrapper.in_host_models:
+        return layer(_kind_spec(name, spec_kwargs))
+    cls = _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
         raise _unknown_kwargs(name, cls, spec_kwargs, bad)
@@ -191,6 +194,17 @@ def layer(spec: str) -> type:
                                                      "spec": spec, "__doc__": cls.__doc__,
                                                      "__reduce_ex__": __reduce_ex__})
     return bound
+
+
+def _kind_spec(name: str, spec_kwargs: dict) -> str:
+    """``multihead(kind='sinkhorn(n_iters=5)', eps=0.5)`` -> ``"sinkhorn(n_iters=5, eps=0.5)"``."""
+    kind, options = split_kind(spec_kwargs.pop("kind", "softmax"), spec_kwargs)
+    if not isinstance(kind, str):
+        raise TypeError(f"{name}'s kind must be a variant name, got {kind!r}")
+    if kind in _WRAPPERS:
+        raise ValueError(f"{name}(kind={kind!r}) wraps a wrapper; pick a kernel such as 'softmax'")
+    parse_spec(kind)   # an unknown kind fails here, with a suggestion
+    return kind if not options else f"{kind}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
 
 
 def _new_bound_instance(spec: str):
