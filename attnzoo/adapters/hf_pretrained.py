@@ -53,11 +53,15 @@ def _attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if recognises(m)}
 
 
+def _spellings(name: str, prefix: str) -> list[str]:
+    """A name as saved, with transformers' base-model prefix added, and without it (a head model saved,
+    its base model loaded, or the other way round)."""
+    return [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if prefix and name.startswith(prefix + ".") else [])
+
+
 def _in_model(name: str, names: dict, prefix: str) -> str:
-    """A recorded module name as it is in the loaded model: the same, or with transformers' base-model
-    prefix added or removed (a head model saved, its base model loaded, or the other way round)."""
-    candidates = [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if prefix and name.startswith(prefix + ".") else [])
-    for c in candidates:
+    """A recorded module name as it is in the loaded model."""
+    for c in _spellings(name, prefix):
         if c in names:
             return c
     raise ValueError(f"the saved config records an attnzoo swap of module {name!r}, which this model has no "
@@ -110,12 +114,12 @@ def _load_kernels(model: nn.Module, path, hub: dict) -> set[str]:
     saved, prefix = _kernel_tensors(_checkpoint_files(path, hub)), getattr(model, "base_model_prefix", "")
     state, used, missing = {}, set(), []
     for key in wanted:
-        options = [key, f"{prefix}.{key}"] + ([key[len(prefix) + 1:]] if prefix and key.startswith(prefix + ".") else [])
-        hit = next((o for o in options if o in saved), None)
+        hit = next((o for o in _spellings(key, prefix) if o in saved), None)
         if hit is None:
             missing.append(key)
-        else:
-            state[key], _ = saved[hit], used.add(hit)
+            continue
+        state[key] = saved[hit]
+        used.add(hit)
     if missing:
         raise ValueError(f"the saved checkpoint at {path!r} lacks the attnzoo kernels' tensors {missing}: was it "
                          "saved after the swap its config records?")
