@@ -8,7 +8,7 @@ from .layers import (AttentionLayer, FenchelAttention, L2Attention, LinearAttent
 from .ops.dispatch import use_backend
 from .ops.variant import LayerHook, Variant
 from .registry import available, create, describe, layer, parse_spec, register, register_variant, unregister
-from .adapters import plan_swap, register_hf_attention, swap, unswap
+from .adapters import from_pretrained, plan_swap, register_hf_attention, swap, unswap
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,4 @@ __all__ = ["functional", "explain", "use_backend", "available", "create", "descr
            "register", "register_variant", "unregister", "Variant", "LayerHook", "AttentionLayer",
            "SoftmaxAttention", "L2Attention", "SinkhornAttention", "SigmoidAttention", "ReLUAttention",
            "LinearAttention", "MaskedAttention", "MultiheadAttention", "FenchelAttention", "OTAttention",
-           "swap", "unswap", "plan_swap", "register_hf_attention"]
+           "swap", "unswap", "plan_swap", "register_hf_attention", "from_pretrained"]

@@ -15,6 +15,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from .layers import variants
@@ -24,6 +25,7 @@ from .layers.multihead import MULTIHEAD
 from .layers.spec import split_kind, split_spec
 from .layers.wrapper import Wrapper
 from .ops import variant as catalog
+from .ops.call import SHARED_KWARGS
 from .ops.validate import close_match
 
 _REGISTRY: dict[str, type] = {}   # name -> layer class
@@ -62,10 +64,68 @@ def register_variant(record: catalog.Variant) -> type:
     ``swap``, ``explain``, ``attnzoo bench``, masked/multihead and training."""
     if record.name in _REGISTRY:
         raise ValueError(f"{record.name!r} is already registered")
+    if isinstance(record, catalog.Variant):   # anything else: declare's TypeError
+        _check_reference(record)
     catalog.declare(record)
     cls = variants.variant_class(record)
     register(record.name, **record.describe())(cls)
     return cls
+
+
+# the probe call of a reference at registration: cross-attention shapes with Dv != D, so an output of
+# the wrong shape (the weights, q's shape, a transpose) cannot pass for (B, H, Nq, Dv)
+_PROBE = {"B": 1, "H": 2, "Nq": 3, "Nk": 5, "D": 4, "Dv": 6}
+
+
+def _check_reference(record: catalog.Variant) -> None:
+    """What every backend call will ask of the reference, checked before it is registered (issue 31): it
+    takes q, k, v and the keyword arguments of every call (signature inspection), and a tiny probe call
+    on CPU with its options at their defaults returns the (B, H, Nq, Dv) output. A reference with an
+    option that has no default cannot be probed and is not."""
+    ref = record.reference
+    where = f"register_variant({record.name!r}): the reference {getattr(ref, '__name__', ref)!r}"
+    if not callable(ref):
+        raise TypeError(f"{where} must be a function, got {type(ref).__name__}")
+    try:
+        sig = inspect.signature(ref)
+    except (TypeError, ValueError):
+        sig = None   # no signature to read (a builtin): the probe tells
+    if sig is not None:
+        params = list(sig.parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            raise TypeError(f"{where} must take q, k, v as its first three positional arguments; its signature "
+                            f"is {sig}")
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [a for a in SHARED_KWARGS if a not in named]
+        if missing and not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise TypeError(f"{where} must accept the keyword arguments every call passes it ("
+                            f"{', '.join(SHARED_KWARGS)}); it lacks {', '.join(missing)} (signature {sig})")
+        if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in SHARED_KWARGS for p in params):
+            return
+    _probe(record, where)
+
+
+def _probe(record: catalog.Variant, where: str) -> None:
+    n = _PROBE
+    g = torch.Generator().manual_seed(0)   # its own stream: registering moves no caller's random numbers
+    nk = n["Nk"] if record.describe().get("cross", True) else n["Nq"]
+    q = torch.randn(n["B"], n["H"], n["Nq"], n["D"], generator=g)
+    k = torch.randn(n["B"], n["H"], nk, n["D"], generator=g)
+    v = torch.randn(n["B"], n["H"], nk, n["Dv"], generator=g)
+    scale = n["D"] ** -0.5 if record.default_scale is None else record.default_scale
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} on CPU, its options at their defaults"
+    try:
+        with torch.no_grad():
+            out = record.reference(q, k, v, attn_mask=None, is_causal=False, scale=scale, dropout_p=0.0,
+                                   **catalog.option_defaults(record.reference))
+    except Exception as e:
+        raise ValueError(f"{where} failed a probe call ({shapes}): {type(e).__name__}: {e}") from e
+    want = (n["B"], n["H"], n["Nq"], n["Dv"])
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != want:
+        raise ValueError(f"{where} must return the (B, H, Nq, Dv) output: a probe call ({shapes}) returned {got}, "
+                         f"not {want}")
 
 
 def unregister(name: str) -> None:
@@ -167,11 +227,14 @@ def _unknown_kwargs(name: str, cls: type, kwargs: dict, bad: list[str]) -> Value
 
 
 def layer(spec: str) -> type:
-    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer; a
-    wrapper whose layer has another interface binds its ``timm_class``)."""
+    """A subclass of the spec's layer with its arguments bound as defaults (for timm's attn_layer). A
+    wrapper that host models see as its kind (``multihead(kind=K, ...)``) binds K's layer, the module
+    attnzoo.swap puts in a timm model for the same spec: timm's layout, one module either way."""
     name, spec_kwargs = parse_spec(spec)
     wrapper = _WRAPPERS.get(name)
-    cls = wrapper.timm_class if wrapper is not None and wrapper.timm_class is not None else _REGISTRY[name]
+    if wrapper is not None and wrapper.in_host_models:
+        return layer(_kind_spec(name, spec_kwargs))
+    cls = _REGISTRY[name]
     bad = _unknown_layer_kwargs(cls, spec_kwargs)
     if bad:
         raise _unknown_kwargs(name, cls, spec_kwargs, bad)
@@ -188,6 +251,17 @@ def layer(spec: str) -> type:
                                                      "spec": spec, "__doc__": cls.__doc__,
                                                      "__reduce_ex__": __reduce_ex__})
     return bound
+
+
+def _kind_spec(name: str, spec_kwargs: dict) -> str:
+    """``multihead(kind='sinkhorn(n_iters=5)', eps=0.5)`` -> ``"sinkhorn(n_iters=5, eps=0.5)"``."""
+    kind, options = split_kind(spec_kwargs.pop("kind", "softmax"), spec_kwargs)
+    if not isinstance(kind, str):
+        raise TypeError(f"{name}'s kind must be a variant name, got {kind!r}")
+    if kind in _WRAPPERS:
+        raise ValueError(f"{name}(kind={kind!r}) wraps a wrapper; pick a kernel such as 'softmax'")
+    parse_spec(kind)   # an unknown kind fails here, with a suggestion
+    return kind if not options else f"{kind}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
 
 
 def _new_bound_instance(spec: str):

@@ -117,30 +117,33 @@ def _tiny_vit(attn_layer, **kw):
                              attn_layer=attn_layer, **kw)
 
 
-def _sinkhorn_mha_float64(mha, x, n_iters):
-    """nn.MultiheadAttention's projections around Sinkhorn, float64, from tests/formulas.py."""
-    w, b = mha.in_proj_weight.double(), mha.in_proj_bias.double()
+def _sinkhorn_timm_float64(attn, x, n_iters):
+    """timm's qkv / proj projections around Sinkhorn, float64, from tests/formulas.py."""
+    w, b = attn.qkv.weight.double(), attn.qkv.bias.double()
     B, N, E = x.shape
-    H = mha.num_heads
+    H = attn.num_heads
     q, k, v = (torch.nn.functional.linear(x.double(), wi, bi).view(B, N, H, E // H).transpose(1, 2)
                for wi, bi in zip(w.chunk(3), b.chunk(3)))
     allow, add = R.allow_and_add(None, False, B, H, N, N)
     out = R.sinkhorn(q, k, v, allow, add, (E // H) ** -0.5, n_iters, 1.0, "l2", False)
-    return mha.out_proj(out.transpose(1, 2).reshape(B, N, E).float())
+    return attn.proj(out.transpose(1, 2).reshape(B, N, E).float())
 
 
-def test_multihead_layer_in_a_timm_model_runs_its_kind_with_its_options():
+@pytest.mark.parametrize("spec", ["multihead(kind='sinkhorn', n_iters=7)", "multihead(kind='sinkhorn(n_iters=7)')"])
+def test_multihead_layer_in_a_timm_model_runs_its_kind_with_its_options(spec):
     # attnzoo.layer("multihead") was nn.MultiheadAttention's constructor, which timm's arguments broke
-    # (TypeError), and the ViT's adapter dropped the kind's options (n_iters=7 ran as 3) and typos
+    # (TypeError), and the ViT's adapter dropped the kind's options (n_iters=7 ran as 3) and typos.
+    # Since issue 31 it is the kind's own layer, timm's layout (tests/test_timm_multihead_layout.py)
     torch.manual_seed(0)
-    vit = _tiny_vit(attnzoo.layer("multihead(kind='sinkhorn', n_iters=7)")).eval()
+    vit = _tiny_vit(attnzoo.layer(spec)).eval()
     attn = vit.blocks[0].attn
+    assert type(attn).__mro__[1] is attnzoo.SinkhornAttention
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
-        attn.mha.in_proj_weight.normal_(0, 0.5)  # timm's init is tiny: Sinkhorn's iterations would barely show
+        attn.qkv.weight.normal_(0, 0.5)  # timm's init is tiny: Sinkhorn's iterations would barely show
         got = attn(x)
-        want = _sinkhorn_mha_float64(attn.mha, x, n_iters=7)
-        default = _sinkhorn_mha_float64(attn.mha, x, n_iters=3)
+        want = _sinkhorn_timm_float64(attn, x, n_iters=7)
+        default = _sinkhorn_timm_float64(attn, x, n_iters=3)
     assert float((want - default).abs().max()) > 100 * float((got - want).abs().max())  # the option shows
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert vit(torch.randn(1, 3, 16, 16)).shape == (1, 3)
@@ -148,11 +151,9 @@ def test_multihead_layer_in_a_timm_model_runs_its_kind_with_its_options():
 
 def test_multihead_in_a_timm_model_refuses_what_it_cannot_do():
     from attnzoo.models import ViT
-    with pytest.raises(TypeError, match="n_iterz"):
+    with pytest.raises(ValueError, match="n_iterz.*did you mean 'n_iters'"):   # as for "sinkhorn(n_iterz=7)"
         ViT(img_size=8, patch_size=4, in_chans=1, num_classes=2, embed_dim=16, depth=1, num_heads=2,
             attention="multihead(kind='sinkhorn', n_iterz=7)")
-    with pytest.raises(ValueError, match="qk_norm"):
-        _tiny_vit(attnzoo.layer("multihead"), qk_norm=True)
 
 
 # -- Hugging Face: attnzoo's attention does not move the caller's random streams ---------------------

@@ -76,3 +76,19 @@ def test_list_name_describes_the_variant_in_full(capsys, monkeypatch, name):
 def test_list_name_takes_a_spec_string(capsys, monkeypatch):
     out = run_list(capsys, monkeypatch, 100, "sinkhorn(n_iters=5)")
     assert out.startswith("sinkhorn\n") and "n_iters=3" in out  # the defaults, whatever the spec set
+
+
+# issue 31 item 16: `list NAME` was one line of description for most variants (only ot's class had a
+# long docstring); every variant now shows what its record knows: the formula its reference computes
+# (the reference module's docstring), the default scale, whether queries are coupled and the FLOPs.
+@pytest.mark.parametrize("name", [n for n in attnzoo.available() if n not in attnzoo.registry.wrappers()])
+def test_list_name_shows_the_records_formula_scale_and_flops(capsys, monkeypatch, name):
+    out = run_list(capsys, monkeypatch, 100, name)
+    flat = " ".join(out.split())
+    record = attnzoo.ops.variant.get(name)
+    formula = inspect.getmodule(record.reference).__doc__
+    assert " ".join(formula.split()) in flat, out
+    scale = "1/sqrt(D)" if record.default_scale is None else f"{record.default_scale:g}"
+    assert f"default scale {scale}" in flat
+    assert f"couples queries {'yes' if record.couples_queries else 'no'}" in flat
+    assert " ".join(record.flop_formula.split()) in flat

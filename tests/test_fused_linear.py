@@ -46,6 +46,10 @@ def _mask(kind, B, nk):
         m = torch.rand(B, 1, 1, nk) > 0.3
         m[..., 0] = True
         return m
+    if kind == "left_pad":   # batch 0's first 20 keys are padding: its rows 0..19 (two chunks) see no key
+        m = torch.ones(B, 1, 1, nk, dtype=torch.bool)
+        m[0, ..., :20] = False
+        return m
     if kind == "float":
         return float_mask((nk,), 0.3, scale=0.5, dtype=torch.float64)
     return None
@@ -145,6 +149,27 @@ def test_triton_matches_formula(fm, causal, nq, nk, mask, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_triton_half_causal_elu_meets_the_flash_rule(dtype):
     _check_kernel(*TRITON_CASES[0], dtype)
+
+
+# Issue 31: a causal row with no usable key (left padding) had r_i = 1 / eps = 1e6 in the kernels; in
+# fp16 the backward's dA and dphi(k) then overflowed (inf * 0 = NaN in dq and dk). Now r_i = 0 there,
+# and every gradient matches the float64 formula's under FlashAttention's rule (elu: relu's fp16 rule
+# fails on unpadded rows of tiny normaliser, a conditioning matter this case is not about); for both maps
+# the padded rows' dq and the padding keys' dk are exactly 0, as in float64, and dv is finite.
+@needs_kernels
+def test_triton_fp16_rows_without_keys_meet_the_flash_rule():
+    _check_kernel("elu", True, 37, 37, "left_pad", torch.float16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fm", ["elu", "relu"])
+def test_triton_fp16_rows_without_keys_get_zero_gradients(fm):
+    q, k, v = (t.detach().half().to(KERNEL_DEVICE).requires_grad_() for t in _inputs(37, 37, torch.float32))
+    mask = _mask("left_pad", 2, 37).to(KERNEL_DEVICE)
+    out = AF.linear(q, k, v, attn_mask=mask, is_causal=True, feature_map=fm, backend="triton")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    assert (out[0, :, :20] == 0).all() and (dq[0, :, :20] == 0).all() and (dk[0, :, :20] == 0).all()
 
 
 # fp64 inputs run fp64 kernels (fp64 state and products): agreement with the float64 formula is then

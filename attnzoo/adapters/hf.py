@@ -38,13 +38,13 @@ from torch import nn
 
 from .. import registry
 from ..layers.base import AttentionLayer
-from . import hf_decode
+from . import hf_decode, hf_record
 from .common import Change, describe_new_parameters, param_names
 from .kernel import causal_and_rest, kernel_layer, run_kernel
 from .spec import Target, resolve
 
 KERNEL_CHILD = hf_decode.KERNEL_CHILD
-DISPATCH_NAME = "attnzoo"
+DISPATCH_NAME = hf_record.DISPATCH_NAME
 # on a swapped module: the implementation its config had before attnzoo.swap set "attnzoo" (kept on the
 # module, not the config: save_pretrained would write a config attribute into config.json)
 _PREVIOUS_IMPLEMENTATION = "_attnzoo_previous_implementation"
@@ -141,6 +141,7 @@ def _dispatch(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     """The ``"attnzoo"`` implementation: the module's own attnzoo kernel, else SDPA."""
     kernel = getattr(module, KERNEL_CHILD, None)
     if kernel is None:
+        hf_record.warn_if_dropped(module)   # a model saved swapped, loaded without its kernels
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -286,6 +287,7 @@ def plan(root: nn.Module, name: str, module: nn.Module, target: Target) -> Chang
         if kernel.needs_key_tokens or kernel.couples_queries or kernel.reads_positions:
             hf_decode.hook(module)
         config._attn_implementation_internal = DISPATCH_NAME
+        hf_record.record(root, name, module, (target.name, target.kwargs))   # for save_pretrained
     change.apply = apply
     return change
 
@@ -302,6 +304,7 @@ def revert(root: nn.Module, name: str, module: nn.Module) -> Optional[Change]:
     def apply() -> None:
         del module._modules[KERNEL_CHILD]
         hf_decode.unhook(module)
+        hf_record.forget(module, name)
     change.apply = apply
     return change
 

@@ -1,5 +1,6 @@
 """attnzoo list [NAME]: the registered variants and what each can do; with a NAME (or spec string), that
-variant in full: its description, capabilities, complexity, parameters, paper, constructor options with
+variant in full: its description, the formula its reference computes, capabilities, complexity,
+parameters, paper, default scale, whether it couples queries, its FLOP count, constructor options with
 their defaults, layer class, function and backends.
 
 The table is printed when it fits the terminal (``COLUMNS``) with every word whole (the built-in
@@ -20,8 +21,9 @@ CAPABILITIES = ("causal", "cross", "masks")
 
 def add_arguments(parser) -> None:
     parser.add_argument("name", nargs="?", metavar="NAME",
-                        help="describe one variant in full: description, capabilities, complexity, parameters, "
-                             "paper, options with their defaults, layer class, function and backends")
+                        help="describe one variant in full: description, formula, capabilities, complexity, "
+                             "parameters, paper, default scale, coupled queries, FLOPs, options with their "
+                             "defaults, layer class, function and backends")
 
 
 def run(args) -> int:
@@ -79,6 +81,7 @@ def in_full(name: str) -> dict[str, str]:
         out["example"] = f"attnzoo.create(\"{name}(kind='sinkhorn(n_iters=5)')\", dim, num_heads)"
     elif catalog.is_declared(getattr(cls, "variant", None)):
         record = catalog.get(cls.variant)
+        out.update(_record_fields(record))
         options = record.hook.options()
         out["options"] = _options_text(options) or "none"
         out["layer class"] = (f"{public}(dim, num_heads=8, <timm's Attention arguments>"
@@ -92,6 +95,20 @@ def in_full(name: str) -> dict[str, str]:
         out["options"] = _options_text(_own_init_options(cls)) or "none"
         out["layer class"] = f"{public}{inspect.signature(cls)}"
     return out
+
+
+def _record_fields(record) -> dict[str, str]:
+    """What the variant record says beyond describe(): the formula its reference computes (the reference
+    module's docstring, written from the paper; the function's own when the module has none), the
+    default scale, whether queries are coupled, and the FLOP count the benchmark uses."""
+    module = inspect.getmodule(record.reference)
+    doc = (module.__doc__ if module is not None and module.__name__.startswith("attnzoo.ops.") else None) \
+        or record.reference.__doc__ or ""
+    scale = "1/sqrt(D)" if record.default_scale is None else f"{record.default_scale:g}"
+    coupled = ("yes: one query's output depends on the others (padded queries are masked out, causal = "
+               "each prefix solved on its own)" if record.couples_queries else "no: each row on its own")
+    fields = {"formula": _unwrap(inspect.cleandoc(doc))} if doc.strip() else {}
+    return {**fields, "default scale": scale, "couples queries": coupled, "FLOPs": record.flop_formula}
 
 
 def _own_init_options(cls) -> dict:

@@ -34,7 +34,6 @@ from ..ops import variant as catalog
 from ..ops.masking import causal_keep, split_causal
 from ..ops.sizes import Shape
 from . import tracing
-from .base import TIMM_EXTRA
 from .spec import split_kind
 from .wrapper import Wrapper
 
@@ -282,42 +281,8 @@ def timed_module(embed_dim, num_heads, *, kind, backend, device, dtype, **layer_
     return forward, [p for p in module.parameters() if p.requires_grad]
 
 
-class MultiheadAsTimmAttention(nn.Module):
-    """timm's constructor and ``forward(x, attn_mask=None, is_causal=False)`` around an
-    attnzoo.MultiheadAttention (batch_first), so "multihead" sits in a timm Block like every other name
-    (``attnzoo.layer("multihead(kind='sinkhorn', n_iters=5)")``). Masks use SDPA's convention (True =
-    take part). The kind's options go to the kind (a misspelt one is a TypeError); timm's other
-    constructor arguments are taken and dropped, except a q/k or scale norm, which this layout has
-    not (nn.MultiheadAttention has one bias switch: ``qkv_bias`` sets it for both projections)."""
-
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, qk_norm: bool = False,
-                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0,
-                 norm_layer=None, kind: str = "softmax", backend=None, device=None, dtype=None,
-                 **kind_kwargs) -> None:
-        super().__init__()
-        for name, on in (("qk_norm", qk_norm), ("scale_norm", scale_norm)):
-            if on:
-                raise ValueError(f"multihead in a timm model has nn.MultiheadAttention's layout, without a "
-                                 f"{name}: {name}=True is not supported (a variant's own layer has it)")
-        for name in TIMM_EXTRA:  # what timm hands any attention layer, meaningless here
-            kind_kwargs.pop(name, None)
-        self.mha = MultiheadAttention(dim, num_heads, dropout=attn_drop, bias=bool(qkv_bias), batch_first=True,
-                                      kind=kind, backend=backend, device=device, dtype=dtype, **kind_kwargs)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    @property
-    def kind(self) -> str:
-        return self.mha.kind
-
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = ~attn_mask  # torch MHA: True = masked out
-        out, _ = self.mha(x, x, x, need_weights=False, attn_mask=attn_mask, is_causal=is_causal)
-        return self.proj_drop(out)
-
-
 MULTIHEAD = Wrapper(name="multihead", layer_class=MultiheadAttention, module_flops=projection_flops,
                     module_formula="in/out projections 8 B N E^2 (E = H D)", module_work="projections",
-                    timed_module=timed_module, timm_class=MultiheadAsTimmAttention,
+                    timed_module=timed_module,
                     in_host_models=True, parameters="nn.MultiheadAttention's",
                     paper="paper 002 eq (2.7)/(2.9); paper 001 (multi-head)")

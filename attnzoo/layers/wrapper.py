@@ -20,10 +20,9 @@ class Wrapper:
     timed_module:     ``(embed_dim, num_heads, *, kind, backend, device, dtype, **layer_kwargs) ->
                       (forward(x, causal), parameters)``: how the benchmark times the whole module,
                       when the wrapper adds work around the kernel
-    timm_class:       what ``attnzoo.layer(name)`` binds for timm's ``attn_layer=`` when the
-                      layer class has another interface than timm's Attention (None: layer_class)
-    in_host_models:   True when a host model swapped to this name gets the kind's layer (multihead:
-                      timm and Hugging Face keep their own module layout)
+    in_host_models:   True when a host model gets the kind's layer for this name (multihead: timm
+                      and Hugging Face keep their own module layout), by attnzoo.swap and, for
+                      timm's ``attn_layer=``, by ``attnzoo.layer``
     """
     name: str
     layer_class: type
@@ -33,7 +32,6 @@ class Wrapper:
     module_work: str = ""
     module_backward_factor: Fraction = Fraction(2)
     timed_module: Optional[Callable] = None
-    timm_class: Optional[type] = None
     in_host_models: bool = False
     complexity: str = "that of its kind"
     parameters: str = "kind"

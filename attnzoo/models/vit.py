@@ -14,8 +14,8 @@ from .. import registry
 
 
 def timm_attention_class(spec: str) -> type:
-    """The class to hand timm's ``Block(attn_layer=...)`` for an attnzoo spec string ("multihead": its
-    adapter to timm's interface, layers.multihead.MultiheadAsTimmAttention)."""
+    """The class to hand timm's ``Block(attn_layer=...)`` for an attnzoo spec string ("multihead(kind=K)":
+    K's layer, as attnzoo.swap makes it)."""
     return registry.layer(spec)
 
 

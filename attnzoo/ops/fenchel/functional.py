@@ -1,9 +1,7 @@
 """The public Fenchel-dual attention function (re-exported as ``attnzoo.functional.fenchel``)."""
 from __future__ import annotations
 
-import torch
-
-from .. import call
+from .. import call, dispatch
 from .. import validate as V
 from ..variant import attend
 from . import t5
@@ -24,6 +22,12 @@ def check(q, k, v, *, scale, log_u=None, alpha=1.0, solve="first_order", relativ
             "solve": V.check_choice("solve", solve, SOLVES)}
 
 
+def _may_fuse(q, backend) -> bool:
+    """Whether t5.choose may pick a fused T5 path (a fused backend named, or auto on CUDA)."""
+    requested = backend or dispatch.default_backend()
+    return requested in t5.FUSED or (requested == dispatch.AUTO and q.device.type == "cuda")
+
+
 def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None, alpha=1.0,
             solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False):
     """Paper 004 eq (16): weights proportional to u_ij exp(alpha s_ij), u = exp(log_u)
@@ -31,13 +35,17 @@ def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None,
     solve="exact" maximises the dual (7) per query. ``relative_bias``: a learned T5 relative-position
     log u (``ops.fenchel.t5.T5Bias``, paper 004 eqs 17-18) instead of ``log_u``; at first order the
     fused kernels read it from its table, tile by tile (ops/fenchel/t5.py)."""
-    # the fused T5 kernels take q's head count for k and v: grouped-query calls take the dense route
-    grouped = enable_gqa is True and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 \
-        and k.shape[1] != q.shape[1]
-    if relative_bias is not None and solve == "first_order" and log_u is None and not grouped:
-        shared = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p)
+    if relative_bias is not None and solve == "first_order" and log_u is None:
+        shared = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=enable_gqa)
         t5.check_bias(relative_bias, q)
-        out = t5.t5_attention(q, k, v, relative_bias, attn_mask=shared["attn_mask"], is_causal=shared["is_causal"],
+        kf, vf = k, v
+        if k.shape[1] != q.shape[1] and _may_fuse(q, backend):
+            # the fused T5 kernels take q's head count for k and v: grouped-query k, v are expanded (on the
+            # dense route the backend would say its per-key log_u cannot vary with the query, naming an
+            # argument the caller never passed: issue 31)
+            group = call.gqa_group(q, k)
+            kf, vf = call.expand_heads(k, group), call.expand_heads(v, group)
+        out = t5.t5_attention(q, kf, vf, relative_bias, attn_mask=shared["attn_mask"], is_causal=shared["is_causal"],
                               scale=shared["scale"], alpha=V.check_positive("alpha", alpha),
                               dropout_p=shared["dropout_p"], backend=backend)
         if out is not None:

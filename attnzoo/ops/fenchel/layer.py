@@ -11,6 +11,7 @@ preference="context": log u_j = a small MLP of the key token x_j, one output per
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .. import validate as V
@@ -20,6 +21,20 @@ from .t5 import T5Bias
 from .t5_buckets import check_bucketing
 
 PREFERENCES = ("uniform", "t5", "context")
+
+
+def _checked(layer, log_u, x):
+    """The context preference's log u, refused with the user's own words when it holds NaN or +inf:
+    the function's check would name ``log_u``, which a layer's caller never passed (issue 31). Checked
+    where ``validate.check_values`` checks (eager mode, VALUE_CHECK_DEVICES), the same one read."""
+    try:
+        V.check_values("log_u", log_u)
+    except ValueError:
+        source = ("the layer's input x holds NaN or inf values" if not bool(torch.isfinite(x.detach()).all())
+                  else "x is finite, so the network's weights (layer.context_net) hold NaN or inf values")
+        raise ValueError(f"{type(layer).__name__}(preference='context'): the preference its context network "
+                         f"computes from the input tokens x is not finite: {source}") from None
+    return log_u
 
 
 class FenchelHook(LayerHook):
@@ -54,7 +69,7 @@ class FenchelHook(LayerHook):
             kw["relative_bias"] = T5Bias(layer.relative_bias.weight, layer.num_buckets, layer.max_distance,
                                          layer.bidirectional)
         elif layer.context_net is not None:
-            kw["log_u"] = layer.context_net(x).transpose(1, 2).unsqueeze(2)  # (B, H, 1, Nk)
+            kw["log_u"] = _checked(layer, layer.context_net(x).transpose(1, 2).unsqueeze(2), x)  # (B, H, 1, Nk)
         return kw
 
     def needs_key_tokens(self, layer) -> bool:

@@ -219,7 +219,12 @@ if HAVE_TRITON:
                 eps = _wide(tl.load(EPS_BH + bh), FP64)
             else:
                 eps = 1e-6
-            r = 1.0 / (den + tl.sum(_wide(weights, FP64), 1) + eps)
+            den += tl.sum(_wide(weights, FP64), 1)
+            # den == 0 (features are >= 0): every weight of the row is 0, so out_i = 0 and every
+            # gradient reaching q or k through the row is 0 (a zero feature, a masked key's weight or
+            # a zero feature slope multiplies it); r = 0 says so, where 1 / eps ~ 1e6 made dA and
+            # dphi(k) overflow fp16 on their way to a half tl.dot operand or to dk (inf * 0 = NaN)
+            r = tl.where(den == 0.0, 0.0, 1.0 / (den + eps))
             tl.store(RDEN + bh * N + rows, r, mask=(rows < N) & (pv == 0))
         else:
             r = _row_scale(RDEN, rows, N, count_offset, MODE, FP64)
