@@ -75,16 +75,20 @@ def _as_batch(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def per_sequence(fn, q, k, v, offsets_q, offsets_k, kwargs) -> torch.Tensor:
-    """Sequences of equal (n_q, n_k) stacked into one batch each, the outputs put back in order."""
+def per_sequence(fn, q, k, v, offsets_q, offsets_k, kwargs, key_tokens=None) -> torch.Tensor:
+    """Sequences of equal (n_q, n_k) stacked into one (G, H, n, D) batch each, the outputs put back in
+    packed order. ``key_tokens`` (T_k, dim): what a layer reads beside its keys (Fenchel's context),
+    handed to ``fn`` as ``x`` (G, n_k, dim)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (a, b, c, d) in enumerate(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:])):
         groups.setdefault((b - a, d - c), []).append(i)
     outputs: list = [None] * (len(offsets_q) - 1)
     for members in groups.values():
-        stack = [torch.stack([t[offs[i]:offs[i + 1]] for i in members]) for t, offs in
-                 ((q, offsets_q), (k, offsets_k), (v, offsets_k))]
-        out = fn(*(_as_batch(t) for t in stack), **kwargs)             # (G, H, n_q, Dv)
+        def stack(t, offs):
+            return torch.stack([t[offs[i]:offs[i + 1]] for i in members])
+        extra = {} if key_tokens is None else {"x": stack(key_tokens, offsets_k)}
+        out = fn(_as_batch(stack(q, offsets_q)), _as_batch(stack(k, offsets_k)), _as_batch(stack(v, offsets_k)),
+                 **kwargs, **extra)                                    # (G, H, n_q, Dv)
         for i, o in zip(members, out.transpose(1, 2).unbind(0)):
             outputs[i] = o
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -112,10 +116,25 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
     keep = key < len_k                                                  # (N, 1, max_k)
     if is_causal:
         query = torch.arange(max_q, device=q.device)[None, :, None]
-        keep = keep & (key <= query + (len_k - len_q))                # (N, max_q, max_k)
+        keep = keep & (key <= query + (len_k - len_q))                  # (N, max_q, max_k)
     out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, pos_k, max_k)),
              _as_batch(pad(v, seq_k, pos_k, max_k)), attn_mask=keep[:, None], **kwargs)
     return out.transpose(1, 2)[seq_q, pos_q]
+
+
+def check(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k):
+    """The packed layout's checks -> (cu_seq_k, max_k, offsets_q, offsets_k): ``cu_seq_k=None`` means
+    q's offsets; the offsets are read as ints in eager mode (None while torch.compile traces)."""
+    _check_packed(q, k, v)
+    if cu_seq_k is None:
+        cu_seq_k, max_k = cu_seq_q, (max_q if max_k is None else max_k)
+    read = not torch.compiler.is_compiling()
+    offsets_q = _check_offsets("cu_seq_q", cu_seq_q, q.shape[0], max_q, "max_q", q.device, read)
+    offsets_k = _check_offsets("cu_seq_k", cu_seq_k, k.shape[0], max_k, "max_k", q.device, read)
+    if cu_seq_q.numel() != cu_seq_k.numel():
+        raise ValueError(f"cu_seq_q and cu_seq_k must give the same number of sequences, got "
+                         f"{cu_seq_q.numel() - 1} and {cu_seq_k.numel() - 1}")
+    return cu_seq_k, max_k, offsets_q, offsets_k
 
 
 def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k=None, *, is_causal=False,
@@ -123,19 +142,11 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     """Variant ``name`` on packed q (T_q, H, D), k, v (T_k, H_kv, D / Dv) -> (T_q, H, Dv); see the module."""
     V.check_choice("variant", name, catalog.names())
     record = catalog.get(name)
-    _check_packed(q, k, v)
-    if cu_seq_k is None:
-        cu_seq_k, max_k = cu_seq_q, (max_q if max_k is None else max_k)
-    compiling = torch.compiler.is_compiling()
-    offsets_q = _check_offsets("cu_seq_q", cu_seq_q, q.shape[0], max_q, "max_q", q.device, not compiling)
-    offsets_k = _check_offsets("cu_seq_k", cu_seq_k, k.shape[0], max_k, "max_k", q.device, not compiling)
-    if cu_seq_q.numel() != cu_seq_k.numel():
-        raise ValueError(f"cu_seq_q and cu_seq_k must give the same number of sequences, got "
-                         f"{cu_seq_q.numel() - 1} and {cu_seq_k.numel() - 1}")
+    cu_seq_k, max_k, offsets_q, offsets_k = check(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
     kwargs = dict(scale=scale, dropout_p=dropout_p, backend=backend, enable_gqa=enable_gqa, **options)
-    if compiling and not record.couples_queries:
-        return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, V.check_flag(
-            "is_causal", is_causal), kwargs)
+    if offsets_q is None and not record.couples_queries:               # torch.compile is tracing
+        return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
+                      V.check_flag("is_causal", is_causal), kwargs)
     if offsets_q is None:                                               # compiling a coupling variant
         offsets_q, offsets_k = cu_seq_q.tolist(), cu_seq_k.tolist()    # a graph break, by design
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))
