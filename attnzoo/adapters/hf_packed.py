@@ -150,12 +150,12 @@ def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: f
     """(1, H, T, D) q, k, v -> (1, T, H, Dv): each packed sequence through the kernel on its own."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     _, _, offsets_q, offsets_k = varlen.check(q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k)
-    if offsets_q is None:
-        offsets_q, offsets_k = packed.cu_seq_q.tolist(), packed.cu_seq_k.tolist()
 
     def call(q, k, v, x=None):
         return run_kernel(kernel, q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale, x=x,
                           self_attention=True, enable_gqa=k.shape[1] != q.shape[1])
 
     x = None if tokens is None else tokens[0]
+    if offsets_q is None:                                     # torch.compile: read outside the graph
+        return varlen.per_sequence_reading_offsets(call, q, k, v, packed.cu_seq_q, packed.cu_seq_k, {}, x)[None]
     return varlen.per_sequence(call, q, k, v, offsets_q, offsets_k, {}, key_tokens=x)[None]

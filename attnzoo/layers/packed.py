@@ -40,13 +40,14 @@ def forward_packed(layer, x, cu_seqlens: Optional[torch.Tensor], max_seqlen: Opt
         max_seqlen = int(cu.diff().max()) if cu.numel() > 1 else 1
     q, k, v = (t[0].transpose(0, 1) for t in layer.project_qkv(tokens[None]))      # (T, H, head_dim)
     _, _, offsets, _ = varlen.check(q, k, v, cu, None, max_seqlen, None)
-    if offsets is None:                                       # torch.compile: the offsets are read here
-        offsets = cu.tolist()
 
     def attend(q, k, v, x=None):
         return layer.attend(q, k, v, is_causal=is_causal, x=x, **extra)
 
-    out = varlen.per_sequence(attend, q, k, v, offsets, offsets, {}, key_tokens=tokens)
+    if offsets is None:                                       # torch.compile: read outside the graph
+        out = varlen.per_sequence_reading_offsets(attend, q, k, v, cu, cu, {}, key_tokens=tokens)
+    else:
+        out = varlen.per_sequence(attend, q, k, v, offsets, offsets, {}, key_tokens=tokens)
     out = layer.norm(out.reshape(tokens.shape[0], layer.attn_dim))
     if layer.gate is not None:
         out = out * layer.gate(tokens).sigmoid()

@@ -94,6 +94,13 @@ def per_sequence(fn, q, k, v, offsets_q, offsets_k, kwargs, key_tokens=None) -> 
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
+@torch.compiler.disable
+def per_sequence_reading_offsets(fn, q, k, v, cu_seq_q, cu_seq_k, kwargs, key_tokens=None) -> torch.Tensor:
+    """``per_sequence`` where the offsets are still tensors (torch.compile is tracing): read here, outside
+    the graph (a graph break; refused under fullgraph=True)."""
+    return per_sequence(fn, q, k, v, cu_seq_q.tolist(), cu_seq_k.tolist(), kwargs, key_tokens)
+
+
 def _token_index(cu: torch.Tensor, total: int):
     """(sequence, position in it) of every packed token, from the offsets, with no host read."""
     token = torch.arange(total, device=cu.device)
@@ -148,5 +155,6 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
         return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
                       V.check_flag("is_causal", is_causal), kwargs)
     if offsets_q is None:                                               # compiling a coupling variant
-        offsets_q, offsets_k = cu_seq_q.tolist(), cu_seq_k.tolist()    # a graph break, by design
+        return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
+                                            dict(is_causal=is_causal, **kwargs))
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))
