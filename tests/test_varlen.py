@@ -12,6 +12,7 @@ from attnzoo.ops import dispatch, plan, varlen
 from attnzoo.ops.kernels import blockwise
 from tests import formulas as R
 from tests.common import INTERPRET
+from tests.flash_rule import assert_flash_rule, reference_or_rounded
 
 H, H_KV, D, DV = 4, 2, 4, 3
 LEN_Q = [1, 5, 3]              # a length-1 sequence; Nq != Nk in every sequence but the middle one
@@ -146,6 +147,32 @@ def test_every_backend_runs_packed(case, backend, monkeypatch):
         for name, got, want in zip("qkv", grads(out, (q, k, v)), grads(torch.cat(alone), (q, k, v))):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
     plan.clear()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bf16_packed_follows_flash_rule(case):
+    """bf16 in and out, causal, grouped heads: the output and every gradient within FlashAttention's rule
+    of the float64 formula per sequence (on the bf16-rounded inputs), the reference backend on the same
+    packed bf16 input being the yardstick."""
+    variant, options, _ = CASES[case]
+    leaves64 = [t.detach().bfloat16().double() for t in packed_inputs(torch.float64)]
+    cot = torch.randn(sum(LEN_Q), H, DV, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in leaves64]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad((out.double() * cot).sum(), leaves))
+
+    def packed(backend):
+        return lambda q, k, v: AF.varlen(variant, q, k, v, offsets(LEN_Q), offsets(LEN_K), max(LEN_Q), max(LEN_K),
+                                         is_causal=True, enable_gqa=True, backend=backend, **options)
+
+    want = run(lambda q, k, v: one_by_one(case, q, k, v, LEN_Q, LEN_K, True), torch.float64)
+    got = run(packed(None), torch.bfloat16)
+    low = run(packed("reference"), torch.bfloat16)
+    assert got[0].dtype == torch.bfloat16
+    assert_flash_rule(case, torch.bfloat16, 1.0, list(zip(("out", "dq", "dk", "dv"), got,
+                                                          reference_or_rounded(got, low, want, torch.bfloat16), want)))
 
 
 def test_equal_lengths_share_one_call_and_keep_their_order():
