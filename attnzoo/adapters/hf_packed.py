@@ -73,7 +73,7 @@ def _from_offsets(cu: torch.Tensor) -> Packed:
 def _from_positions(position_ids: torch.Tensor) -> Optional[Packed]:
     pos = position_ids.reshape(-1)
     starts = (pos == pos.min()).nonzero().view(-1)
-    if starts.numel() < 2:
+    if starts.numel() < 2 or int(starts[0]) != 0:   # one sequence, or not a packed row (left padding's ids)
         return None
     end = torch.tensor([pos.numel()], device=pos.device)
     return _from_offsets(torch.cat([starts, end]).to(torch.int32))
