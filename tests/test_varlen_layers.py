@@ -61,3 +61,33 @@ def test_packed_layer_errors_name_the_argument():
         layer(torch.nested.nested_tensor(xs, layout=torch.jagged), cu_seqlens=cu)
     with pytest.raises(ValueError, match="sequence 1 length 0"):
         layer(x, cu_seqlens=torch.tensor([0, 3, 3, 9], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", ["softmax", "sinkhorn", "relu"])
+def test_multihead_attention_takes_jagged_tensors(kind, causal):
+    """attnzoo.MultiheadAttention(batch_first=True) on jagged query / key / value (cross-attention lengths
+    differ per sequence) equals the module on each sequence alone; the output keeps the query's offsets."""
+    torch.manual_seed(0)
+    mha = attnzoo.MultiheadAttention(DIM, HEADS, batch_first=True, kind=kind).double()
+    g = torch.Generator().manual_seed(2)
+    queries = [torch.randn(n, DIM, generator=g, dtype=torch.float64) for n in LENGTHS]
+    keys = [torch.randn(n + 1, DIM, generator=g, dtype=torch.float64) for n in LENGTHS]
+    nested_q = torch.nested.nested_tensor(queries, layout=torch.jagged)
+    nested_k = torch.nested.nested_tensor(keys, layout=torch.jagged)
+    out, weights = mha(nested_q, nested_k, nested_k, need_weights=False, is_causal=causal)
+    assert weights is None and out.is_nested and out.offsets().tolist() == [0, 3, 4, 9]
+    alone = torch.cat([mha(q[None], k[None], k[None], need_weights=False, is_causal=causal)[0][0]
+                       for q, k in zip(queries, keys)])
+    torch.testing.assert_close(out.values(), alone, atol=1e-10, rtol=1e-10)
+    for got, want in zip(param_grads(mha, out.values()), param_grads(mha, alone)):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_multihead_attention_jagged_errors():
+    mha = attnzoo.MultiheadAttention(DIM, HEADS, batch_first=True).double()
+    x = torch.nested.nested_tensor([torch.randn(n, DIM, dtype=torch.float64) for n in LENGTHS], layout=torch.jagged)
+    with pytest.raises(ValueError, match="pass need_weights=False"):
+        mha(x, x, x)
+    with pytest.raises(ValueError, match="batch_first=True"):
+        attnzoo.MultiheadAttention(DIM, HEADS).double()(x, x, x, need_weights=False)
