@@ -149,7 +149,11 @@ def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross
 def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: float, scale, tokens):
     """(1, H, T, D) q, k, v -> (1, T, H, Dv): each packed sequence through the kernel on its own."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    _, _, offsets_q, offsets_k = varlen.check(q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k)
+    # every layer of a forward gets the same offsets: checked and read once (a host sync on a GPU)
+    _, _, offsets_q, offsets_k = _once("offsets", packed.cu_seq_q, (
+        id(packed.cu_seq_k), packed.cu_seq_k._version, q.shape, k.shape, v.shape, packed.max_q, packed.max_k,
+        torch.compiler.is_compiling()),
+        lambda: varlen.check(q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k))
 
     def call(q, k, v, x=None):
         return run_kernel(kernel, q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale, x=x,
