@@ -35,6 +35,7 @@ from .ops.relu.functional import relu
 from .ops.sigmoid.functional import sigmoid
 from .ops.sinkhorn.functional import sinkhorn
 from .ops.softmax.functional import softmax
+from .ops.varlen import attend_varlen
 
 
 class _VariantFunctions(Mapping):
@@ -64,10 +65,21 @@ def masked(q, k, v, attn_mask=None, scale=None, *, kind="softmax", **kwargs):
     return catalog.get(kind).functional(q, k, v, attn_mask=attn_mask, is_causal=True, scale=scale, **kwargs)
 
 
+def varlen(variant: str, q, k, v, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, is_causal=False, scale=None,
+           dropout_p=0.0, backend=None, enable_gqa=False, **options):
+    """Packed sequences, ``torch.nn.attention.varlen.varlen_attn``'s layout: ``variant``'s attention on
+    q (T_q, H, D), k (T_k, H_kv, D), v (T_k, H_kv, Dv) -> (T_q, H, Dv), sequence i being rows
+    cu_seq_q[i]:cu_seq_q[i+1] of q and cu_seq_k[i]:cu_seq_k[i+1] of k and v (int32 offsets, N + 1;
+    ``cu_seq_k=None``: the same as q's), each its own attention problem. ``options`` are the
+    variant's (``n_iters=``, ``bias=``, ...). See ``attnzoo/ops/varlen.py``."""
+    return attend_varlen(variant, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal, scale=scale,
+                         dropout_p=dropout_p, backend=backend, enable_gqa=enable_gqa, **options)
+
+
 def explain(variant: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
     """Which kernel runs this call and why the others were skipped; ``print()`` it."""
     return catalog.explain(variant, q, k, v, backend=backend, **kwargs)
 
 
-__all__ = ["softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "fenchel", "ot", "masked", "explain",
+__all__ = ["softmax", "l2", "sinkhorn", "sigmoid", "relu", "linear", "fenchel", "ot", "masked", "varlen", "explain",
            "VARIANT_FUNCTIONS"]

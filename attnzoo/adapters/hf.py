@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import registry
 from ..layers.base import AttentionLayer
-from . import hf_decode, hf_record
+from . import hf_decode, hf_packed, hf_record
 from .common import Change, describe_new_parameters, param_names
 from .kernel import causal_and_rest, kernel_layer, run_kernel
 from .spec import Target, resolve
@@ -75,11 +75,21 @@ def _mask_for_kernel(attention_mask: Optional[torch.Tensor], position_bias: Opti
     return mask
 
 
+def _is_cross(module) -> bool:
+    return ("Cross" in type(module).__name__ or bool(getattr(module, "is_cross_attention", False))
+            or (getattr(module, "is_decoder", False) is True and getattr(module, "is_causal", True) is False))
+
+
 def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    packed = hf_packed.find(query, key, attention_mask, causal, _is_cross(module), kwargs)
+    if packed is not None:  # packed sequences (padding-free fine-tuning): each sequence on its own
+        return hf_packed.run(kernel, query, key, value, packed, causal=causal,
+                             dropout_p=dropout if module.training else 0.0, scale=scaling,
+                             tokens=getattr(kernel, "_tokens", None)), None
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
     if mask is not None and causal:
         if kernel.couples_queries or kernel.needs_key_tokens or not torch.compiler.is_compiling():
@@ -96,8 +106,7 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     tokens = getattr(kernel, "_tokens", None)
     # HF has separate classes for cross-attention (BertCrossAttention), flags it on the module, or
     # (BART & co.) marks a decoder's cross-attention as the decoder's module that is not causal
-    cross = ("Cross" in type(module).__name__ or bool(getattr(module, "is_cross_attention", False))
-             or (getattr(module, "is_decoder", False) is True and getattr(module, "is_causal", True) is False))
+    cross = _is_cross(module)
     # a decoder's cross-attention: its queries are causal positions (they must not see each other's future)
     causal_queries = cross and (getattr(module, "is_decoder", False) is True
                                 or bool(getattr(module, "is_cross_attention", False))

@@ -22,7 +22,7 @@ from .. import functional  # noqa: F401  (declares the built-in variants)
 from ..ops import variant as catalog
 from ..ops.masking import split_causal
 from ..ops.validate import close_match
-from . import tracing
+from . import packed, tracing
 
 # keyword arguments timm's Block / create_model may pass to an attention layer; accepted silently
 TIMM_EXTRA = {"depth", "fused_attn", "rope", "attn_type", "qk_norm_layer", "rotate_half"}
@@ -153,7 +153,10 @@ class AttentionLayer(nn.Module):
 
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
-                **extra) -> torch.Tensor:
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None, **extra) -> torch.Tensor:
+        if (cu_seqlens is not None and type(x) is torch.Tensor) or (isinstance(x, torch.Tensor) and x.is_nested):
+            # packed sequences: x (T, dim) with cu_seqlens, or a nested jagged (B, j, dim) tensor (packed.py)
+            return packed.forward_packed(self, x, cu_seqlens, max_seqlen, attn_mask, is_causal, extra)
         if type(x) is not torch.Tensor or (attn_mask is not None and type(attn_mask) is not torch.Tensor):
             proxy = tracing.fx_proxy(x, attn_mask)
             if proxy is not None:  # torch.fx symbolic tracing: this layer is one call of the graph (tracing.py)

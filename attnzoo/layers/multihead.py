@@ -33,7 +33,7 @@ from ..ops import validate as V
 from ..ops import variant as catalog
 from ..ops.masking import causal_keep, split_causal
 from ..ops.sizes import Shape
-from . import tracing
+from . import multihead_packed, tracing
 from .spec import split_kind
 from .wrapper import Wrapper
 
@@ -128,6 +128,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             return tracing.record_as_one_call(self, proxy, (query, key, value), dict(
                 key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
                 average_attn_weights=average_attn_weights, is_causal=is_causal))
+        if any(t.is_nested and t.layout == torch.jagged for t in (query, key, value)):
+            return multihead_packed.forward_nested(self, query, key, value, key_padding_mask, need_weights,
+                                                   attn_mask, is_causal)
         refuse_nested(self, query, key, value)
         self._check_inputs(query, key, value)
         batched = query.dim() == 3
@@ -185,9 +188,9 @@ class MultiheadAttention(nn.MultiheadAttention):
 def refuse_nested(module, *tensors) -> None:
     if any(t.is_nested for t in tensors):
         raise NotImplementedError(
-            f"{type(module).__name__} does not take nested tensors (torch's fast-path input format): pass padded "
-            "tensors with a key_padding_mask, and build nn.TransformerEncoder with enable_nested_tensor=False "
-            "(attnzoo.swap turns it off for the encoders it swaps)")
+            f"{type(module).__name__} does not take strided nested tensors (torch's fast-path input format): pass "
+            "padded tensors with a key_padding_mask, or torch.jagged nested tensors, and build nn.TransformerEncoder "
+            "with enable_nested_tensor=False (attnzoo.swap turns it off for the encoders it swaps)")
 
 
 def _check_kind_kwargs(kind: str, kind_kwargs: dict, head_dim: int) -> dict:

@@ -1,0 +1,154 @@
+"""Padded vs packed (padding-free) fine-tuning of a small Llama swapped to an attnzoo variant, and the
+packed attention's peak memory.
+
+speed:  one fine-tuning step (forward, backward, AdamW) on a batch of mixed lengths in which half the
+        padded tokens are padding: the padded (B, max) batch with its padding mask against the same
+        sequences packed into one row (restarting position_ids plus cu_seq_lens_q/k, what
+        DataCollatorWithFlattening(return_flash_attn_kwargs=True) sends). Reports real tokens/s.
+memory: peak resident memory (fresh process each) of one packed attention call, forward and backward,
+        at T = 8192 tokens made of N sequences (16 by default, and 8, 4 to show the growth with the sum of
+        n_i^2), against the same T tokens with the block-diagonal (T, T) mask a padding-free HF model
+        builds without packed kernels.
+
+    PYTHONPATH=$PWD python benchmarks/packed_llama.py speed --variants softmax sigmoid
+    PYTHONPATH=$PWD python benchmarks/packed_llama.py memory
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+# half the padded tokens are padding: 8 x 512 slots, 2048 real tokens
+LENGTHS = [512, 384, 320, 256, 192, 160, 128, 96]
+
+
+def llama(variant: str, hidden: int, layers: int):
+    import attnzoo
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                         max_position_embeddings=1024))
+    return attnzoo.swap(model, variant).train()
+
+
+def batches(lengths):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
+    longest = max(lengths)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    flat = torch.cat(seqs)[None]
+    labels = flat.clone()
+    labels[0, cu[:-1].long()] = -100                     # no token predicts across a boundary
+    packed = dict(input_ids=flat, labels=labels, position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, use_cache=False)
+    return padded, packed
+
+
+def step_times(runs: dict, steps: int) -> dict:
+    """Median seconds of one step per run, the runs interleaved step by step so that a machine shared
+    with other work slows them alike; the first step of each warms up (allocations, plans)."""
+    optimisers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4) for name, (model, _) in runs.items()}
+    times: dict = {name: [] for name in runs}
+    for i in range(steps + 1):
+        for name, (model, batch) in runs.items():
+            start = time.perf_counter()
+            optimisers[name].zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            optimisers[name].step()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def speed(args) -> dict:
+    torch.set_num_threads(args.threads)
+    padded, packed = batches(LENGTHS)
+    real = sum(LENGTHS)
+    rows = {}
+    for variant in args.variants:
+        t = step_times({"padded": (llama(variant, args.hidden, args.layers), padded),
+                        "packed": (llama(variant, args.hidden, args.layers), packed)}, args.steps)
+        t_pad, t_pack = t["padded"], t["packed"]
+        rows[variant] = {"padded_tokens_per_s": real / t_pad, "packed_tokens_per_s": real / t_pack,
+                         "speedup": t_pad / t_pack, "padded_step_s": t_pad, "packed_step_s": t_pack}
+        print(f"{variant:10s} padded {real / t_pad:8.0f} tok/s   packed {real / t_pack:8.0f} tok/s   "
+              f"x{t_pad / t_pack:.2f}", flush=True)
+    return {"lengths": LENGTHS, "padding_fraction": 1 - real / (len(LENGTHS) * max(LENGTHS)),
+            "hidden": args.hidden, "layers": args.layers, "threads": args.threads, "rows": rows}
+
+
+def one_attention_call(how: str, total: int, n_seq: int, heads: int, head_dim: int, backend: str) -> None:
+    """Runs in its own process: one forward + backward; the caller reads the peak RSS."""
+    import attnzoo.functional as AF
+    q, k, v = (torch.randn(total, heads, head_dim, requires_grad=True) for _ in range(3))
+    n = total // n_seq
+    if how == "packed":
+        cu = torch.arange(0, total + 1, n, dtype=torch.int32)
+        out = AF.varlen("softmax", q, k, v, cu, cu, n, n, is_causal=True, backend=backend)
+    else:
+        seq = torch.arange(total) // n
+        block = ((seq[:, None] == seq[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
+        out = AF.softmax(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=block, backend=backend)
+    out.sum().backward()
+
+
+def peak_rss_mb(*call_args) -> float:
+    code = (f"import sys; sys.path.insert(0, {sys.path[0]!r}); import resource, torch; import attnzoo; "
+            f"torch.set_num_threads(1); base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            f"from packed_llama import one_attention_call; one_attention_call(*{call_args!r}); "
+            f"print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def memory(args) -> dict:
+    rows = []
+    for backend in args.backends:
+        for n_seq in (16, 8, 4):
+            n = args.total // n_seq
+            packed = peak_rss_mb("packed", args.total, n_seq, args.heads, args.head_dim, backend)
+            row = {"backend": backend, "n_seq": n_seq, "sum_n_sq": n_seq * n * n, "packed_peak_mb": packed}
+            if n_seq == 16:
+                row["block_mask_peak_mb"] = peak_rss_mb("mask", args.total, n_seq, args.heads, args.head_dim, backend)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"total": args.total, "heads": args.heads, "head_dim": args.head_dim, "rows": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--variants", nargs="+", default=["softmax"])
+    s.add_argument("--hidden", type=int, default=256)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    m = sub.add_parser("memory")
+    m.add_argument("--total", type=int, default=8192)
+    m.add_argument("--heads", type=int, default=1)
+    m.add_argument("--head-dim", type=int, default=64)
+    m.add_argument("--backends", nargs="+", default=["reference", "auto"])
+    for p in (s, m):
+        p.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args()
+    result = speed(args) if args.part == "speed" else memory(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
