@@ -151,16 +151,19 @@ def test_torch_nn_causal_band_leaks_nothing_and_ignores_later_tokens(hint):
 
 
 # ---- timm --------------------------------------------------------------------------------------
+def _swapped_timm_layer():
+    """A timm Attention swapped to Sinkhorn (float64) and an input of 9 tokens."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    holder = nn.Sequential(timm.layers.Attention(E, num_heads=HEADS).double().eval())
+    attnzoo.swap(holder, SPEC)
+    return holder[0], torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+
 def test_timm_attention_with_a_band_and_is_causal():
     """A timm Attention swapped to Sinkhorn, called with a causal band and is_causal=True (timm's
     Attention takes attn_mask; the attnzoo layer also takes is_causal): the prefix answer."""
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    attn = timm.layers.Attention(E, num_heads=HEADS).double().eval()
-    holder = nn.Sequential(attn)
-    attnzoo.swap(holder, SPEC)
-    layer = holder[0]
-    x = torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    layer, x = _swapped_timm_layer()
     with torch.no_grad():
         long = layer(x, attn_mask=_band(9, 3), is_causal=True)
         short = layer(x[:, :4], attn_mask=_band(4, 3), is_causal=True)
@@ -174,13 +177,7 @@ def test_timm_attention_with_a_causal_mask_alone():
     """The same layer given only the causal mask (a band, packed blocks), without is_causal: the mask
     means causality, as in the torch.nn and HF adapters; before, it ran as a plain mask and token 5
     moved the outputs of tokens 0..4 through Sinkhorn's column normalisation."""
-    timm = pytest.importorskip("timm")
-    torch.manual_seed(0)
-    attn = timm.layers.Attention(E, num_heads=HEADS).double().eval()
-    holder = nn.Sequential(attn)
-    attnzoo.swap(holder, SPEC)
-    layer = holder[0]
-    x = torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    layer, x = _swapped_timm_layer()
     moved = x.clone()
     moved[:, 5] += 1.0
     with torch.no_grad():
