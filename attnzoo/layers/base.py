@@ -134,11 +134,13 @@ class AttentionLayer(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, *, scale: Optional[float] = None,
-               dropout_p: Optional[float] = None, enable_gqa: bool = False, **forward_kwargs):
+               dropout_p: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
+               sinks: Optional[torch.Tensor] = None, window_size=None, **forward_kwargs):
         """The variant's functional on (B, H, N, head_dim) q, k, v, with the hook's extra keyword
         arguments. ``scale`` and ``dropout_p`` default to the layer's own (attn_drop.p in training, 0 in
         eval); ``x`` are the key tokens (B, Nk, dim) for hooks that read them. ``enable_gqa=True``: k
-        and v may hold fewer heads than q, each shared by H / H_kv query heads (SDPA's convention)."""
+        and v may hold fewer heads than q, each shared by H / H_kv query heads (SDPA's convention).
+        ``softcap``, ``sinks``, ``window_size``: passed on when given (ops/logit_extras.py)."""
         record = self.record
         extra = record.hook.kernel_kwargs(self, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal,
                                           **forward_kwargs)
@@ -146,6 +148,9 @@ class AttentionLayer(nn.Module):
             dropout_p = self.attn_drop.p if self.training else 0.0
         if enable_gqa:
             extra["enable_gqa"] = True
+        for name, value in (("softcap", softcap), ("sinks", sinks), ("window_size", window_size)):
+            if value is not None:
+                extra[name] = value
         return record.functional(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                  scale=self.scale if scale is None else scale, dropout_p=dropout_p,
                                  backend=self.backend, **extra)

@@ -60,6 +60,7 @@ register_flavour("fenchel", lambda kw: ["log_u"] if kw.get("log_u") is not None 
 
 RECORD = declare(Variant(
     name="fenchel", reference=fenchel_attention, functional=fenchel, check=check, hook=FenchelHook(),
+    extras=frozenset({"softcap", "sinks"}),
     doc=layer.__doc__,
     complexity="first_order O(N^2 D); second_order/exact add O(N D^3) per query",
     parameters="preference=uniform|t5|context, alpha, solve", paper="paper 004 eqs (7), (13), (16)-(18)",

@@ -25,7 +25,8 @@ def check(q, k, v, *, scale, log_u=None, alpha=1.0, solve="first_order", relativ
 
 
 def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None, alpha=1.0,
-            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False):
+            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False,
+            softcap=None, sinks=None, window_size=(-1, -1)):
     """Paper 004 eq (16): weights proportional to u_ij exp(alpha s_ij), u = exp(log_u)
     (broadcastable to (B, H, Nq, Nk), -inf = masked); solve="second_order" uses eq (13),
     solve="exact" maximises the dual (7) per query. ``relative_bias``: a learned T5 relative-position
@@ -34,7 +35,8 @@ def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None,
     # the fused T5 kernels take q's head count for k and v: grouped-query calls take the dense route
     grouped = enable_gqa is True and isinstance(k, torch.Tensor) and isinstance(q, torch.Tensor) and k.dim() == 4 \
         and k.shape[1] != q.shape[1]
-    if relative_bias is not None and solve == "first_order" and log_u is None and not grouped:
+    extras = softcap is not None or sinks is not None or window_size not in ((-1, -1), None)
+    if relative_bias is not None and solve == "first_order" and log_u is None and not grouped and not extras:
         shared = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p)
         t5.check_bias(relative_bias, q)
         out = t5.t5_attention(q, k, v, relative_bias, attn_mask=shared["attn_mask"], is_causal=shared["is_causal"],
@@ -44,4 +46,5 @@ def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None,
             return out
     return attend("fenchel", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, log_u=log_u,
                   alpha=alpha,
-                  solve=solve, relative_bias=relative_bias)
+                  solve=solve, relative_bias=relative_bias,
+                  softcap=softcap, sinks=sinks, window_size=window_size)

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..common import dot_logits, sq_dist, upcast, weights_dropout
+from ..logit_extras import cap_logits
 from ..masking import causal_keep, masked_softmax, safe_logsumexp, split_mask
 
 
@@ -44,10 +45,10 @@ def sinkhorn_potential(logits, keep, n_iters):
     return g
 
 
-def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l2"):
+def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l2", softcap=None):
     """The non-causal transport plan P (B, H, Nq, Nk), rows summing to one (for tests/analysis)."""
     keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
-    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
+    L = cap_logits(sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost), softcap)
     if bias is not None:
         L = L + bias.to(L.dtype)
     g = sinkhorn_potential(L, keep, n_iters)
@@ -55,14 +56,15 @@ def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0):
+                       cost="l2", dropout_p=0.0, softcap=None):
     (q, k, v), out_dtype = upcast(q, k, v)
     if not is_causal:
-        p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost)
+        p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost,
+                             softcap=softcap)
         return (weights_dropout(p, dropout_p) @ v).to(out_dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     keep, bias = split_mask(attn_mask, False, nq, nk, q.device)
-    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
+    L = cap_logits(sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost), softcap)
     if bias is not None:
         L = L + bias.to(L.dtype)
     full_keep = torch.ones(L.shape[-2:], dtype=torch.bool, device=q.device) if keep is None else keep

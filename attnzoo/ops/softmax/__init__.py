@@ -23,6 +23,7 @@ register_triton("softmax", flash.softmax_attention, gqa=True,
 
 RECORD = declare(Variant(
     name="softmax", reference=softmax_attention, functional=softmax,
+    extras=frozenset({"softcap", "sinks"}),
     doc="softmax(q k^T / sqrt(d)) v: timm's Attention, through attnzoo's dispatcher.",
     complexity="O(N^2 D) time, O(N) memory fused", paper="Vaswani et al. 2017; paper 002 eq (2.2)",
 ))
