@@ -90,7 +90,7 @@ SINK_VARIANTS = ["softmax", "l2", "fenchel"]
 
 
 @pytest.mark.parametrize("name", SOFTCAP_VARIANTS)
-def test_softcap_every_backend_equals_the_formula(name):
+def test_softcap_every_backend_equals_the_formula(name, small_blocks):
     q, k, v = qkv()
     mask = torch.rand(B, 1, 5, 5, generator=torch.Generator().manual_seed(1)) > 0.3
     allow, add = F.allow_and_add(mask, False, B, H, 5, 5)
@@ -109,7 +109,7 @@ def test_softcap_every_backend_equals_the_formula(name):
 
 
 @pytest.mark.parametrize("name", SINK_VARIANTS)
-def test_sinks_every_backend_equals_the_formula(name):
+def test_sinks_every_backend_equals_the_formula(name, small_blocks):
     q, k, v = qkv(3, 6)
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
     allow, add = F.allow_and_add(None, True, B, H, 3, 6)
@@ -124,18 +124,56 @@ def test_sinks_every_backend_equals_the_formula(name):
     assert (expected(name, q, k, v, allow, add) - want).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", SINK_VARIANTS)
-def test_gradients_through_the_cap_and_into_the_sinks(name):
-    q, k, v = (t.requires_grad_() for t in qkv(4, 4, seed=3))
-    sinks = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
-    g = torch.randn(B, H, 4, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    out = AF.VARIANT_FUNCTIONS[name](q, k, v, is_causal=True, softcap=1.5, sinks=sinks)
-    got = torch.autograd.grad(out, (q, k, v, sinks), g)
-    allow, add = F.allow_and_add(None, True, B, H, 4, 4)
-    want = torch.autograd.grad(expected(name, q, k, v, allow, add, softcap=1.5, sinks=sinks), (q, k, v, sinks), g)
-    for a, b, what in zip(got, want, ("dq", "dk", "dv", "dsinks")):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{name} {what}")
-    assert got[3].abs().min() > 1e-4  # every head's sink takes a gradient
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2 queries x 3 keys: the blockwise path crosses block edges, the diagonal and the band's."""
+    from attnzoo.ops.kernels import blockwise
+    monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_Q", 2)
+    monkeypatch.setattr(blockwise, "DEFAULT_BLOCK_K", 3)
+
+
+@pytest.mark.parametrize("name", SINK_VARIANTS + ["sigmoid", "relu"])
+def test_gradients_through_the_cap_into_the_sinks_and_inside_the_window(name, small_blocks):
+    nq, nk = 5, 7
+    q, k, v = (t.requires_grad_() for t in qkv(nq, nk, seed=3))
+    sinks = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True) if name in SINK_VARIANTS else None
+    g = torch.randn(B, H, nq, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    allow, add = F.allow_and_add(None, True, B, H, nq, nk)
+    allow = allow & band(2, -1, nq, nk)
+    inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
+    want = torch.autograd.grad(expected(name, q, k, v, allow, add, softcap=1.5, sinks=sinks), inputs, g)
+    ran = []
+    for backend in cpu_backends(name):
+        out = run_or_decline(name, backend, q, k, v, is_causal=True, softcap=1.5, sinks=sinks, window_size=(2, -1))
+        if out is None:
+            continue
+        got = torch.autograd.grad(out, inputs, g)
+        for a, b, what in zip(got, want, ("dq", "dk", "dv", "dsinks")):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{name} {backend} {what}")
+        ran.append(backend)
+    assert "reference" in ran and (name == "l2" or "cpu" in ran)  # l2's blockwise form cannot cap (see l2_cpu)
+    if sinks is not None:
+        assert want[3].abs().min() > 1e-4  # every head's sink takes a gradient
+
+
+def test_the_blockwise_path_visits_only_the_blocks_in_the_band(monkeypatch):
+    from attnzoo.ops.kernels import blockwise
+    visited = []
+    real = blockwise._Masks.scores
+
+    def spy(self, q_scaled, k, qs, qe, ks, ke, *a):
+        visited.append((qs, ks))
+        return real(self, q_scaled, k, qs, qe, ks, ke, *a)
+
+    monkeypatch.setattr(blockwise._Masks, "scores", spy)
+    q, k, v = (torch.randn(1, 1, 64, 4, dtype=torch.float64) for _ in range(3))
+    out = blockwise.blockwise_attention(q, k, v, kind="softmax", scale=0.5, is_causal=True, window_size=(8, -1),
+                                        block_q=8, block_k=8)
+    # rows qs..qs+7 see keys qs-8 .. qs+7: two blocks of 8 keys (one at the start), not qs/8 + 1
+    assert len(visited) == 15
+    allow, add = F.allow_and_add(None, True, 1, 1, 64, 64)
+    torch.testing.assert_close(out, F.softmax(q, k, v, allow & band(8, -1, 64, 64)[:1, :1], add, 0.5),
+                               rtol=1e-10, atol=1e-10)
 
 
 WINDOWS = [((1, 0), True, 5, 5), ((2, 1), False, 5, 5), ((-1, 1), False, 4, 6), ((1, -1), True, 3, 6),
@@ -144,7 +182,7 @@ WINDOWS = [((1, 0), True, 5, 5), ((2, 1), False, 5, 5), ((-1, 1), False, 4, 6), 
 
 @pytest.mark.parametrize("name", ["softmax", "l2", "fenchel", "sigmoid", "relu", "linear", "ot"])
 @pytest.mark.parametrize("window,causal,nq,nk", WINDOWS)
-def test_window_is_the_variant_restricted_to_the_band(name, window, causal, nq, nk):
+def test_window_is_the_variant_restricted_to_the_band(name, window, causal, nq, nk, small_blocks):
     q, k, v = qkv(nq, nk, seed=5)
     mask = torch.rand(1, 1, nq, nk, generator=torch.Generator().manual_seed(6)) > 0.2
     allow, add = F.allow_and_add(mask, causal, B, H, nq, nk)

@@ -72,11 +72,28 @@ def _mask_for_kernel(attention_mask: Optional[torch.Tensor], position_bias: Opti
     return mask
 
 
+def _logit_extras(kwargs: dict, causal: bool, nq: int, nk: int) -> dict:
+    """HF's softcap (Gemma 2), s_aux (gpt-oss's learned sinks, the module's own parameter, so its
+    gradient reaches it) and sliding_window as the kernel's softcap / sinks / window_size. HF's window
+    keeps the sliding_window keys up to the query itself (kv > q - sliding_window). It goes to the kernel
+    (which may then skip what lies outside the band) in a causal call without cache offsets (Nq == Nk),
+    where bottom-right and HF's positions agree; elsewhere, e.g. a static cache's unused slots, HF's mask
+    alone carries the window, as it always does."""
+    extras = {}
+    if kwargs.get("softcap") is not None:
+        extras["softcap"] = kwargs["softcap"]
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if sinks is not None:
+        extras["sinks"] = sinks
+    window = kwargs.get("sliding_window")
+    if window is not None and causal and nq == nk:
+        extras["window_size"] = (int(window) - 1, 0)
+    return extras
+
+
 def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    for unsupported in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    extras = _logit_extras(kwargs, causal, query.shape[-2], key.shape[-2])
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
     if mask is not None and causal:
         # HF's mask holds causality AND padding: causality goes to the kernel as is_causal (see
@@ -103,7 +120,7 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
                      scale=scaling, x=tokens, enable_gqa=key.shape[1] != query.shape[1],
-                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new)
+                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new, extras=extras)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -236,6 +253,34 @@ def recognises(module: nn.Module) -> bool:
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
+    return None
+
+
+def _needs(module: nn.Module) -> dict[str, str]:
+    """What the HF module passes its attention function beyond q, k, v and the mask, in a user's words:
+    Gemma 2's logit softcapping, gpt-oss's learned attention sinks."""
+    needs = {}
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    if cap is not None:
+        needs["softcap"] = f"logit softcapping (attn_logit_softcapping={cap})"
+    if isinstance(getattr(module, "sinks", None), nn.Parameter):
+        needs["sinks"] = "learned attention sinks (its `sinks` parameter)"
+    return needs
+
+
+def unsupported_for(module: nn.Module, target: Target) -> Optional[str]:
+    """Why ``target``'s variant cannot run this module's attention (its math does not define what the
+    module needs), or None."""
+    needs = _needs(module)
+    if not needs:
+        return None
+    record = target.build_layer(8, num_heads=2, head_dim=4).record  # the variant the layer runs
+    for name, words in needs.items():
+        if name not in record.extras:
+            why = record.extras_refused.get(name, "its math does not define it")
+            return f"this attention uses {words}, which {record.name} attention does not support: {why}"
     return None
 
 

@@ -63,7 +63,8 @@ class Backend:
     extras: frozenset = frozenset()
 
 
-def _extras_reason(backend: Backend, kwargs) -> Optional[str]:
+def extras_reason(backend: Backend, kwargs) -> Optional[str]:
+    """Why ``backend`` cannot run a call that passes softcap or sinks it does not implement, or None."""
     missing = [n for n in ("softcap", "sinks") if kwargs.get(n) is not None and n not in backend.extras]
     return f"does not implement {' or '.join(missing)}" if missing else None
 
@@ -192,7 +193,7 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}"
                              f"{close_match(requested, [AUTO, *table])}")
         chosen = table[requested]
-        why = _extras_reason(chosen, kwargs) or chosen.supports(q, k, v, **kwargs)
+        why = extras_reason(chosen, kwargs) or chosen.supports(q, k, v, **kwargs)
         if why is not None:
             raise ValueError(f"backend={requested!r} cannot run this {variant} call: {why}")
         return Choice(variant, chosen, requested, reusable=not chosen.reads_values)
@@ -205,7 +206,7 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
             continue
         reusable = reusable and not cand.reads_values
-        why = _extras_reason(cand, kwargs) or cand.supports(q, k, v, **kwargs)
+        why = extras_reason(cand, kwargs) or cand.supports(q, k, v, **kwargs)
         if why is None and cand.auto_prefers is not None:
             why = cand.auto_prefers(q, k, v, **kwargs)
         if why is None:

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from . import call, dispatch
 from . import validate as V
 from .masking import masked_softmax
 
@@ -133,3 +134,36 @@ def masked_softmax_with_sinks(logits: torch.Tensor, keep, sinks: Optional[torch.
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     e = torch.exp(logits - row_max)
     return e / (e.sum(-1, keepdim=True) + torch.exp(sink - row_max))
+
+
+def native_window_backend(name: str, backend, q, k, v, kw: dict) -> Optional[dispatch.Backend]:
+    """The backend that runs this windowed call with the window itself, or None (then the band is folded
+    into the mask): the one named if it takes windows and accepts the call; under auto the first by
+    priority that takes windows, may run on this device and accepts the call (``auto_prefers`` too).
+    ``kw``: the checked backend arguments with ``window_size``."""
+    requested = backend or dispatch.default_backend()
+    natives = [b for b in dispatch.backend_table(name).values() if "window_size" in b.extras]
+    for b in sorted(natives, key=lambda b: -b.priority):
+        if requested != dispatch.AUTO and b.name != requested:
+            continue
+        if requested == dispatch.AUTO and q.device.type not in b.auto_devices:
+            continue
+        kk, vv = _expanded(b, q, k, v)
+        why = dispatch.extras_reason(b, kw) or b.supports(q, kk, vv, **kw)
+        if why is None and requested == dispatch.AUTO and b.auto_prefers is not None:
+            why = b.auto_prefers(q, kk, vv, **kw)
+        if why is None:
+            return b
+    return None
+
+
+def _expanded(b: dispatch.Backend, q, k, v):
+    group = call.gqa_group(q, k)
+    return (k, v) if group <= 1 else (call.expand_heads(k, group), call.expand_heads(v, group))
+
+
+def run_native_window(b: dispatch.Backend, q, k, v, kw: dict) -> torch.Tensor:
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return call.empty_output(q, k, v)
+    k, v = _expanded(b, q, k, v)
+    return b.fn(q, k, v, **kw)

@@ -294,20 +294,25 @@ def _checked_options(record: Variant, q, k, v, scale, options: dict) -> dict:
     return checked
 
 
-def _with_extras(record: Variant, q, k, attn_mask, options: dict):
-    """(attn_mask with the window's band, the options with softcap / sinks only when given): a window
-    reaches every backend as part of the mask; softcap and sinks are refused here for a variant that
-    does not define them (ops/logit_extras.py)."""
+def _with_extras(record: Variant, options: dict):
+    """(the options with softcap / sinks only when given, the checked window or None); softcap and sinks
+    are refused here for a variant that does not define them (ops/logit_extras.py)."""
     window = logit_extras.check_window_size(options.pop("window_size", None))
     for name in logit_extras.BACKEND_EXTRAS:
         if name in options and options[name] is None:
             del options[name]
     logit_extras.refuse_undefined(record, options)
-    if window is not None:
-        if isinstance(attn_mask, torch.Tensor):
-            V.check_mask(attn_mask, q, k)
-        attn_mask = logit_extras.mask_with_window(attn_mask, window, q.shape[-2], k.shape[-2], q.device)
-    return attn_mask, options
+    return options, window
+
+
+def _windowed(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options, window):
+    """(a backend that takes the window itself, its arguments), or (None, the mask with the band folded in)."""
+    kw = backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, **options)
+    kw["window_size"] = window
+    native = logit_extras.native_window_backend(name, backend, q, k, v, kw)
+    if native is not None:
+        return native, kw
+    return None, logit_extras.mask_with_window(kw["attn_mask"], window, q.shape[-2], k.shape[-2], q.device)
 
 
 def _make_plan(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict,
@@ -362,7 +367,13 @@ def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, drop
     the same signature does only the value checks and the kernel."""
     record = get(name)
     if options:
-        attn_mask, options = _with_extras(record, q, k, attn_mask, dict(options))
+        options, window = _with_extras(record, dict(options))
+        if window is not None:
+            native, found = _windowed(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa,
+                                      options, window)
+            if native is not None:
+                return logit_extras.run_native_window(native, q, k, v, found)
+            attn_mask = found
     key = None
     if not torch.compiler.is_compiling():
         key, per_call = plan_cache.signature(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p,
@@ -387,9 +398,16 @@ def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
     check_keywords(record, kwargs)
     options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS},
                **{n: kwargs[n] for n in logit_extras.NAMES if n in kwargs}}
-    attn_mask, options = _with_extras(record, q, k, kwargs.get("attn_mask"), options)
+    options, window = _with_extras(record, options)
     shared = {n: kwargs[n] for n in call.SHARED_KWARGS + ("enable_gqa",) if n in kwargs}
-    shared["attn_mask"] = attn_mask
+    if window is not None:
+        native, found = _windowed(name, backend, q, k, v, shared.get("attn_mask"), shared.get("is_causal", False),
+                                  shared.get("scale"), shared.get("dropout_p", 0.0), shared.get("enable_gqa", False),
+                                  options, window)
+        if native is not None:
+            return dispatch.Choice(name, native, backend or dispatch.default_backend(),
+                                   notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
+        shared["attn_mask"] = found
     kw = backend_kwargs(name, q, k, v, **shared, **options)
     group = call.gqa_group(q, k)
     if group > 1:

@@ -52,7 +52,7 @@ register_triton("fenchel", flash.fenchel_attention, all_of(call_reason, triton_f
                             "order), in-kernel dropout")
 sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")
-blockwise.register("fenchel", fenchel_cpu, first_order_only)
+blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", "sinks", "window_size"))
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
                  description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
 

@@ -16,8 +16,8 @@ from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
                 gqa=True, description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
-blockwise.register("relu", relu_cpu)
-blockwise.register("relu", relu_cpu, name="torch", priority=9,
+blockwise.register("relu", relu_cpu, extras=("softcap", "window_size"))
+blockwise.register("relu", relu_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 
 RECORD = declare(Variant(

@@ -25,8 +25,8 @@ def _bias_reason(q, k, v, **kw):
 register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
                 gqa=True, description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
-blockwise.register("sigmoid", sigmoid_cpu)
-blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9,
+blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))
+blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 
 RECORD = declare(Variant(

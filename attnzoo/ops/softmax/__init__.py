@@ -17,7 +17,7 @@ from .kernels import softmax_cpu, softmax_torch
 from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
-blockwise.register("softmax", softmax_cpu)
+blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
 register_triton("softmax", flash.softmax_attention, gqa=True,
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
 
