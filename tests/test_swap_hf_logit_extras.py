@@ -182,3 +182,10 @@ def test_variants_without_the_math_are_refused_at_swap_time(family, words):
         with pytest.raises(ValueError, match=words):
             attnzoo.swap(model, spec, strict=True)
     assert all(e.action == "swap" for e in attnzoo.plan_swap(model, "softmax").entries)
+
+
+def test_output_attentions_warns_that_no_weights_come_back():
+    model = attnzoo.swap(build("mistral"), "softmax")
+    with pytest.warns(UserWarning, match="output_attentions=True: attnzoo's kernels never form"), torch.no_grad():
+        out = model(IDS, output_attentions=True)
+    assert all(a is None for a in out.attentions)

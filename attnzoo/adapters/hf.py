@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from typing import Optional
 
@@ -91,7 +92,21 @@ def _logit_extras(kwargs: dict, causal: bool, nq: int, nk: int) -> dict:
     return extras
 
 
+def _attentions_requested() -> bool:
+    """True when the running HF forward collects attention weights (output_attentions=True)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get()
+    except (ImportError, LookupError, AttributeError):
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    if _attentions_requested():
+        warnings.warn("output_attentions=True: attnzoo's kernels never form the attention weights, so the "
+                      "returned attentions are None; build the model with attn_implementation='eager' to get "
+                      "them (for softmax attention)", UserWarning, stacklevel=2)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     extras = _logit_extras(kwargs, causal, query.shape[-2], key.shape[-2])
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))

@@ -47,6 +47,7 @@ KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
 # fwd+bwd); 128-row blocks were ~2x slower (Python overhead per block).
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 1024
+MIN_WINDOW_BLOCK_Q = 32  # the smallest query block a window asks for (Python overhead per block below it)
 
 
 class _Masks:
@@ -335,6 +336,12 @@ def blockwise_attention(q, k, v, *, kind: str, scale: float, is_causal: bool = F
     add_a, add_b = (None if a is None else _as4d(a).to(work) for a in (add_a, add_b))
     keep = _as4d(keep)
     left, right = window_size if window_size is not None else (-1, -1)
+    if block_q is None and window_size is not None:
+        # a band of w keys: query blocks of about w rows keep the visited scores near N w (256-row
+        # blocks would visit (256 + w) keys per row)
+        width = (left if left >= 0 else k.shape[2]) + (right if right >= 0 else k.shape[2])
+        # (a power of two near w / 2: measured fastest at w = 128, N = 4096, benchmarks/cpu_window.py)
+        block_q = max(MIN_WINDOW_BLOCK_Q, min(DEFAULT_BLOCK_Q, 1 << (width // 2).bit_length()))
     out, _ = _blockwise_op(q, k, v, keep, add_a, add_b, kind, float(scale), bool(is_causal),
                            int(block_q or DEFAULT_BLOCK_Q), int(block_k or DEFAULT_BLOCK_K), int(left), int(right),
                            float(softcap or 0.0), None if sinks is None else sinks.to(work))
