@@ -274,3 +274,29 @@ def test_a_fully_masked_row_with_a_sink_is_zero_not_nan():
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v, sinks))
+
+
+def test_a_layer_built_with_them_computes_the_functional_and_learns_its_sinks():
+    import attnzoo
+    torch.manual_seed(0)
+    layer = attnzoo.create("softmax(softcap=0.8, sinks=True, window_size=(2, 0))", H * D, num_heads=H).double()
+    assert layer.sinks.shape == (H,) and "sinks" in layer.state_dict()
+    with torch.no_grad():
+        layer.sinks.copy_(torch.tensor([0.5, -1.0]))
+    x = torch.randn(B, 6, H * D, dtype=torch.float64) * 3
+    q, k, v = layer.project_qkv(x)
+    allow, add = F.allow_and_add(None, True, B, H, 6, 6)
+    want = expected("softmax", q, k, v, allow & band(2, 0, 6, 6), add, softcap=0.8, sinks=layer.sinks)
+    torch.testing.assert_close(layer.attend(q, k, v, is_causal=True), want, rtol=1e-10, atol=1e-10)
+    layer(x, is_causal=True).sum().backward()
+    assert layer.sinks.grad is not None and layer.sinks.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize("spec,words", [("linear(softcap=1.0)", "logit softcapping"),
+                                        ("relu(sinks=True)", "attention sinks"),
+                                        ("softmax(window_size=(1, 2, 3))", "window_size must be a pair"),
+                                        ("softmax(sinks=1)", "sinks must be True")])
+def test_a_layer_refuses_them_when_built(spec, words):
+    import attnzoo
+    with pytest.raises((ValueError, TypeError), match=words):
+        attnzoo.create(spec, 16, num_heads=H)
