@@ -300,3 +300,33 @@ def test_a_layer_refuses_them_when_built(spec, words):
     import attnzoo
     with pytest.raises((ValueError, TypeError), match=words):
         attnzoo.create(spec, 16, num_heads=H)
+
+
+@pytest.mark.parametrize("window", [(1, 0), (2, -1)])
+def test_causal_sinkhorn_with_a_window_solves_each_prefix_on_the_band(window):
+    """is_causal: query i's plan is Sinkhorn over queries 0..i and the keys it sees, the band a mask
+    inside that prefix problem (paper 002 eq 2.6 with the band as attn_mask)."""
+    q, k, v = qkv(5, 5, seed=9)
+    want = F.sinkhorn(q, k, v, band(*window, 5, 5), torch.zeros(B, H, 5, 5, dtype=torch.float64), SCALE,
+                      is_causal=True)
+    for backend in cpu_backends("sinkhorn"):
+        out = run_or_decline("sinkhorn", backend, q, k, v, is_causal=True, window_size=window)
+        if out is not None:
+            torch.testing.assert_close(out, want, rtol=1e-8, atol=1e-8, msg=backend)
+
+
+def test_grouped_heads_with_a_window_on_the_blockwise_path(small_blocks):
+    q, _, _ = qkv(6, 6, seed=10)
+    k, v = (torch.randn(B, 1, 6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (11, 12))
+    allow, add = F.allow_and_add(None, True, B, H, 6, 6)
+    want = F.softmax(q, k.expand(B, H, 6, D), v.expand(B, H, 6, D), allow & band(1, 0, 6, 6), add, SCALE)
+    got = AF.softmax(q, k, v, is_causal=True, window_size=(1, 0), enable_gqa=True, backend="cpu")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_explain_says_which_backend_takes_the_window_itself():
+    q, k, v = qkv()
+    native = catalog.explain("softmax", q, k, v, window_size=(2, 0), backend="cpu")
+    assert native.backend.name == "cpu" and "skips what lies outside the band" in str(native)
+    folded = catalog.explain("softmax", q, k, v, window_size=(2, 0), backend="torch")
+    assert folded.backend.name == "torch"
