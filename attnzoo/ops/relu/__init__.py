@@ -23,6 +23,7 @@ blockwise.register("relu", relu_cpu, name="torch", priority=9, extras=("softcap"
 RECORD = declare(Variant(
     name="relu", reference=relu_attention, functional=relu, class_name="ReLUAttention",
     extras=frozenset({"softcap"}),
-    extras_refused={"sinks": "its weights relu(s_ij) / n_i have no sum of exponentials over the keys for a sink to join"},
+    extras_refused={"sinks": "its weights relu(s_ij) / n_i have no sum of exponentials over the keys for a "
+                             "sink to join"},
     complexity="O(N^2 D), no row statistics", parameters="none", paper="paper 002 eq (2.5)",
 ))

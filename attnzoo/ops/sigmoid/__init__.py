@@ -32,7 +32,8 @@ blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("so
 RECORD = declare(Variant(
     name="sigmoid", reference=sigmoid_attention, functional=sigmoid, check=check, hook=SigmoidHook(),
     extras=frozenset({"softcap"}),
-    extras_refused={"sinks": "each weight is sigmoid(s_ij + b) on its own, with no normaliser over the keys for a sink to join"},
+    extras_refused={"sinks": "each weight is sigmoid(s_ij + b) on its own, with no normaliser over the keys "
+                             "for a sink to join"},
     doc=("sum_j sigmoid(s_ij + b) v_j. ``bias`` fixes b (default -log n); ``learnable_bias=True`` adds a "
          "learned per-head shift (initialised to 0) on top of it."),
     complexity="O(N^2 D), no row statistics", parameters="optional learnable per-head bias shift",

@@ -1,6 +1,7 @@
 """Pointwise (row-statistics-free) attention, eager: sum_j w(s_ij + mask_ij, n_i) v_j, where n_i counts
-the keys taking part in row i (= Nk without a mask), so a masked key is a removed key; ``softcap`` caps s before the mask is added. The sigmoid
-and ReLU variants (ops/sigmoid, ops/relu) give w; their Triton kernels are triton_kernels.py."""
+the keys taking part in row i (= Nk without a mask), so a masked key is a removed key; ``softcap`` caps s
+before the mask is added. The sigmoid and ReLU variants (ops/sigmoid, ops/relu) give w; their Triton
+kernels are triton_kernels.py."""
 from __future__ import annotations
 
 from ...common import dot_logits, upcast, weights_dropout
