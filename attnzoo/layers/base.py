@@ -86,7 +86,8 @@ class AttentionLayer(nn.Module):
         if not isinstance(sinks, bool):
             raise TypeError(f"sinks must be True (learn one sink logit per head) or False, got {sinks!r}")
         logit_extras.refuse_undefined(record, {"softcap": self.softcap, "sinks": True if sinks else None})
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads, **dd)) if sinks else None
+        if sinks:  # no attribute otherwise: hosts look for a `sinks` parameter by name (gpt-oss's init)
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, **dd))
 
     def _check_kind(self, kind: Optional[str]) -> str:
         own = type(self).variant
