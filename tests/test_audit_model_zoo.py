@@ -188,11 +188,18 @@ def test_softmax_gives_the_original_outputs(name, route):
         assert max(max_diff(a, b) for a, b in zip(got, unwindowed)) > 1e-4
 
 
-def test_gemma2_logit_softcapping_is_refused_not_ignored():
-    for model in (attnzoo.swap(build(gemma2, attn_logit_softcapping=50.0), "softmax"),
-                  build(gemma2, "attnzoo_sigmoid", attn_logit_softcapping=50.0)):
-        with pytest.raises(ValueError, match="softcap"), torch.no_grad():
-            model(IDS)
+@pytest.mark.parametrize("route", ["swap", "attn_implementation"])
+def test_gemma2_logit_softcapping_is_computed_not_ignored(route):
+    """Gemma 2's attn_logit_softcapping reaches the kernel as softcap (ops/logit_extras.py): the float64
+    formula. A cap small against this tiny model's logits, so that ignoring it would show."""
+    cap = {"attn_logit_softcapping": 0.002}
+    expected = outputs("gemma2", build(gemma2, REFERENCE, **cap))
+    model = (attnzoo.swap(build(gemma2, **cap), "softmax", strict=True) if route == "swap"
+             else build(gemma2, "attnzoo_softmax", **cap))
+    got = outputs("gemma2", model)
+    assert max(max_diff(a, b) for a, b in zip(got, expected)) <= EXACT
+    uncapped = outputs("gemma2", build(gemma2, REFERENCE))
+    assert max(max_diff(a, b) for a, b in zip(got, uncapped)) > 1e-6
 
 
 def test_falcon_does_not_call_the_interface_and_is_reported_unsupported():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from typing import Optional
 
@@ -80,16 +81,48 @@ def _is_cross(module) -> bool:
             or (getattr(module, "is_decoder", False) is True and getattr(module, "is_causal", True) is False))
 
 
+def _logit_extras(kwargs: dict, causal: bool, nq: int, nk: int) -> dict:
+    """HF's softcap (Gemma 2), s_aux (gpt-oss's learned sinks, the module's own parameter, so its
+    gradient reaches it) and sliding_window as the kernel's softcap / sinks / window_size. HF's window
+    keeps the sliding_window keys up to the query itself (kv > q - sliding_window). It goes to the kernel
+    (which may then skip what lies outside the band) in a causal call without cache offsets (Nq == Nk),
+    where bottom-right and HF's positions agree; elsewhere, e.g. a static cache's unused slots, HF's mask
+    alone carries the window, as it always does."""
+    extras = {}
+    if kwargs.get("softcap") is not None:
+        extras["softcap"] = kwargs["softcap"]
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if sinks is not None:
+        extras["sinks"] = sinks
+    window = kwargs.get("sliding_window")
+    if window is not None and causal and nq == nk:
+        extras["window_size"] = (int(window) - 1, 0)
+    return extras
+
+
+def _attentions_requested() -> bool:
+    """True when the running HF forward collects attention weights (output_attentions=True)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+        collected = _active_collector.get()
+    except (ImportError, LookupError, AttributeError):
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    for unsupported in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"attnzoo attention does not support HF's {unsupported!r} argument")
+    if _attentions_requested():
+        warnings.warn("output_attentions=True: attnzoo's kernels never form the attention weights, so the "
+                      "returned attentions are None; build the model with attn_implementation='eager' to get "
+                      "them (for softmax attention)", UserWarning, stacklevel=2)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    packed = hf_packed.find(query, key, attention_mask, causal, _is_cross(module), kwargs)
+    extras = _logit_extras(kwargs, causal, query.shape[-2], key.shape[-2])
+    packed = hf_packed.find(query, key, attention_mask, causal, _is_cross(module), kwargs,
+                            window=extras.get("window_size", (-1, -1))[0] + 1 or None)
     if packed is not None:  # packed sequences (padding-free fine-tuning): each sequence on its own
         return hf_packed.run(kernel, query, key, value, packed, causal=causal,
                              dropout_p=dropout if module.training else 0.0, scale=scaling,
-                             tokens=getattr(kernel, "_tokens", None)), None
+                             tokens=getattr(kernel, "_tokens", None), extras=extras), None
     mask = _mask_for_kernel(attention_mask, kwargs.get("position_bias"))
     if mask is not None and causal:
         if kernel.couples_queries or kernel.needs_key_tokens or not torch.compiler.is_compiling():
@@ -125,7 +158,7 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
                      dropout_p=dropout if module.training else 0.0,
                      scale=scaling, x=tokens, enable_gqa=key.shape[1] != query.shape[1],
-                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new)
+                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new, extras=extras)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -259,6 +292,34 @@ def recognises(module: nn.Module) -> bool:
 
 
 def unsupported_reason(module: nn.Module) -> Optional[str]:
+    return None
+
+
+def _needs(module: nn.Module) -> dict[str, str]:
+    """What the HF module passes its attention function beyond q, k, v and the mask, in a user's words:
+    Gemma 2's logit softcapping, gpt-oss's learned attention sinks."""
+    needs = {}
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    if cap is not None:
+        needs["softcap"] = f"logit softcapping (attn_logit_softcapping={cap})"
+    if isinstance(getattr(module, "sinks", None), nn.Parameter):
+        needs["sinks"] = "learned attention sinks (its `sinks` parameter)"
+    return needs
+
+
+def unsupported_for(module: nn.Module, target: Target) -> Optional[str]:
+    """Why ``target``'s variant cannot run this module's attention (its math does not define what the
+    module needs), or None."""
+    needs = _needs(module)
+    if not needs:
+        return None
+    record = target.build_layer(8, num_heads=2, head_dim=4).record  # the variant the layer runs
+    for name, words in needs.items():
+        if name not in record.extras:
+            why = record.extras_refused.get(name, "its math does not define it")
+            return f"this attention uses {words}, which {record.name} attention does not support: {why}"
     return None
 
 

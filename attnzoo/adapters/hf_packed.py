@@ -56,11 +56,14 @@ def _once(kind: str, tensor: torch.Tensor, question, compute):
     return answer
 
 
-def _structure(cu: torch.Tensor, total: int, causal: bool) -> torch.Tensor:
-    """(T, T) bool: query i may see key j (same sequence; j <= i too when causal)."""
+def _structure(cu: torch.Tensor, total: int, causal: bool, window: Optional[int] = None) -> torch.Tensor:
+    """(T, T) bool: query i may see key j (same sequence; j <= i too when causal; j > i - window with a
+    sliding window, which the kernel then applies itself as window_size)."""
     token = torch.arange(total, device=cu.device)
     seq = torch.searchsorted(cu[1:].to(torch.int64), token, right=True)
     keep = seq[:, None] == seq[None, :]
+    if window is not None:
+        keep = keep & (token[None, :] > token[:, None] - window)
     return keep & (token[None, :] <= token[:, None]) if causal else keep
 
 
@@ -83,7 +86,7 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > -math.inf
 
 
-def _from_block_mask(mask: torch.Tensor, causal: bool) -> Optional[Packed]:
+def _from_block_mask(mask: torch.Tensor, causal: bool, window: Optional[int] = None) -> Optional[Packed]:
     keep = _keep(mask)[0, 0]
     total = keep.shape[-1]
     first = keep.int().argmax(-1)                       # each row's first key: its sequence's start when packed
@@ -91,20 +94,21 @@ def _from_block_mask(mask: torch.Tensor, causal: bool) -> Optional[Packed]:
     if starts.numel() < 2 or int(starts[0]) != 0:
         return None
     cu = torch.cat([starts, torch.tensor([total], device=keep.device)]).to(torch.int32)
-    if not bool((keep == _structure(cu, total, causal)).all()):
+    if not bool((keep == _structure(cu, total, causal, window)).all()):
         return None
     if mask.dtype != torch.bool and not bool((mask.masked_fill(~keep, 0) == 0).all()):
         return None                                     # a float bias inside the blocks is not packing
     return _from_offsets(cu)
 
 
-def _check_mask_keeps(mask: Optional[torch.Tensor], packed: Packed, causal: bool, route: str) -> None:
+def _check_mask_keeps(mask: Optional[torch.Tensor], packed: Packed, causal: bool, route: str,
+                      window: Optional[int] = None) -> None:
     if mask is None:
         return
     if mask.shape[-2] != mask.shape[-1]:
         raise ValueError(f"packed sequences ({route}) need a square self-attention mask, got {tuple(mask.shape)}")
     keep = _keep(mask)
-    inside = _structure(packed.cu_seq_q, mask.shape[-1], causal)
+    inside = _structure(packed.cu_seq_q, mask.shape[-1], causal, window)
     ok = bool((keep | ~inside).all())
     if ok and mask.dtype != torch.bool:
         ok = bool((mask.masked_fill(~inside, 0) == 0).all())
@@ -115,8 +119,11 @@ def _check_mask_keeps(mask: Optional[torch.Tensor], packed: Packed, causal: bool
                          "pass a padded batch without the packing arguments")
 
 
-def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross: bool, kwargs: dict) -> Optional[Packed]:
-    """The packed sequences of this call (see the module), or None for an ordinary call."""
+def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross: bool, kwargs: dict,
+         window: Optional[int] = None) -> Optional[Packed]:
+    """The packed sequences of this call (see the module), or None for an ordinary call. ``window``: the
+    model's sliding window (keys j > i - window), which the kernel applies as window_size, so a mask that
+    holds it is not taken for padding inside a sequence."""
     if cross or query.shape[0] != 1 or query.shape[-2] != key.shape[-2] or kwargs.get("position_bias") is not None:
         return None
     total = query.shape[-2]
@@ -129,24 +136,26 @@ def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross
         packed = Packed(cu_q, cu_k, int(cu_q.diff().max()) if max_q is None else int(max_q),
                         int(cu_k.diff().max()) if max_k is None else int(max_k))
         if attention_mask is not None:
-            _once("mask", attention_mask, ("kwargs", id(cu_q), causal),
-                  lambda: _check_mask_keeps(attention_mask, packed, causal, "cu_seq_lens_q/k"))
+            _once("mask", attention_mask, ("kwargs", id(cu_q), causal, window),
+                  lambda: _check_mask_keeps(attention_mask, packed, causal, "cu_seq_lens_q/k", window))
         return packed
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and position_ids.shape[0] == 1 and position_ids.shape[-1] == total:
         packed = _once("positions", position_ids, None, lambda: _from_positions(position_ids))
         if packed is not None:
             if attention_mask is not None:
-                _once("mask", attention_mask, ("positions", id(position_ids), causal),
-                      lambda: _check_mask_keeps(attention_mask, packed, causal, "restarting position_ids"))
+                _once("mask", attention_mask, ("positions", id(position_ids), causal, window),
+                      lambda: _check_mask_keeps(attention_mask, packed, causal, "restarting position_ids", window))
             return packed
     if (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[:2] == (1, 1)
             and tuple(attention_mask.shape[-2:]) == (total, total) and total > 1):
-        return _once("mask", attention_mask, ("block", causal), lambda: _from_block_mask(attention_mask, causal))
+        return _once("mask", attention_mask, ("block", causal, window),
+                     lambda: _from_block_mask(attention_mask, causal, window))
     return None
 
 
-def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: float, scale, tokens):
+def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: float, scale, tokens,
+        extras: Optional[dict] = None):
     """(1, H, T, D) q, k, v -> (1, T, H, Dv): each packed sequence through the kernel on its own."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     # every layer of a forward gets the same offsets: checked and read once (a host sync on a GPU)
@@ -157,7 +166,7 @@ def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: f
 
     def call(q, k, v, x=None):
         return run_kernel(kernel, q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale, x=x,
-                          self_attention=True, enable_gqa=k.shape[1] != q.shape[1])
+                          self_attention=True, enable_gqa=k.shape[1] != q.shape[1], extras=extras)
 
     x = None if tokens is None else tokens[0]
     if offsets_q is None:                                     # torch.compile: read outside the graph

@@ -87,7 +87,8 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
                self_attention: bool = False, causal_queries: bool = False,
-               last_rows: Optional[int] = None, first_token_key: int = 0, enable_gqa: bool = False) -> torch.Tensor:
+               last_rows: Optional[int] = None, first_token_key: int = 0, enable_gqa: bool = False,
+               extras: Optional[dict] = None) -> torch.Tensor:
     """(B, H, Nq, D) x3 -> (B, H, Nq, Dv) through the layer's variant (its ``attend``), with the host's
     logit ``scale`` (ignored by a variant without logits) and ``dropout_p``.
     ``self_attention``: q and k come from the same tokens (see drop_padded_queries).
@@ -95,7 +96,8 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     ``last_rows``: only the last rows are wanted, (B, H, last_rows, Dv): a cached decode step of a
     variant that couples queries, where q also holds the earlier positions' queries (decode_state).
     ``first_token_key``: keys before it are not tokens (see drop_padded_queries).
-    ``enable_gqa``: k and v may have fewer heads than q (grouped-query attention), passed on to the kernel."""
+    ``enable_gqa``: k and v may have fewer heads than q (grouped-query attention), passed on to the kernel.
+    ``extras``: softcap / sinks / window_size (ops/logit_extras.py), passed on to the kernel."""
     nq = q.shape[-2]
     rows = nq if last_rows is None else last_rows
     if self_attention and layer.couples_queries:
@@ -122,6 +124,8 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
             "scale": float(scale) if scale is not None and layer.uses_logit_scale else None}
     if enable_gqa:
         call["enable_gqa"] = True
+    if extras:
+        call.update(extras)
     if causal_queries and not is_causal and not self_attention and nq > 1 and layer.couples_queries:
         return attend_each_prefix(layer, q, k, v, attn_mask, x if x is not None else q, first=nq - rows, **call)
     if rows < nq:

@@ -81,6 +81,8 @@ def _plan(model, spec, include, exclude, strict, variant_kwargs, dry_run):
             continue
         reason = _unsupported_reason(module, adapter) or (
             "the model itself is this attention module; swap the model that contains it" if name == "" else None)
+        if not reason and hasattr(adapter, "unsupported_for"):  # what the module needs of this variant
+            reason = adapter.unsupported_for(module, target)
         if reason:
             report.entries.append(SwapEntry(name, "unsupported", type(module).__name__, reason=reason))
             continue

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import functional  # noqa: F401  (declares the built-in variants)
+from ..ops import logit_extras
 from ..ops import variant as catalog
 from ..ops.masking import split_causal
 from ..ops.validate import close_match
@@ -38,7 +39,7 @@ class AttentionLayer(nn.Module):
                  norm_layer: Optional[type] = None, *, scale_norm: bool = False, gated: bool = False,
                  attn_head_dim: Optional[int] = None, dim_out: Optional[int] = None,
                  backend: Optional[str] = None, device=None, dtype=None, kind: Optional[str] = None,
-                 **extra) -> None:
+                 softcap: Optional[float] = None, sinks: bool = False, window_size=None, **extra) -> None:
         super().__init__()
         kind = self._check_kind(kind)
         record = catalog.get(kind)
@@ -75,6 +76,19 @@ class AttentionLayer(nn.Module):
         self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         record.hook.setup(self, **options)
+        self._logit_extras(record, softcap, sinks, window_size, dd)
+
+    def _logit_extras(self, record, softcap, sinks, window_size, dd) -> None:
+        """The layer's softcap, learned sinks (``sinks=True``: a parameter ``sinks`` of shape (H,), starting
+        at 0) and window_size (ops/logit_extras.py), checked now: a variant that does not define one
+        refuses it here, naming it."""
+        self.softcap = logit_extras.check_softcap(softcap)
+        self.window_size = logit_extras.check_window_size(window_size)
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be True (learn one sink logit per head) or False, got {sinks!r}")
+        logit_extras.refuse_undefined(record, {"softcap": self.softcap, "sinks": True if sinks else None})
+        if sinks:  # no attribute otherwise: hosts look for a `sinks` parameter by name (gpt-oss's init)
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, **dd))
 
     def _check_kind(self, kind: Optional[str]) -> str:
         own = type(self).variant
@@ -135,11 +149,14 @@ class AttentionLayer(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, *, scale: Optional[float] = None,
-               dropout_p: Optional[float] = None, enable_gqa: bool = False, **forward_kwargs):
+               dropout_p: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
+               sinks: Optional[torch.Tensor] = None, window_size=None, **forward_kwargs):
         """The variant's functional on (B, H, N, head_dim) q, k, v, with the hook's extra keyword
         arguments. ``scale`` and ``dropout_p`` default to the layer's own (attn_drop.p in training, 0 in
         eval); ``x`` are the key tokens (B, Nk, dim) for hooks that read them. ``enable_gqa=True``: k
-        and v may hold fewer heads than q, each shared by H / H_kv query heads (SDPA's convention)."""
+        and v may hold fewer heads than q, each shared by H / H_kv query heads (SDPA's convention).
+        ``softcap``, ``sinks``, ``window_size``: passed on when given (ops/logit_extras.py), else the
+        layer's own (its constructor's; a call's value wins)."""
         record = self.record
         extra = record.hook.kernel_kwargs(self, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal,
                                           **forward_kwargs)
@@ -147,6 +164,12 @@ class AttentionLayer(nn.Module):
             dropout_p = self.attn_drop.p if self.training else 0.0
         if enable_gqa:
             extra["enable_gqa"] = True
+        own = {"softcap": self.__dict__.get("softcap"), "sinks": self._parameters.get("sinks"),
+               "window_size": self.__dict__.get("window_size")}
+        for name, value in (("softcap", softcap), ("sinks", sinks), ("window_size", window_size)):
+            value = own[name] if value is None else value
+            if value is not None:
+                extra[name] = value
         return record.functional(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                  scale=self.scale if scale is None else scale, dropout_p=dropout_p,
                                  backend=self.backend, **extra)
@@ -203,6 +226,10 @@ class AttentionLayer(nn.Module):
     def extra_repr(self) -> str:
         options = self.record.hook.describe(self)
         kw = ", ".join(f"{k}={v!r}" for k, v in options.items() if not isinstance(v, torch.Tensor))
+        extras = [f"softcap={self.softcap!r}" if self.__dict__.get("softcap") is not None else "",
+                  "sinks=True" if self._parameters.get("sinks") is not None else "",
+                  f"window_size={self.window_size!r}" if self.__dict__.get("window_size") is not None else ""]
+        kw = ", ".join(p for p in [kw, *extras] if p)
         kind = f", kind={self.kind!r}" if self.kind != self.variant else ""
         return (f"variant={self.variant!r}{kind}, num_heads={self.num_heads}, head_dim={self.head_dim}"
                 + (f", {kw}" if kw else ""))

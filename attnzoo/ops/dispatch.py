@@ -58,6 +58,15 @@ class Backend:
     # None, or ``specialize(q, k, v, **kwargs) -> fn or None``: a function of the backend's signature
     # that does only what calls of this signature need (decided once per signature, ops/plan.py)
     specialize: Optional[Callable] = None
+    # which of softcap and sinks (ops/logit_extras.py) the backend implements: a call passing another is
+    # declined with the reason, so it runs on a backend that does (never on one that would ignore it)
+    extras: frozenset = frozenset()
+
+
+def extras_reason(backend: Backend, kwargs) -> Optional[str]:
+    """Why ``backend`` cannot run a call that passes softcap or sinks it does not implement, or None."""
+    missing = [n for n in ("softcap", "sinks") if kwargs.get(n) is not None and n not in backend.extras]
+    return f"does not implement {' or '.join(missing)}" if missing else None
 
 
 @dataclass
@@ -101,16 +110,16 @@ class _Default:
 def register_backend(variant: str, name: str, fn: Callable, supports=None, priority: int = 0,
                      description: str = "", auto_devices: tuple = ("cpu", "cuda"), auto_prefers=None,
                      hides_query_nan_on: tuple = (), reads_values: bool = False, gqa: bool = False,
-                     specialize: Optional[Callable] = None) -> None:
+                     specialize: Optional[Callable] = None, extras=()) -> None:
     """Add (or replace) backend ``name`` of ``variant``. ``supports`` and ``auto_prefers`` must decide
     from the call's shapes, dtypes, devices, ``requires_grad``, grad mode and plain option values, so
     a decision can be kept per call signature; one that reads tensor values says ``reads_values=True``.
     ``gqa=True``: the backend takes ``enable_gqa=True`` (fewer key/value heads than query heads).
-    ``specialize``: see :class:`Backend`."""
+    ``specialize``: see :class:`Backend`. ``extras``: which of softcap and sinks it implements."""
     _TABLE.setdefault(variant, {})[name] = Backend(name, fn, supports or (lambda *a, **k: None),
                                                    priority, description, tuple(auto_devices), auto_prefers,
                                                    tuple(hides_query_nan_on), bool(reads_values), bool(gqa),
-                                                   specialize)
+                                                   specialize, frozenset(extras))
     _changed()
 
 
@@ -184,7 +193,7 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}"
                              f"{close_match(requested, [AUTO, *table])}")
         chosen = table[requested]
-        why = chosen.supports(q, k, v, **kwargs)
+        why = extras_reason(chosen, kwargs) or chosen.supports(q, k, v, **kwargs)
         if why is not None:
             raise ValueError(f"backend={requested!r} cannot run this {variant} call: {why}")
         return Choice(variant, chosen, requested, reusable=not chosen.reads_values)
@@ -197,7 +206,7 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
             reasons[name] = f"auto does not pick it for {q.device.type} tensors (ask for it by name)"
             continue
         reusable = reusable and not cand.reads_values
-        why = cand.supports(q, k, v, **kwargs)
+        why = extras_reason(cand, kwargs) or cand.supports(q, k, v, **kwargs)
         if why is None and cand.auto_prefers is not None:
             why = cand.auto_prefers(q, k, v, **kwargs)
         if why is None:

@@ -34,12 +34,13 @@ import torch
 
 from . import call, dispatch
 from . import plan as plan_cache
+from . import logit_extras
 from . import validate as V
 from .masking import propagate_query_nan
 from .sizes import DEFAULT_BACKWARD_FACTOR, SCORE_MATMUL_FORMULA, score_matmul_flops, weights_bytes
 
 # the arguments every variant's functional and backends share (everything else is the variant's own)
-SHARED_ARGS = ("attn_mask", "is_causal", "scale", "dropout_p", "backend", "enable_gqa")
+SHARED_ARGS = ("attn_mask", "is_causal", "scale", "dropout_p", "backend", "enable_gqa") + logit_extras.NAMES
 DEFAULT_CAPABILITIES = {"causal": True, "cross": True, "masks": True}
 
 
@@ -142,6 +143,9 @@ class Variant:
                      columns): padded queries must be masked out and a causal decoder's queries
                      solved prefix by prefix
     capabilities:    only where the variant differs from DEFAULT_CAPABILITIES
+    extras:          which of ``softcap`` and ``sinks`` (ops/logit_extras.py) the variant's math defines
+                     (its reference takes them); every variant takes ``window_size`` (a mask)
+    extras_refused:  for the others, why not (the error a call passing one gets)
     complexity/parameters/paper: what ``attnzoo.describe`` and ``attnzoo list`` show
     flops:           ``(shape, causal, **options) -> forward FLOPs`` (ops/sizes.py's convention)
     flop_formula:    the same in words, written into every benchmark result
@@ -159,6 +163,8 @@ class Variant:
     default_scale: Optional[float] = None
     couples_queries: bool = False
     capabilities: Mapping[str, Any] = field(default_factory=dict)
+    extras: frozenset = frozenset()
+    extras_refused: Mapping[str, str] = field(default_factory=dict)
     complexity: str = "O(Nq Nk D)"
     parameters: str = "none beyond qkv/proj"
     paper: str = ""
@@ -206,7 +212,7 @@ def make_functional(record: Variant) -> Callable:
 
     def functional(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None,
                    enable_gqa=False, **options):
-        unknown = sorted(set(options) - set(defaults))
+        unknown = sorted(set(options) - set(defaults) - set(logit_extras.NAMES))
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {unknown}; its options are {sorted(defaults)}")
         return attend(name, q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa,
@@ -238,7 +244,7 @@ def declare(record: Variant) -> Variant:
     if record.name in _VARIANTS and _VARIANTS[record.name] is not record:
         raise ValueError(f"a variant named {record.name!r} is already declared")
     _VARIANTS[record.name] = record
-    dispatch.register_backend(record.name, "reference", record.reference, priority=0,
+    dispatch.register_backend(record.name, "reference", record.reference, priority=0, extras=record.extras,
                               description="eager PyTorch, materialises the N x N weights (the ground truth)")
     return record
 
@@ -278,7 +284,35 @@ def backend_kwargs(name: str, q, k, v, attn_mask=None, is_causal=False, scale=No
 
 
 def _checked_options(record: Variant, q, k, v, scale, options: dict) -> dict:
-    return record.check(q, k, v, scale=scale, **options) if record.check is not None else options
+    extras = {n: options[n] for n in logit_extras.BACKEND_EXTRAS if n in options}
+    own = {n: a for n, a in options.items() if n not in extras}
+    checked = record.check(q, k, v, scale=scale, **own) if record.check is not None else own
+    if "softcap" in extras:
+        checked["softcap"] = logit_extras.check_softcap(extras["softcap"])
+    if "sinks" in extras:
+        checked["sinks"] = logit_extras.check_sinks(extras["sinks"], q)
+    return checked
+
+
+def _with_extras(record: Variant, options: dict):
+    """(the options with softcap / sinks only when given, the checked window or None); softcap and sinks
+    are refused here for a variant that does not define them (ops/logit_extras.py)."""
+    window = logit_extras.check_window_size(options.pop("window_size", None))
+    for name in logit_extras.BACKEND_EXTRAS:
+        if name in options and options[name] is None:
+            del options[name]
+    logit_extras.refuse_undefined(record, options)
+    return options, window
+
+
+def _windowed(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options, window):
+    """(a backend that takes the window itself, its arguments), or (None, the mask with the band folded in)."""
+    kw = backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, **options)
+    kw["window_size"] = window
+    native = logit_extras.native_window_backend(name, backend, q, k, v, kw)
+    if native is not None:
+        return native, kw
+    return None, logit_extras.mask_with_window(kw["attn_mask"], window, q.shape[-2], k.shape[-2], q.device)
 
 
 def _make_plan(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict,
@@ -332,6 +366,14 @@ def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, drop
     The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
     the same signature does only the value checks and the kernel."""
     record = get(name)
+    if options:
+        options, window = _with_extras(record, dict(options))
+        if window is not None:
+            native, found = _windowed(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa,
+                                      options, window)
+            if native is not None:
+                return logit_extras.run_native_window(native, q, k, v, found)
+            attn_mask = found
     key = None
     if not torch.compiler.is_compiling():
         key, per_call = plan_cache.signature(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p,
@@ -354,8 +396,18 @@ def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
     V.check_choice("variant", name, _VARIANTS)
     record = _VARIANTS[name]
     check_keywords(record, kwargs)
-    options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS}}
+    options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS},
+               **{n: kwargs[n] for n in logit_extras.NAMES if n in kwargs}}
+    options, window = _with_extras(record, options)
     shared = {n: kwargs[n] for n in call.SHARED_KWARGS + ("enable_gqa",) if n in kwargs}
+    if window is not None:
+        native, found = _windowed(name, backend, q, k, v, shared.get("attn_mask"), shared.get("is_causal", False),
+                                  shared.get("scale"), shared.get("dropout_p", 0.0), shared.get("enable_gqa", False),
+                                  options, window)
+        if native is not None:
+            return dispatch.Choice(name, native, backend or dispatch.default_backend(),
+                                   notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
+        shared["attn_mask"] = found
     kw = backend_kwargs(name, q, k, v, **shared, **options)
     group = call.gqa_group(q, k)
     if group > 1:

@@ -52,7 +52,7 @@ register_triton("fenchel", flash.fenchel_attention, all_of(call_reason, triton_f
                             "order), in-kernel dropout")
 sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")
-blockwise.register("fenchel", fenchel_cpu, first_order_only)
+blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", "sinks", "window_size"))
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
                  description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
 
@@ -60,6 +60,7 @@ register_flavour("fenchel", lambda kw: ["log_u"] if kw.get("log_u") is not None 
 
 RECORD = declare(Variant(
     name="fenchel", reference=fenchel_attention, functional=fenchel, check=check, hook=FenchelHook(),
+    extras=frozenset({"softcap", "sinks"}),
     doc=layer.__doc__,
     complexity="first_order O(N^2 D); second_order/exact add O(N D^3) per query",
     parameters="preference=uniform|t5|context, alpha, solve", paper="paper 004 eqs (7), (13), (16)-(18)",

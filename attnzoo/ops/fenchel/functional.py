@@ -29,13 +29,15 @@ def _may_fuse(q, backend) -> bool:
 
 
 def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None, alpha=1.0,
-            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False):
+            solve="first_order", relative_bias=None, dropout_p=0.0, backend=None, enable_gqa=False,
+            softcap=None, sinks=None, window_size=(-1, -1)):
     """Paper 004 eq (16): weights proportional to u_ij exp(alpha s_ij), u = exp(log_u)
     (broadcastable to (B, H, Nq, Nk), -inf = masked); solve="second_order" uses eq (13),
     solve="exact" maximises the dual (7) per query. ``relative_bias``: a learned T5 relative-position
     log u (``ops.fenchel.t5.T5Bias``, paper 004 eqs 17-18) instead of ``log_u``; at first order the
     fused kernels read it from its table, tile by tile (ops/fenchel/t5.py)."""
-    if relative_bias is not None and solve == "first_order" and log_u is None:
+    extras = softcap is not None or sinks is not None or window_size not in ((-1, -1), None)
+    if relative_bias is not None and solve == "first_order" and log_u is None and not extras:
         shared = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=enable_gqa)
         t5.check_bias(relative_bias, q)
         kf, vf = k, v
@@ -52,4 +54,5 @@ def fenchel(q, k, v, attn_mask=None, is_causal=False, scale=None, *, log_u=None,
             return out
     return attend("fenchel", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, log_u=log_u,
                   alpha=alpha,
-                  solve=solve, relative_bias=relative_bias)
+                  solve=solve, relative_bias=relative_bias,
+                  softcap=softcap, sinks=sinks, window_size=window_size)

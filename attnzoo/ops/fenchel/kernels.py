@@ -69,13 +69,13 @@ def fenchel_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None
 
 
 def fenchel_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                solve="first_order", dropout_p=0.0):
+                solve="first_order", dropout_p=0.0, softcap=None, sinks=None, window_size=None):
     """First order only (paper 004 eq 16): softmax(alpha * scale * q.k + log u + mask), blockwise."""
     if solve != "first_order":
         raise ValueError(f"the cpu backend computes solve='first_order' only, got solve={solve!r}")
     keep, add = split_attn_mask(attn_mask)
     return blockwise_attention(q, k, v, kind="softmax", scale=alpha * scale, is_causal=is_causal, keep=keep,
-                               add_a=add, add_b=log_u)
+                               add_a=add, add_b=log_u, softcap=softcap, sinks=sinks, window_size=window_size)
 
 
 def fenchel_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..common import dot_logits, upcast, weights_dropout
+from ..logit_extras import cap_logits, masked_softmax_with_sinks
 from ..masking import masked_softmax, split_mask
 
 SOLVES = ("first_order", "second_order", "exact")
@@ -111,13 +112,17 @@ def fenchel_lambda(q, k, *, log_u_full, keep, scale, alpha, solve):
 
 
 def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                      solve="first_order", dropout_p=0.0):
+                      solve="first_order", dropout_p=0.0, softcap=None, sinks=None):
     (q, k, v, log_u), out_dtype = upcast(q, k, v, log_u)
     keep, log_u_full = preference_log_weights(log_u, attn_mask, is_causal, q, k)
+    if softcap is not None and solve != "first_order":
+        # the dual's lambda* is solved for uncapped scores: capping them afterwards is no solution of it
+        raise ValueError(f"fenchel: softcap is defined for solve='first_order' only, got solve={solve!r}")
     if solve == "first_order":
-        logits = alpha * dot_logits(q, k, scale) + log_u_full
+        # the cap acts on the score alpha s_ij; the preference log u plays the bias's part, added after
+        logits = cap_logits(alpha * dot_logits(q, k, scale), softcap) + log_u_full
     else:
         lam = fenchel_lambda(q, k, log_u_full=log_u_full, keep=keep, scale=scale, alpha=alpha, solve=solve)
         logits = lam @ k.transpose(-1, -2) + log_u_full
-    p = masked_softmax(logits, keep)
+    p = masked_softmax_with_sinks(logits, keep, sinks)
     return (weights_dropout(p, dropout_p) @ v).to(out_dtype)

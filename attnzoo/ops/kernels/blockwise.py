@@ -13,10 +13,18 @@ kinds (what turns a score block s into weights w):
 The backward recomputes every score block from q, k and the saved row statistic (lse or n_i).
 
 Masks come as ``keep`` (bool, True = take part), ``add_a`` / ``add_b`` (float, added to the
-scores; -inf = the key does not take part) and ``is_causal`` (bottom-right aligned, see
-``ops.masking.causal_keep``), all broadcastable to (B, H, Nq, Nk) and read block by block, so a
-broadcast (1, H, 1, Nk) preference vector costs nothing extra. n_i counts the keys allowed by
-keep, causal and add_a (add_b is a bias, not a mask: sigmoid's b and Fenchel's log u go there).
+scores; -inf = the key does not take part), ``is_causal`` (bottom-right aligned, see
+``ops.masking.causal_keep``) and a window (``window_left``, ``window_right``, -1 unbounded: the band
+of ``ops.logit_extras``, bottom-right aligned too), all broadcastable to (B, H, Nq, Nk) and read
+block by block, so a broadcast (1, H, 1, Nk) preference vector costs nothing extra. Key blocks
+outside the causal triangle or the band are never visited: a window of w costs O(N w), not O(N^2).
+n_i counts the keys allowed by keep, causal, the window and add_a (add_b is a bias, not a mask:
+sigmoid's b and Fenchel's log u go there).
+
+``softcap`` (0: none) caps the raw scores, s -> softcap tanh(s / softcap), before add_a / add_b; the
+backward multiplies by 1 - tanh^2. ``sinks`` (softmax only; (H,) or None) start each row's online
+softmax as a key with no value: the row's running max is the sink and its sum exp(0) = 1, so the
+log-sum-exp the backward reads holds it, and d sinks_h = -sum_i exp(sink_h - lse_i) (dO_i . O_i).
 
 The op is a ``torch.library.custom_op`` with a fake (meta) implementation and a registered
 autograd formula, so ``torch.compile`` treats it as one opaque node (no graph break, and no
@@ -39,16 +47,24 @@ KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
 # fwd+bwd); 128-row blocks were ~2x slower (Python overhead per block).
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 1024
+MIN_WINDOW_BLOCK_Q = 32  # the smallest query block a window asks for (Python overhead per block below it)
 
 
 class _Masks:
     """Reads keep / add_a / add_b / causal one block at a time."""
 
-    def __init__(self, keep, add_a, add_b, is_causal, nq, nk):
+    def __init__(self, keep, add_a, add_b, is_causal, nq, nk, window=(-1, -1), softcap=0.0):
         self.keep, self.add_a, self.add_b = keep, add_a, add_b
         self.is_causal = is_causal
         self.nq, self.nk = nq, nk
         self.offset = nk - nq  # key j takes part for query i when j <= i + offset
+        # the band: i + offset - left <= j <= i + offset + right (None: unbounded on that side)
+        self.left = window[0] if window[0] >= 0 else None
+        right = window[1] if window[1] >= 0 else None
+        if is_causal:
+            right = 0 if right is None else min(right, 0)
+        self.right = right
+        self.softcap = softcap
 
     @staticmethod
     def block(t, qs, qe, ks, ke):
@@ -57,10 +73,11 @@ class _Masks:
         return t[:, :, rows, cols]
 
     def key_blocks(self, qs, qe, block_k):
-        """Key blocks that can hold a kept key for queries qs..qe-1 (causal blocks past the
-        diagonal are skipped: they would only hold -inf)."""
-        last = self.nk if not self.is_causal else min(self.nk, qe - 1 + self.offset + 1)
-        for ks in range(0, max(last, 0), block_k):
+        """Key blocks that can hold a kept key for queries qs..qe-1 (blocks past the diagonal of a
+        causal call or outside the window's band are skipped: they would only hold -inf)."""
+        last = self.nk if self.right is None else min(self.nk, qe - 1 + self.offset + self.right + 1)
+        first = 0 if self.left is None else max(0, qs + self.offset - self.left)
+        for ks in range(first, max(last, first), block_k):
             yield ks, min(ks + block_k, last)
 
     def dropped(self, qs, qe, ks, ke, device, with_add_a=True):
@@ -68,19 +85,31 @@ class _Masks:
         out = None
         if self.keep is not None:
             out = ~self.block(self.keep, qs, qe, ks, ke)
-        if self.is_causal and ke - 1 > qs + self.offset:  # the block crosses the diagonal
-            i = torch.arange(qs, qe, device=device)[:, None]
-            j = torch.arange(ks, ke, device=device)[None, :]
-            c = j > i + self.offset
+        upper = self.right is not None and ke - 1 > qs + self.offset + self.right  # crosses the band's top
+        lower = self.left is not None and ks < qe - 1 + self.offset - self.left    # or its bottom edge
+        if upper or lower:
+            d = (torch.arange(ks, ke, device=device)[None, :] - torch.arange(qs, qe, device=device)[:, None]
+                 - self.offset)  # j - i - offset
+            c = None
+            if upper:
+                c = d > self.right
+            if lower:
+                c = (d < -self.left) if c is None else (c | (d < -self.left))
             out = c if out is None else (out | c)
         if with_add_a and self.add_a is not None:
             a = self.block(self.add_a, qs, qe, ks, ke) == -math.inf
             out = a if out is None else (out | a)
         return out
 
-    def scores(self, q_scaled, k, qs, qe, ks, ke):
-        """s = q_scaled k^T + add_a + add_b for one block, -inf where the key does not take part."""
+    def scores(self, q_scaled, k, qs, qe, ks, ke, tanh_out=None):
+        """s = cap(q_scaled k^T) + add_a + add_b for one block, -inf where the key does not take part;
+        with a cap and a list ``tanh_out``, tanh(s / softcap) is appended to it (for the backward)."""
         s = q_scaled @ k[:, :, ks:ke].transpose(-1, -2)
+        if self.softcap:
+            t = s.div_(self.softcap).tanh_()
+            if tanh_out is not None:
+                tanh_out.append(t.clone())
+            s = t.mul_(self.softcap)
         for add in (self.add_a, self.add_b):
             if add is not None:
                 s = s.add_(self.block(add, qs, qe, ks, ke))  # s is a fresh (B, H, bq, bk) block
@@ -91,7 +120,8 @@ class _Masks:
 
     def counts(self, shape, dtype, device, block_q, block_k):
         """n_i, shape (B, H, Nq, 1): keys taking part in each row."""
-        if self.keep is None and self.add_a is None:
+        plain_band = self.left is None and self.right == (0 if self.is_causal else None)  # no window
+        if self.keep is None and self.add_a is None and plain_band:
             if not self.is_causal:
                 return torch.full(shape[:3] + (1,), float(self.nk), dtype=dtype, device=device)
             i = torch.arange(self.nq, device=device, dtype=dtype)
@@ -102,6 +132,9 @@ class _Masks:
             qe = min(qs + block_q, self.nq)
             for ks, ke in self.key_blocks(qs, qe, block_k):
                 drop = self.dropped(qs, qe, ks, ke, device)
+                if drop is None:  # a block inside the band with no mask: every key
+                    n[:, :, qs:qe] += ke - ks
+                    continue
                 kept = (~drop).sum(-1, keepdim=True, dtype=dtype)
                 if drop.shape[-1] != ke - ks:  # a mask broadcast along the keys: all of the block or none
                     kept = kept * (ke - ks)
@@ -124,13 +157,14 @@ def _check_kind(kind):
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, window_left=-1,
+                 window_right=-1, softcap=0.0, sinks=None):
     """Returns (out, stat): stat is the row log-sum-exp (softmax; +inf for a row with no key) or
     n_i (pointwise kinds), shape (B, H, Nq)."""
     _check_kind(kind)
     B, H, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[3]
-    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk)
+    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
     out = q.new_zeros(B, H, nq, dv)
     if kind == "softmax":
         stat = q.new_full((B, H, nq, 1), math.inf)
@@ -139,7 +173,10 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     for qs in range(0, nq, block_q):
         qe = min(qs + block_q, nq)
         qb = q[:, :, qs:qe] * scale
-        if kind == "softmax":
+        if kind == "softmax" and sinks is not None:  # the sink: the first key, with no value
+            row_max = sinks.view(1, H, 1, 1).expand(B, H, qe - qs, 1).clone()
+            row_sum = torch.exp(row_max - torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max)))
+        elif kind == "softmax":
             row_max = q.new_full((B, H, qe - qs, 1), -math.inf)
             row_sum = q.new_zeros(B, H, qe - qs, 1)
         acc = q.new_zeros(B, H, qe - qs, dv)
@@ -173,12 +210,14 @@ def _accumulate(grad, ds, qs, qe, ks, ke):
     _Masks.block(grad, qs, qe, ks, ke).add_(ds.sum(dim=dims, keepdim=True) if dims else ds)
 
 
-def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
-    """Gradients (dq, dk, dv, d_add_a, d_add_b); a missing add gets an empty tensor."""
+def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k,
+                  window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    """Gradients (dq, dk, dv, d_add_a, d_add_b, d_sinks); a missing add or sinks gets an empty tensor."""
     _check_kind(kind)
     B, H, nq, _ = q.shape
     nk = k.shape[2]
-    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk)
+    masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
+    d_sinks = q.new_zeros(B, H, 1, 1) if sinks is not None else q.new_empty(0)
     grad_out = grad_out.to(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_adds = [torch.zeros_like(a) if a is not None else q.new_empty(0) for a in (add_a, add_b)]
@@ -190,11 +229,14 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
         if kind == "softmax":
             lse = stat[:, :, qs:qe]
             delta = (do * out[:, :, qs:qe]).sum(-1, keepdim=True)
+            if sinks is not None:  # the sink's weight exp(sink - lse_i) times dL/d(its logit) = -delta_i
+                d_sinks -= (torch.exp(sinks.view(1, H, 1, 1) - lse) * delta).sum(2, keepdim=True)
         elif kind == "relu":
             do = do / stat[:, :, qs:qe].clamp_min(1.0)  # w = relu(s) / n_i: fold 1/n_i into the rows of dO
         dqb = torch.zeros_like(qb)
         for ks, ke in masks.key_blocks(qs, qe, block_k):
-            s = masks.scores(qb, k, qs, qe, ks, ke)
+            tanh = []
+            s = masks.scores(qb, k, qs, qe, ks, ke, tanh)
             vb = v[:, :, ks:ke]
             ds = do @ vb.transpose(-1, -2)  # dL/dw, turned into dL/ds in place below
             if kind == "softmax":
@@ -208,13 +250,15 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
                 else:
                     ds = torch.ops.aten.sigmoid_backward(ds, w)  # ds * w * (1 - w)
             dv[:, :, ks:ke] += w.transpose(-1, -2) @ do
-            dqb += ds @ k[:, :, ks:ke]
-            dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
             for add, d_add in zip((add_a, add_b), d_adds):
                 if add is not None:
                     _accumulate(d_add, ds, qs, qe, ks, ke)
+            if tanh:  # through the cap: d cap(x) / dx = 1 - tanh^2
+                ds = ds * (1.0 - tanh[0] * tanh[0])
+            dqb += ds @ k[:, :, ks:ke]
+            dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
         dq[:, :, qs:qe] = dqb * scale
-    return dq, dk, dv, d_adds[0], d_adds[1]
+    return dq, dk, dv, d_adds[0], d_adds[1], d_sinks.sum(0).reshape(-1) if sinks is not None else d_sinks
 
 
 # --- the custom op: opaque to torch.compile, with fake shapes and an autograd formula ------------
@@ -222,12 +266,15 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
 @torch.library.custom_op("attnzoo::blockwise_attention", mutates_args=())
 def _blockwise_op(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], add_a: Optional[Tensor],
                   add_b: Optional[Tensor], kind: str, scale: float, is_causal: bool, block_q: int,
-                  block_k: int) -> tuple[Tensor, Tensor]:
-    return forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k)
+                  block_k: int, window_left: int, window_right: int, softcap: float,
+                  sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, window_left,
+                        window_right, softcap, sinks)
 
 
 @_blockwise_op.register_fake
-def _(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+def _(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, window_left, window_right, softcap,
+      sinks):
     B, H, nq, _ = q.shape
     return q.new_empty(B, H, nq, v.shape[3]), q.new_empty(B, H, nq)
 
@@ -236,30 +283,33 @@ def _(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
 def _blockwise_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stat: Tensor,
                            keep: Optional[Tensor], add_a: Optional[Tensor], add_b: Optional[Tensor],
                            kind: str, scale: float, is_causal: bool, block_q: int,
-                           block_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           block_k: int, window_left: int, window_right: int, softcap: float,
+                           sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal,
-                         block_q, block_k)
+                         block_q, block_k, window_left, window_right, softcap, sinks)
 
 
 @_blockwise_backward_op.register_fake
-def _(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k):
+def _(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, window_left,
+      window_right, softcap, sinks):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(add_a) if add_a is not None else q.new_empty(0),
-            torch.empty_like(add_b) if add_b is not None else q.new_empty(0))
+            torch.empty_like(add_b) if add_b is not None else q.new_empty(0),
+            torch.empty_like(sinks) if sinks is not None else q.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], keep, add_a, add_b)
-    ctx.config = (kind, scale, is_causal, block_q, block_k)
+    q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, wl, wr, softcap, sinks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], keep, add_a, add_b, sinks)
+    ctx.config = (kind, scale, is_causal, block_q, block_k, wl, wr, softcap)
 
 
 def _backward(ctx, grad_out, _grad_stat):
-    q, k, v, out, stat, keep, add_a, add_b = ctx.saved_tensors
-    dq, dk, dv, da, db = _blockwise_backward_op(grad_out.contiguous(), q, k, v, out, stat, keep, add_a, add_b,
-                                                *ctx.config)
+    q, k, v, out, stat, keep, add_a, add_b, sinks = ctx.saved_tensors
+    dq, dk, dv, da, db, ds = _blockwise_backward_op(grad_out.contiguous(), q, k, v, out, stat, keep, add_a, add_b,
+                                                    *ctx.config, sinks)
     return (dq, dk, dv, None, da if add_a is not None else None, db if add_b is not None else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None, None, ds if sinks is not None else None)
 
 
 _blockwise_op.register_autograd(first_order_only(_backward, "the blockwise backward (backend 'cpu', and 'torch' "
@@ -272,17 +322,29 @@ def _as4d(t):
 
 
 def blockwise_attention(q, k, v, *, kind: str, scale: float, is_causal: bool = False, keep=None, add_a=None,
-                        add_b=None, block_q: Optional[int] = None, block_k: Optional[int] = None) -> Tensor:
+                        add_b=None, block_q: Optional[int] = None, block_k: Optional[int] = None,
+                        window_size=None, softcap: Optional[float] = None, sinks=None) -> Tensor:
     """Blockwise attention (see the module docstring). Half-precision inputs are computed in
-    float32, like the references; float32 and float64 stay as they are."""
+    float32, like the references; float32 and float64 stay as they are. ``window_size``: (left, right)
+    or None; ``softcap``: None or > 0; ``sinks``: (H,) or None (kind "softmax" only)."""
     _check_kind(kind)
+    if sinks is not None and kind != "softmax":
+        raise ValueError(f"sinks are defined for kind 'softmax' only, got kind={kind!r}")
     out_dtype = q.dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, v = (t.to(work) for t in (q, k, v))
     add_a, add_b = (None if a is None else _as4d(a).to(work) for a in (add_a, add_b))
     keep = _as4d(keep)
+    left, right = window_size if window_size is not None else (-1, -1)
+    if block_q is None and window_size is not None:
+        # a band of w keys: query blocks of about w rows keep the visited scores near N w (256-row
+        # blocks would visit (256 + w) keys per row)
+        width = (left if left >= 0 else k.shape[2]) + (right if right >= 0 else k.shape[2])
+        # (a power of two near w / 2: measured fastest at w = 128, N = 4096, benchmarks/cpu_window.py)
+        block_q = max(MIN_WINDOW_BLOCK_Q, min(DEFAULT_BLOCK_Q, 1 << (width // 2).bit_length()))
     out, _ = _blockwise_op(q, k, v, keep, add_a, add_b, kind, float(scale), bool(is_causal),
-                           int(block_q or DEFAULT_BLOCK_Q), int(block_k or DEFAULT_BLOCK_K))
+                           int(block_q or DEFAULT_BLOCK_Q), int(block_k or DEFAULT_BLOCK_K), int(left), int(right),
+                           float(softcap or 0.0), None if sinks is None else sinks.to(work))
     return out.to(out_dtype)
 
 
@@ -324,9 +386,11 @@ def small_call(q, k, v, **kw):
     return None
 
 
-def register(variant: str, fn, *checks, name: str = "cpu", priority: int = 10, description: str = DESCRIPTION):
+def register(variant: str, fn, *checks, name: str = "cpu", priority: int = 10, description: str = DESCRIPTION,
+             extras=("window_size",)):
     """Register ``fn`` (a variant's form of the blockwise path) as its CPU backend: refuses dropout and
-    whatever ``checks`` refuse; auto picks it on CPU tensors from SMALL_CALL_ELEMENTS scores on."""
+    whatever ``checks`` refuse; auto picks it on CPU tensors from SMALL_CALL_ELEMENTS scores on.
+    ``extras``: which of softcap, sinks and window_size ``fn`` takes (ops/logit_extras.py)."""
     from ..dispatch import all_of, register_backend
     register_backend(variant, name, fn, supports=all_of(refuses_dropout, *checks), priority=priority,
-                     description=description, auto_devices=("cpu",), auto_prefers=small_call)
+                     description=description, auto_devices=("cpu",), auto_prefers=small_call, extras=extras)

@@ -28,6 +28,7 @@ register_backend("l2", "flex", l2_flex, supports=flex_reason, priority=5,
 
 RECORD = declare(Variant(
     name="l2", reference=l2_attention, functional=l2, hook=L2Hook(), class_name="L2Attention",
+    extras=frozenset({"softcap", "sinks"}),
     doc=("softmax(-||q - k||^2 / sqrt(d)) v. ``tie_qk=True`` uses W_Q (and its bias) for the keys too, Kim et "
          "al.'s Lipschitz form; the qkv weight keeps its shape so timm checkpoints still load."),
     complexity="O(N^2 D)", parameters="tie_qk=True ties W_Q = W_K", paper="paper 002 sec 2.3; Kim et al. 2021",

@@ -28,14 +28,18 @@ def l2_augment(q, k):
             torch.cat([k, (k * k).sum(-1, keepdim=True)], dim=-1))
 
 
-def l2_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def l2_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, window_size=None):
+    """(No softcap or sinks: the augmented logits are shifted by scale ||q_i||^2 per row, which a softmax
+    cancels but a cap or a sink's fixed logit does not.)"""
     if q.dtype in (torch.float16, torch.bfloat16):  # ||k||^2 in half precision would cost the logits ~3 digits
         q, k = q.float(), k.float()
         v_dtype, v = v.dtype, v.float()
-        return l2_cpu(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale).to(v_dtype)
+        return l2_cpu(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                      window_size=window_size).to(v_dtype)
     qa, ka = l2_augment(q, k)
     keep, add = split_attn_mask(attn_mask)
-    return blockwise_attention(qa, ka, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add)
+    return blockwise_attention(qa, ka, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
+                               window_size=window_size)
 
 
 def l2_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):

@@ -36,6 +36,9 @@ register_flavour("linear", lambda kw: [kw["feature_map"]] if kw.get("feature_map
 
 RECORD = declare(Variant(
     name="linear", reference=linear_attention, functional=linear, check=check,
+    extras=frozenset(),
+    extras_refused={"softcap": "it has no logits (its weights are feature maps phi(q_i).phi(k_j))",
+                    "sinks": "it has no logits, so no sink logit can join its normaliser"},
     default_scale=1.0, doc="Linear attention; its kernel uses no 1/sqrt(d) scale (see functional.linear).",
     complexity="O(N D Dv) without a general mask; a general mask needs O(N^2)",
     parameters="feature_map", paper="paper 002 eq (2.2); Katharopoulos et al. 2020",

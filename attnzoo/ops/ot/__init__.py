@@ -74,6 +74,11 @@ register_flavour("ot", lambda kw: ["templates"] if kw.get("templates_k") is not 
 
 RECORD = declare(Variant(
     name="ot", reference=ot_attention, functional=ot, check=check, hook=OTHook(), class_name="OTAttention",
+    extras=frozenset(),
+    extras_refused={"softcap": "its weights mix the templates' logits alpha q.k_t + k_j.k_t per source key, not one logit "
+                               "per key that a cap would bound",
+                    "sinks": "its weights are a transport plan from the keys' mass u, with no softmax normaliser "
+                             "for a sink to join"},
     doc=("Optimal-transport attention layer (paper 004 sec 9, eq 22), the last layer of OT-ViT. "
          "``forward(x, attn_mask=None, is_causal=False, templates=None)``: ``templates`` (B, M, dim) are extra "
          "tokens (OT-ViT's same-class templates) projected with this layer's key and value weights (and k_norm) "

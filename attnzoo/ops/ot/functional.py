@@ -37,10 +37,12 @@ def check(q, k, v, *, scale, alpha=1.0, gamma=None, log_u=None, templates_k=None
 
 
 def ot(q, k, v, attn_mask=None, is_causal=False, scale=None, *, alpha=1.0, gamma=None, log_u=None,
-       templates_k=None, templates_v=None, dropout_p=0.0, backend=None, enable_gqa=False):
+       templates_k=None, templates_v=None, dropout_p=0.0, backend=None, enable_gqa=False,
+       softcap=None, sinks=None, window_size=(-1, -1)):
     """Paper 004 eq (22) with M(a, b) = -a.b + C:
     out_i = sum_{t in A} v_t sum_{j in T} u_j softmax_{t in A}((alpha q_i.k_t + k_j.k_t) / gamma);
     gamma defaults to 1/scale = sqrt(D); templates_k (B, H, M, D) / templates_v (B, H, M, Dv) extend A."""
     return attend("ot", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, alpha=alpha,
                   gamma=gamma,
-                  log_u=log_u, templates_k=templates_k, templates_v=templates_v)
+                  log_u=log_u, templates_k=templates_k, templates_v=templates_v,
+                  softcap=softcap, sinks=sinks, window_size=window_size)

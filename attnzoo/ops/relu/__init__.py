@@ -16,11 +16,14 @@ from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
                 gqa=True, description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
-blockwise.register("relu", relu_cpu)
-blockwise.register("relu", relu_cpu, name="torch", priority=9,
+blockwise.register("relu", relu_cpu, extras=("softcap", "window_size"))
+blockwise.register("relu", relu_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 
 RECORD = declare(Variant(
     name="relu", reference=relu_attention, functional=relu, class_name="ReLUAttention",
+    extras=frozenset({"softcap"}),
+    extras_refused={"sinks": "its weights relu(s_ij) / n_i have no sum of exponentials over the keys for a "
+                             "sink to join"},
     complexity="O(N^2 D), no row statistics", parameters="none", paper="paper 002 eq (2.5)",
 ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 
 
-def relu_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def relu_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, softcap=None, window_size=None):
     keep, add = split_attn_mask(attn_mask)
-    return blockwise_attention(q, k, v, kind="relu", scale=scale, is_causal=is_causal, keep=keep, add_a=add)
+    return blockwise_attention(q, k, v, kind="relu", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
+                               softcap=softcap, window_size=window_size)

@@ -7,6 +7,6 @@ import torch
 from ..kernels.pointwise.reference import pointwise_attention
 
 
-def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def relu_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, softcap=None):
     return pointwise_attention(q, k, v, attn_mask, is_causal, scale, dropout_p,
-                               lambda s, n: torch.relu(s) / n.clamp_min(1.0))
+                               lambda s, n: torch.relu(s) / n.clamp_min(1.0), softcap)

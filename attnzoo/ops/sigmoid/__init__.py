@@ -25,12 +25,15 @@ def _bias_reason(q, k, v, **kw):
 register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
                 gqa=True, description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
-blockwise.register("sigmoid", sigmoid_cpu)
-blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9,
+blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))
+blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 
 RECORD = declare(Variant(
     name="sigmoid", reference=sigmoid_attention, functional=sigmoid, check=check, hook=SigmoidHook(),
+    extras=frozenset({"softcap"}),
+    extras_refused={"sinks": "each weight is sigmoid(s_ij + b) on its own, with no normaliser over the keys "
+                             "for a sink to join"},
     doc=("sum_j sigmoid(s_ij + b) v_j. ``bias`` fixes b (default -log n); ``learnable_bias=True`` adds a "
          "learned per-head shift (initialised to 0) on top of it."),
     complexity="O(N^2 D), no row statistics", parameters="optional learnable per-head bias shift",

@@ -23,7 +23,9 @@ def check(q, k, v, *, scale, bias=None) -> dict:
 
 
 def sigmoid(q, k, v, attn_mask=None, is_causal=False, scale=None, *, bias=None, dropout_p=0.0, backend=None,
-            enable_gqa=False):
+            enable_gqa=False,
+            softcap=None, sinks=None, window_size=(-1, -1)):
     """sum_j sigmoid(s_ij + b) v_j with b = -log(n_i) by default (n_i = keys taking part in row i);
     ``bias``: a real number or a float tensor broadcastable to (B, H, Nq, Nk)."""
-    return attend("sigmoid", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, bias=bias)
+    return attend("sigmoid", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, bias=bias,
+                  softcap=softcap, sinks=sinks, window_size=window_size)

@@ -12,10 +12,10 @@ def default_sigmoid_bias(n: torch.Tensor) -> torch.Tensor:
     return -torch.log(n.clamp_min(1.0))
 
 
-def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0):
+def sigmoid_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0, softcap=None):
     def f(s, n):
         b = default_sigmoid_bias(n) if bias is None else bias
         if isinstance(b, torch.Tensor):
             b = b.to(s.dtype)
         return torch.sigmoid(s + b)
-    return pointwise_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, f)
+    return pointwise_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, f, softcap)

@@ -110,6 +110,9 @@ if HAVE_TRITON:
 
 RECORD = declare(Variant(
     name="sinkhorn", reference=sinkhorn_attention, functional=sinkhorn, check=check, hook=SinkhornHook(),
+    extras=frozenset({"softcap"}),
+    extras_refused={"sinks": "its rows and columns are normalised in turn, and a key with no value would need a column "
+                                "marginal of its own, which the papers do not define"},
     couples_queries=True,
     complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3)",
     parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022",

@@ -19,9 +19,11 @@ def check(q, k, v, *, scale, n_iters=3, eps=1.0, cost="l2") -> dict:
 
 
 def sinkhorn(q, k, v, attn_mask=None, is_causal=False, scale=None, *, n_iters=3, eps=1.0, cost="l2",
-             dropout_p=0.0, backend=None, enable_gqa=False):
+             dropout_p=0.0, backend=None, enable_gqa=False,
+             softcap=None, sinks=None, window_size=(-1, -1)):
     """Log-domain Sinkhorn on exp(-scale ||q_i - k_j||^2 / (2 eps)) (cost="dot": exp(s_ij / eps)),
     n_iters (row, column) rounds then a final row normalisation (paper 002 sec 2.4)."""
     return attend("sinkhorn", q, k, v, attn_mask, is_causal, scale, dropout_p, backend, enable_gqa, n_iters=n_iters,
                   eps=eps,
-                  cost=cost)
+                  cost=cost,
+                  softcap=softcap, sinks=sinks, window_size=window_size)

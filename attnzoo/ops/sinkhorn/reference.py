@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..common import dot_logits, sq_dist, upcast, weights_dropout
+from ..logit_extras import cap_logits
 from ..masking import coupled_causal_rows, masked_softmax, safe_logsumexp, split_mask
 
 
@@ -47,10 +48,10 @@ def sinkhorn_potential(logits, keep, n_iters):
     return g
 
 
-def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l2"):
+def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l2", softcap=None):
     """The non-causal transport plan P (B, H, Nq, Nk), rows summing to one (for tests/analysis)."""
     keep, bias = split_mask(attn_mask, False, q.shape[-2], k.shape[-2], q.device)
-    L = sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost)
+    L = cap_logits(sinkhorn_logits(q, k, scale=scale, eps=eps, cost=cost), softcap)
     if bias is not None:
         L = L + bias.to(L.dtype)
     g = sinkhorn_potential(L, keep, n_iters)
@@ -58,10 +59,11 @@ def sinkhorn_weights(q, k, *, attn_mask=None, scale, n_iters=3, eps=1.0, cost="l
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0):
+                       cost="l2", dropout_p=0.0, softcap=None):
     (q, k, v), out_dtype = upcast(q, k, v)
     if not is_causal:
-        p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost)
+        p = sinkhorn_weights(q, k, attn_mask=attn_mask, scale=scale, n_iters=n_iters, eps=eps, cost=cost,
+                             softcap=softcap)
         return (weights_dropout(p, dropout_p) @ v).to(out_dtype)
     nq, nk = q.shape[-2], k.shape[-2]
     row_mask = coupled_causal_rows(attn_mask, nq, nk)
@@ -73,6 +75,6 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, n_ite
             continue
         # row i's problem: queries 0..i and the keys it sees, non-causal, under the rule's mask
         p = sinkhorn_weights(q[..., :i + 1, :], k[..., :m, :], attn_mask=row_mask(i), scale=scale,
-                             n_iters=n_iters, eps=eps, cost=cost)[..., -1:, :]
+                             n_iters=n_iters, eps=eps, cost=cost, softcap=softcap)[..., -1:, :]
         rows.append(weights_dropout(p, dropout_p) @ v[..., :m, :])
     return torch.cat(rows, dim=-2).to(out_dtype)

@@ -17,12 +17,13 @@ from .kernels import softmax_cpu, softmax_torch
 from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
-blockwise.register("softmax", softmax_cpu)
+blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
 register_triton("softmax", flash.softmax_attention, gqa=True,
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
 
 RECORD = declare(Variant(
     name="softmax", reference=softmax_attention, functional=softmax,
+    extras=frozenset({"softcap", "sinks"}),
     doc="softmax(q k^T / sqrt(d)) v: timm's Attention, through attnzoo's dispatcher.",
     complexity="O(N^2 D) time, O(N) memory fused", paper="Vaswani et al. 2017; paper 002 eq (2.2)",
 ))

@@ -9,6 +9,8 @@ def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=
     return sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
 
 
-def softmax_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def softmax_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, softcap=None, sinks=None,
+                window_size=None):
     keep, add = split_attn_mask(attn_mask)
-    return blockwise_attention(q, k, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add)
+    return blockwise_attention(q, k, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
+                               softcap=softcap, sinks=sinks, window_size=window_size)
