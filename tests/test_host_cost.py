@@ -152,8 +152,8 @@ ALLOCATIONS = {  # variant: (forward, backward) top-level aten ops
     # no placeholder for the absent T5 residual and no empty preference or table gradients
     "softmax": (["aten::empty"] * 2, ["aten::empty"] * 4),
     "l2": (["aten::empty"] * 2, ["aten::empty"] * 4),
-    "sigmoid": (["aten::empty"] * 2, ["aten::empty"] * 4),   # out, n | dq, dk, dv, empty dbias
-    "relu": (["aten::empty"] * 2, ["aten::empty"] * 4),
+    "sigmoid": (["aten::empty"] * 2, ["aten::empty"] * 3),   # out, n | dq, dk, dv (no empty dbias: bound launch)
+    "relu": (["aten::empty"] * 2, ["aten::empty"] * 3),
     # non-causal: out, r, the state and its 2 split partials | dq, dk, dv, empty dmask, dS and its partials
     "linear": (["aten::empty"] * 4, ["aten::empty"] * 6),
 }

@@ -73,10 +73,11 @@ def signature(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_
     parts: list[Any] = [name, type(backend), backend, torch.is_grad_enabled(),
                         type(is_causal), is_causal, type(scale), scale, type(dropout_p), dropout_p,
                         type(enable_gqa), enable_gqa]
-    for t in (q, k, v):
-        if type(t) is not torch.Tensor:  # a subclass (fake, DTensor) or not a tensor: the full path
-            return None, None
-        parts.append(_tensor_signature(t))
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None, None  # a subclass (fake, DTensor) or not a tensor: the full path
+    # _tensor_signature written out: this runs on every call
+    parts += [(q.shape, q.dtype, q.device, q.requires_grad), (k.shape, k.dtype, k.device, k.requires_grad),
+              (v.shape, v.dtype, v.device, v.requires_grad)]
     if attn_mask is None:
         parts.append(None)
     elif isinstance(attn_mask, torch.Tensor):

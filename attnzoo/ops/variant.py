@@ -334,7 +334,7 @@ def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, drop
 
     The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
     the same signature does only the value checks and the kernel."""
-    record = get(name)
+    record = _VARIANTS.get(name) or get(name)  # get() names the variants when name is not one
     requested = backend or dispatch.default_backend()  # read once: the key and the choice see one value
     key = per_call = None
     if not torch.compiler.is_compiling():

@@ -75,7 +75,7 @@ class BoundLaunch:
         self.delta_grid = (triton.cdiv(Nq, rows), B * H)
         self.delta_kw = dict(BLOCK_M=rows, BLOCK_DV=self.meta["BLOCK_DV"], RESIDUAL=False)
         self.delta_sizes = (H, Nq, DV)
-        self.bound = {}  # (kernel, hopper rows offered) -> (kernel fn, tuple grid, launch keywords)
+        self.bound = {}  # TunedKernel.run_bound's launches, bound once their tiles froze
 
     def __call__(self, q, k, v, *, attn_mask=None, **_):
         if tuning._pinned or torch._C._len_torch_dispatch_stack():
@@ -95,26 +95,15 @@ class BoundLaunch:
             return _Attention.apply(q, k, v, m, ms, self)
         return self.forward(q, k, v, m, ms)[0]
 
-    def _launch(self, which, tuned, grid, args, kw, variants):
-        """Launch ``tuned`` (a TunedKernel): bound to its tiles once its first launch froze them."""
-        bound = self.bound.get((which, variants))
-        if bound is not None:
-            bound[0][bound[1]](*args, **bound[2])
-            return
-        tuned.run(grid, args, kw, shape_key=self.shape_key, variants=variants, **self.tiles)
-        tiles = tuned._frozen.get((self.dropout, self.dtype, self.tiles["block_d"], self.tiles["block_dv"],
-                                   self.shape_key, variants))
-        if tiles is not None:
-            self.bound[(which, variants)] = (tuned.fn, grid(tiles), {**kw, **tiles})
-
     def forward(self, q, k, v, m, ms):
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         seed = draw_seed(self.device) if self.dropout else self.lut
         variants = self.hopper and hopper.forward_variants(q, k, v, self.meta, self.kw)
-        self._launch("fwd", flash.FORWARD, self.grid_q,
-                     (q, k, v, out, lse, out, m, self.absent, self.absent, self.lut, seed, *q.stride(), *k.stride(),
-                      *v.stride(), *self.out_strides, *ms, *self.tail), self.kw, variants)
+        flash.FORWARD.run_bound(self.bound, self.grid_q,
+                                (q, k, v, out, lse, out, m, self.absent, self.absent, self.lut, seed, *q.stride(),
+                                 *k.stride(), *v.stride(), *self.out_strides, *ms, *self.tail), self.kw,
+                                shape_key=self.shape_key, variants=variants, **self.tiles)
         return out, lse, seed
 
     def backward(self, grad_out, q, k, v, out, lse, m, ms, seed):
@@ -127,13 +116,15 @@ class BoundLaunch:
                                                   *self.delta_sizes, **self.delta_kw)
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *self.tail)
         dq_variants = self.hopper and hopper.forward_variants(q, k, v, self.meta, self.kw)
-        self._launch("dkdv", flash.KEYS_BACKWARD, self.grid_k,
-                     (q, k, v, grad_out, lse, delta, dk, dv, self.absent, self.absent, m, self.absent, self.absent,
-                      self.lut, seed, *common), self.keys_kw,
-                     dq_variants and hopper.keys_backward_variants(q, grad_out, dq_variants))
-        self._launch("dq", flash.QUERIES_BACKWARD, self.grid_q,
-                     (q, k, v, grad_out, lse, delta, dq, m, self.absent, self.absent, self.lut, seed, *common),
-                     self.kw, dq_variants)
+        flash.KEYS_BACKWARD.run_bound(self.bound, self.grid_k,
+                                      (q, k, v, grad_out, lse, delta, dk, dv, self.absent, self.absent, m, self.absent,
+                                       self.absent, self.lut, seed, *common), self.keys_kw, shape_key=self.shape_key,
+                                      variants=dq_variants and hopper.keys_backward_variants(q, grad_out, dq_variants),
+                                      **self.tiles)
+        flash.QUERIES_BACKWARD.run_bound(self.bound, self.grid_q,
+                                         (q, k, v, grad_out, lse, delta, dq, m, self.absent, self.absent, self.lut,
+                                          seed, *common), self.kw, shape_key=self.shape_key, variants=dq_variants,
+                                         **self.tiles)
         return dq, dk, dv
 
 
