@@ -148,7 +148,7 @@ def test_sinkhorn_host_code_does_no_arithmetic_on_potentials(cost, launches):
 # The host code around the softmax-family, pointwise and non-causal linear kernels allocates the outputs
 # and nothing else: no fills, casts or reductions (stand-ins for absent inputs are made once per device).
 ALLOCATIONS = {  # variant: (forward, backward) top-level aten ops
-    # out, lse | delta, dq, dk, dv: a kept plan's bound launches (kernels/flash_softmax/launch.py) allocate
+    # out, lse | delta, dq, dk, dv: a kept plan's bound launches (kernels/flash_softmax/bound.py) allocate
     # no placeholder for the absent T5 residual and no empty preference or table gradients
     "softmax": (["aten::empty"] * 2, ["aten::empty"] * 4),
     "l2": (["aten::empty"] * 2, ["aten::empty"] * 4),

@@ -137,7 +137,7 @@ class TunedKernel:
 
     def run_bound(self, bound: dict, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, shape_key,
                   variants=False):
-        """``run`` for a launch bound to a kept plan's signature (kernels/*/launch.py): ``bound`` (the
+        """``run`` for a launch bound to a kept plan's signature (kernels/*/bound.py, linear/bound.py): ``bound`` (the
         plan's dict) keeps this kernel's launch (the kernel, its tuple grid and every keyword) once the
         first launch froze its tiles, and later launches index the kernel with them directly."""
         launch = bound.get((self, variants))

@@ -7,7 +7,7 @@ softmax family's SDPA backends carry; SDPA itself does not apply).
 from __future__ import annotations
 
 from ..kernels import blockwise
-from ..kernels.pointwise import launch as pointwise_launch
+from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
@@ -16,7 +16,7 @@ from .kernels import relu_cpu
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
-                gqa=True, specialize=pointwise_launch.specializer(sigmoid=False),
+                gqa=True, specialize=pointwise_bound.specializer(sigmoid=False),
                 description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
 blockwise.register("relu", relu_cpu)
 blockwise.register("relu", relu_cpu, name="torch", priority=9,

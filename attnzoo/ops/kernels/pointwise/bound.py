@@ -1,6 +1,6 @@
 """The pointwise kernels (sigmoid, ReLU / n) bound to one call signature: what a kept plan runs.
 
-As kernels/flash_softmax/launch.py: ``specializer(sigmoid)`` is the Triton backends' ``specialize``
+As kernels/flash_softmax/bound.py: ``specializer(sigmoid)`` is the Triton backends' ``specialize``
 hook; for a signature with no bias tensor (the default -log n or a float bias) it returns a
 :class:`BoundLaunch` holding the constexprs, the stand-ins, the sizes, the output shapes, the grids
 and, once each kernel's first launch froze them, its tiles. Per call: the strides, the mask's layout
