@@ -202,6 +202,8 @@ def _decide(name: str, requested: str, q, k, v, kw: dict, key) -> dispatch.Choic
             return choice
         if other.backend is not choice.backend or not other.reusable:
             return choice
+    if len(_CHOICES) >= MAX_PLANS:
+        _CHOICES.clear()
     _CHOICES[class_key] = choice
     return choice
 
