@@ -191,14 +191,17 @@ def _decide(name: str, requested: str, q, k, v, kw: dict, key) -> dispatch.Choic
     mask = kw["attn_mask"]
     for nq, nk in _corners(q.shape[2], k.shape[2]):
         corner = dict(kw)
-        if mask is not None:
-            corner["attn_mask"] = _stand_in(mask, tuple(nq if s == "q" else nk if s == "k" else s
-                                                        for s in _class_shape(mask.shape, q.shape[2], k.shape[2], 4)))
         try:
+            if mask is not None:
+                corner["attn_mask"] = _stand_in(mask, tuple(
+                    nq if s == "q" else nk if s == "k" else s for s in _class_shape(mask.shape, q.shape[2],
+                                                                                   k.shape[2], 4)))
             other = dispatch.choose(name, requested, _stand_in(q, q.shape[:2] + (nq,) + q.shape[3:]),
                                     _stand_in(k, k.shape[:2] + (nk,) + k.shape[3:]),
                                     _stand_in(v, v.shape[:2] + (nk,) + v.shape[3:]), **corner)
         except ValueError:  # no backend (or not the named one) runs the corner: the class is not uniform
+            return choice
+        except RuntimeError:  # inside a functorch transform (jacrev, vmap) no stand-in may need a gradient
             return choice
         if other.backend is not choice.backend or not other.reusable:
             return choice
