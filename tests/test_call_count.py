@@ -21,19 +21,27 @@ from tests.common import needs_interpreter
 
 ROOT = os.path.dirname(attnzoo.__file__)
 
-# (variant, options): (forward budget, backward budget). The issue's targets: 25 for the softmax family
-# and the pointwise kernels (their launches bound to the plan count 13 forward, 9-11 backward; 44-52 and
-# 35-45 before), 30 for causal linear (15 / 14; 59 / 50 before), 60 for Sinkhorn(3). Sinkhorn does not
-# bind its launches to the plan yet (docs/design.md): its budget holds today's count so it does not grow.
+# (variant, options): (forward, backward) calls today, as budgets: one call more per launch (or per
+# call) fails. The issue's targets are 25 for the softmax family and the pointwise kernels (52 / 45 and
+# 45 / 36 before their launches were bound to the plan), 30 for causal linear (59 / 50 before) and 60
+# for Sinkhorn(3), whose launches are not bound to the plan yet (docs/design.md): its budget holds
+# today's count so that it does not grow.
 BUDGETS = {
-    ("softmax", ()): (25, 25),
-    ("l2", ()): (25, 25),
-    ("fenchel", ()): (25, 25),
-    ("sigmoid", ()): (25, 25),
-    ("relu", ()): (25, 25),
-    ("linear", (("is_causal", True),)): (30, 30),
+    ("softmax", ()): (13, 11),
+    ("l2", ()): (13, 11),
+    ("fenchel", ()): (13, 11),
+    ("sigmoid", ()): (13, 9),
+    ("relu", ()): (13, 9),
+    ("linear", (("is_causal", True),)): (15, 14),
     ("sinkhorn", (("n_iters", 3),)): (128, 126),
 }
+ISSUE_TARGETS = {"softmax": 25, "l2": 25, "fenchel": 25, "sigmoid": 25, "relu": 25, "linear": 30}
+
+
+def test_the_budgets_meet_the_issue_targets():
+    for (variant, _), budget in BUDGETS.items():
+        if variant in ISSUE_TARGETS:
+            assert max(budget) <= ISSUE_TARGETS[variant], variant
 
 
 def attnzoo_calls(fn) -> int:
