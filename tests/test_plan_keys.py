@@ -157,6 +157,31 @@ def test_a_class_whose_corners_disagree_is_not_kept(monkeypatch, decisions):
     assert len(decisions) == 4
 
 
+def test_one_query_is_a_class_of_its_own(monkeypatch):
+    """OT's CPU crossover has its own limit for a single query (a decode step), so Nq = 1 must not
+    share a choice with Nq = 2..16. The limits are set so that the corners of a class mixing them agree
+    on 'cpu' (one query of 17 keys; 16 queries of 32 keys: B*H*Nq*Nk*|A| = 32768 >= 10000) while two
+    queries of 20 keys (1600) pick the reference: each call must run the dispatcher's own answer."""
+    from attnzoo.ops import ot
+    monkeypatch.setattr(ot, "OT_CPU_MIN_CUBE_SINGLE_QUERY", 1)
+    monkeypatch.setattr(ot, "OT_CPU_MIN_CUBE", 10_000)
+    plan.clear()
+    ran = []
+    for nq in (1, 2, 3):
+        q, k, v = _qkv(nq, 20)
+        AF.ot(q, k, v)
+        key, _ = plan.signature("ot", "auto", q, k, v, None, False, None, 0.0, False, plan_options("ot"))
+        ran.append(plan.lookup(key).choice.backend.name)
+        assert ran[-1] == AF.explain("ot", q, k, v).backend.name
+    assert ran == ["cpu", "reference", "reference"]
+
+
+def plan_options(name):
+    """The options a variant's functional passes to attend by default (part of the plan key)."""
+    from attnzoo.ops import variant
+    return dict(variant.get(name).options)
+
+
 def test_masks_by_length_share_the_class_of_their_call(decisions):
     """A key-padding mask (B, 1, 1, Nk) grows with the keys: same class; a mask of another kind (per
     query and key) is another class."""

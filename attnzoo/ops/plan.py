@@ -11,12 +11,13 @@ the check of tensor options such as ``log_u``) and the kernel.
 
 A decoder growing its KV cache makes a new signature per generated token. The dispatcher's choice is
 therefore also kept per *length class* (:func:`choose`): the signature with the sequence lengths
-replaced by their power-of-two buckets and the sign of Nk - Nq. A new length runs the checks (they
-are exact, per signature) and reuses the class's choice; a new class asks the dispatcher at the call
-and at the class's two extreme corners (the smallest and the largest Nq x Nk it holds) on shape-only
-stand-ins, and keeps the choice only when all three agree. The size rules of the built-in backends
-(small-call thresholds, the nearest measured case) are monotone in the lengths, so a choice that holds
-at both corners holds inside: a 200-token ``generate`` makes a handful of choices per layer, not 200.
+replaced by their power-of-two buckets, the sign of Nk - Nq and whether a length is 1 (a rule may
+single out one query: OT's CPU crossover does). A new length runs the checks (they are exact, per
+signature) and reuses the class's choice; a new class asks the dispatcher at the call and at the
+class's two extreme corners (the smallest and the largest Nq x Nk it holds) on shape-only stand-ins,
+and keeps the choice only when all three agree. The size rules of the built-in backends (small-call
+thresholds, the nearest measured case) are monotone in the lengths otherwise, so a choice that holds
+at both corners holds inside: a 200-token ``generate`` makes a handful of choices, not 200.
 
 Not kept: a call with an option of another type (an object, a list: its signature cannot be hashed
 safely), a choice that consulted a backend whose ``supports`` reads tensor values, and anything while
@@ -147,7 +148,10 @@ def _class_key(key, q, k, v, kw) -> Optional[tuple]:
     argument other than the mask is a tensor (its shape may hold a length a stand-in cannot copy)."""
     nq, nk = q.shape[2], k.shape[2]
     mask = kw["attn_mask"]
-    parts = [_bucket(nq), _bucket(nk), (nk > nq) - (nk < nq), tuple(q.shape[:2]) + tuple(q.shape[3:]),
+    # one query (a decode step) or one key is a class of its own: rules may single it out (OT's CPU
+    # crossover has a limit for one query), so it must not share a choice with 2..16
+    parts = [_bucket(nq), _bucket(nk), (nk > nq) - (nk < nq), nq == 1, nk == 1,
+             tuple(q.shape[:2]) + tuple(q.shape[3:]),
              tuple(k.shape[:2]) + tuple(k.shape[3:]), tuple(v.shape[:2]) + tuple(v.shape[3:])]
     if mask is not None:
         mask_shape = _class_shape(mask.shape, nq, nk, 4)
@@ -175,6 +179,10 @@ def _corners(nq: int, nk: int) -> tuple:
     """The smallest and the largest (Nq, Nk) of the class of (nq, nk): each length in its bucket, the
     sign of Nk - Nq kept."""
     (q_lo, q_hi), (k_lo, k_hi) = _bucket(nq), _bucket(nk)
+    if nq == 1:
+        q_lo = q_hi = 1
+    if nk == 1:
+        k_lo = k_hi = 1
     if nq == nk:
         return (q_lo, q_lo), (q_hi, q_hi)
     if nk > nq:
