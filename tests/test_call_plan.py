@@ -18,14 +18,15 @@ def _qkv(B=1, H=2, N=6, D=4, dtype=torch.float64, grad=False):
 
 @pytest.fixture
 def choose_calls(monkeypatch):
-    """How many times the dispatcher is asked for a choice."""
+    """How many times a call's backend is decided (the dispatcher asked at the call itself; the corners
+    of a length class it asks too are part of that one decision)."""
     calls = []
-    real = dispatch.choose
+    real = plan._decide
 
     def counting(*args, **kwargs):
         calls.append(args[0])
         return real(*args, **kwargs)
-    monkeypatch.setattr(dispatch, "choose", counting)
+    monkeypatch.setattr(plan, "_decide", counting)
     return calls
 
 
@@ -37,8 +38,9 @@ def test_a_repeated_signature_decides_once(choose_calls):
     assert len(choose_calls) == 1
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     AF.sinkhorn(q, k, v, n_iters=3)        # another option value: another signature
-    AF.sinkhorn(*_qkv(N=7), n_iters=2)     # another shape
-    assert len(choose_calls) == 3
+    AF.sinkhorn(*_qkv(N=20), n_iters=2)    # another length bucket (6 and 20: 1..16 and 17..32)
+    AF.sinkhorn(*_qkv(D=5), n_iters=2)     # another head dim
+    assert len(choose_calls) == 4
 
 
 def test_the_kept_plan_computes_the_formula():
@@ -128,7 +130,9 @@ def test_registering_a_backend_drops_kept_plans(choose_calls):
     assert len(choose_calls) == 1
     table = dispatch.backend_table("relu")
     old = table["reference"]
-    dispatch.register_backend("relu", "reference", old.fn, priority=old.priority, description=old.description)
+    # the same record again (extras included: the tests that follow run softcap on it)
+    dispatch.register_backend("relu", "reference", old.fn, priority=old.priority, description=old.description,
+                              extras=old.extras)
     AF.relu(q, k, v)
     assert len(choose_calls) == 2
 
@@ -180,5 +184,5 @@ def test_a_signature_needing_no_adjustment_runs_sdpa_itself(nq, nk, causal, plai
     want = formulas.softmax(q, k, v, allow, add, 0.5)
     for _ in range(2):
         torch.testing.assert_close(AF.softmax(q, k, v, is_causal=causal), want)
-    key, _ = plan.signature("softmax", None, q, k, v, None, causal, None, 0.0, False, {})
+    key, _ = plan.signature("softmax", "auto", q, k, v, None, causal, None, 0.0, False, {})
     assert (plan.lookup(key).fn is plain_sdpa) == plain

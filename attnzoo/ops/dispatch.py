@@ -188,8 +188,8 @@ def choose(variant: str, backend: Optional[str], q, k, v, **kwargs) -> Choice:
     if not table:
         raise ValueError(f"no backend registered for variant {variant!r}")
     requested = backend or _Default.name
-    if requested != AUTO:
-        if requested not in table:
+    if not isinstance(requested, str) or requested != AUTO:
+        if not isinstance(requested, str) or requested not in table:
             raise ValueError(f"backend must be 'auto' or one of {backends(variant)} for {variant}, got {requested!r}"
                              f"{close_match(requested, [AUTO, *table])}")
         chosen = table[requested]

@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from .triton_utils import HAVE_TRITON, INTERPRETED, quick_bench
+from .triton_utils import HAVE_TRITON, INTERPRETED, launcher, quick_bench
 
 if HAVE_TRITON:
     import triton
@@ -135,6 +135,21 @@ class TunedKernel:
             self._tuners[cls] = triton.autotune(configs=candidates, key=self.key, do_bench=quick_bench)(self.fn)
         return self._tuners[cls], {}
 
+    def run_bound(self, bound: dict, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, shape_key,
+                  variants=False):
+        """``run`` for a launch bound to a kept plan's signature (kernels/*/bound.py, linear/bound.py): ``bound`` (the
+        plan's dict) keeps this kernel's launch (the kernel, its tuple grid and every keyword) once the
+        first launch froze its tiles, and later launches index the kernel with them directly."""
+        launch = bound.get((self, variants))
+        if launch is not None:
+            launch[0][launch[1]](*args, **launch[2])
+            return
+        self.run(grid, args, kwargs, dtype=dtype, block_d=block_d, block_dv=block_dv, dropout=dropout,
+                 shape_key=shape_key, variants=variants)
+        tiles = self._frozen.get((bool(dropout), dtype, block_d, block_dv, shape_key, variants))
+        if tiles is not None:
+            bound[(self, variants)] = (self.fn, grid(tiles), {**kwargs, **tiles})
+
     def run(self, grid, args, kwargs, *, dtype, block_d, block_dv, dropout=False, tune=True, shape_key=None,
             variants=False):
         """Launch the kernel on ``grid`` (a function of the launch's tile keywords, META) with ``args``
@@ -142,7 +157,6 @@ class TunedKernel:
         constexprs, D, DV, the length buckets); in eager mode the configuration tuned for it is frozen
         after the first launch, and later launches go straight to the kernel with those keywords and a
         tuple grid: no autotuner bookkeeping over every argument on each call (host-overhead.md)."""
-        from .triton_utils import launcher
         frozen_key = (bool(dropout), dtype, block_d, block_dv, shape_key, variants) if shape_key is not None else None
         eager = not torch.compiler.is_compiling()
         if eager and frozen_key is not None and not _pinned:

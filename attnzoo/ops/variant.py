@@ -315,15 +315,18 @@ def _windowed(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_
     return None, logit_extras.mask_with_window(kw["attn_mask"], window, q.shape[-2], k.shape[-2], q.device)
 
 
-def _make_plan(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict,
-               options_per_call: bool) -> tuple[plan_cache.Plan, dict]:
-    """Every check and the dispatcher's choice for this call: (its plan, its backend keyword arguments)."""
+def _make_plan(name: str, requested: str, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa,
+               options: dict, key, options_per_call: bool) -> tuple[plan_cache.Plan, dict]:
+    """Every check and the dispatcher's choice for this call: (its plan, its backend keyword arguments).
+    ``requested``: the backend asked for, ``use_backend``'s default already read (once per call, so
+    the plan's key and its choice agree whatever another thread sets meanwhile)."""
     kw = backend_kwargs(name, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, **options)
     group = call.gqa_group(q, k) if enable_gqa else 1
     if group > 1:  # the backends' predicates see the heads they compute with (once per signature)
-        choice = dispatch.choose(name, backend, q, call.expand_heads(k, group), call.expand_heads(v, group), **kw)
+        choice = plan_cache.choose(name, requested, q, call.expand_heads(k, group), call.expand_heads(v, group),
+                                   kw, key)
     else:
-        choice = dispatch.choose(name, backend, q, k, v, **kw)
+        choice = plan_cache.choose(name, requested, q, k, v, kw, key)
     shared = {n: kw[n] for n in ("is_causal", "scale", "dropout_p")}
     if group > 1 and choice.backend.gqa:
         shared["enable_gqa"], group = True, 0
@@ -365,25 +368,36 @@ def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, drop
 
     The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
     the same signature does only the value checks and the kernel."""
-    record = get(name)
+    record = _VARIANTS.get(name) or get(name)  # get() names the variants when name is not one
+    requested = backend or dispatch.default_backend()  # read once: the key and the choice see one value
     if options:
-        options, window = _with_extras(record, dict(options))
-        if window is not None:
-            native, found = _windowed(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa,
-                                      options, window)
-            if native is not None:
-                return logit_extras.run_native_window(native, q, k, v, found)
-            attn_mask = found
-    key = None
+        window = options.get("window_size")
+        if (options.get("softcap") is not None or options.get("sinks") is not None
+                or not (window is None or (type(window) is tuple and window == (-1, -1)))):
+            options, window = _with_extras(record, dict(options))
+            if window is not None:
+                native, found = _windowed(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
+                                          enable_gqa, options, window)
+                if native is not None:
+                    return logit_extras.run_native_window(native, q, k, v, found)
+                attn_mask = found
+        elif "softcap" in options or "sinks" in options or "window_size" in options:
+            # the common call: the functions pass the defaults (None, None, (-1, -1)), which no backend
+            # needs to see; decided and dropped inline, as this runs on every call (issue 28's budget)
+            options = dict(options)
+            options.pop("softcap", None)
+            options.pop("sinks", None)
+            options.pop("window_size", None)
+    key = per_call = None
     if not torch.compiler.is_compiling():
-        key, per_call = plan_cache.signature(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p,
+        key, per_call = plan_cache.signature(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
                                              enable_gqa, options)
         if key is not None:
             p = plan_cache.lookup(key)
             if p is not None:
                 return _run_plan(record, p, q, k, v, attn_mask, options)
-    p, kw = _make_plan(name, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options,
-                       options_per_call=key is None or per_call)
+    p, kw = _make_plan(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options,
+                       key if not per_call else None, options_per_call=key is None or per_call)
     if key is not None and p.choice.reusable:
         plan_cache.keep(key, p)
     return _run_plan(record, p, q, k, v, attn_mask, options, kw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..kernels import blockwise, sdpa
+from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import call_reason, register_triton
@@ -48,7 +49,8 @@ def per_key_log_u(q, k, v, **kw):
 
 
 register_triton("fenchel", flash.fenchel_attention, all_of(call_reason, triton_first_order, per_key_log_u),
-                gqa=True, description="Triton fused softmax(alpha s + log u) with a per-key log u and its gradient (first "
+                gqa=True, specialize=flash_bound.specializer(),
+                description="Triton fused softmax(alpha s + log u) with a per-key log u and its gradient (first "
                             "order), in-kernel dropout")
 sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..dispatch import register_backend
 from ..kernels import blockwise, sdpa
+from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
@@ -19,7 +20,7 @@ from .kernels import l2_cpu, l2_flex, l2_torch
 from .layer import L2Hook
 from .reference import l2_attention
 
-register_triton("l2", flash.l2_attention, gqa=True,
+register_triton("l2", flash.l2_attention, gqa=True, specialize=flash_bound.specializer(l2=True),
                 description="Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout")
 sdpa.register("l2", l2_torch, priority=15, gqa=True, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
 blockwise.register("l2", l2_cpu)

@@ -13,6 +13,7 @@ from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
 from ..variant import Variant, declare
+from .bound import specialize as bind_causal
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused
 from .functional import check, linear
@@ -27,7 +28,7 @@ def _triton_device(q, k, v, **kw):
 register_backend("linear", "cpu", linear_attention_cpu, supports=supports_linear_fused, priority=10,
                  description="chunked causal linear attention (no (N, D, Dv) prefix sums), custom autograd")
 register_triton("linear", linear_attention_triton,
-                all_of(_triton_device, supports_linear_fused, dtype_reason),
+                all_of(_triton_device, supports_linear_fused, dtype_reason), specialize=bind_causal,
                 description="Triton linear attention: causal in the chunked parallel form (tensor-core chunks, "
                             "fp32 state scan), non-causal as a split key-state reduction and a query pass; "
                             "forward and backward")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..dispatch import all_of
 from ..kernels import blockwise
+from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
 from ..variant import Variant, declare
@@ -23,7 +24,8 @@ def _bias_reason(q, k, v, **kw):
 
 
 register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
-                gqa=True, description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
+                gqa=True, specialize=pointwise_bound.specializer(sigmoid=True),
+                description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
 blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))
 blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("softcap", "window_size"),

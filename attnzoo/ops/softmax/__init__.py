@@ -9,6 +9,7 @@ measurements behind the priorities).
 from __future__ import annotations
 
 from ..kernels import blockwise, sdpa
+from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
@@ -18,7 +19,7 @@ from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
 blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
-register_triton("softmax", flash.softmax_attention, gqa=True,
+register_triton("softmax", flash.softmax_attention, gqa=True, specialize=flash_bound.specializer(l2=False),
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
 
 RECORD = declare(Variant(
