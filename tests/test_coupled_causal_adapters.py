@@ -150,6 +150,29 @@ def test_torch_nn_causal_band_leaks_nothing_and_ignores_later_tokens(hint):
     assert max_diff(moved[:, 5], long[:, 5]) > 1e-4
 
 
+def test_multihead_attention_with_a_causal_mask_alone():
+    """attnzoo.MultiheadAttention(kind='sinkhorn') called directly in self-attention with a causal band or
+    packed blocks and no is_causal hint: the mask means causality, as in a swapped nn.TransformerEncoder
+    and the timm-facing layer; before, it ran as one non-causal problem and token 5 moved outputs 0..4."""
+    torch.manual_seed(0)
+    mha = attnzoo.MultiheadAttention(E, HEADS, kind=SPEC, batch_first=True).double().eval()
+    x = torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    moved = x.clone()
+    moved[:, 5] += 1.0
+
+    def run(t, keep, **kw):
+        return mha(t, t, t, attn_mask=_hidden(keep), need_weights=False, **kw)[0]
+
+    with torch.no_grad():
+        long, later = run(x, _band(9, 3)), run(moved, _band(9, 3))
+        hinted = run(x, _band(9, 3), is_causal=True)
+        block = run(x[:, :7], _block_causal([3, 4]))
+        alone = torch.cat([run(x[:, lo:hi], _band(hi - lo, hi - lo), is_causal=True) for lo, hi in ((0, 3), (3, 7))], 1)
+    assert max_diff(long[:, :5], later[:, :5]) <= EXACT, "a later token moved an earlier output"
+    assert max_diff(long, hinted) <= EXACT
+    assert max_diff(block, alone) <= EXACT
+
+
 # ---- timm --------------------------------------------------------------------------------------
 def test_timm_attention_with_a_band_and_is_causal():
     """A timm Attention swapped to Sinkhorn, called with a causal band and is_causal=True (timm's
