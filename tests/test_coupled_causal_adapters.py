@@ -97,6 +97,18 @@ def test_hf_sliding_window_outputs_do_not_depend_on_later_tokens(make):
     assert max_diff(moved[:, 6], long[:, 6]) > 1e-4
 
 
+def test_hf_sliding_window_cache_is_refused_for_what_it_is():
+    """Mistral with sliding_window=4 and a 3-token prompt: the second cached step finds a cache that
+    dropped position 0 (transformers' sliding-window layer keeps the last 3 keys). Refused, as
+    docs/swapping.md says, naming the sliding-window cache; before, the message blamed another
+    sequence, a cache changed in place or a quantised cache."""
+    model = _swapped(_mistral)
+    ids = torch.tensor([[3, 8, 11]])
+    with pytest.raises(ValueError, match=r"sliding-window cache.*use_cache=False"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, use_cache=False).shape == (1, 6)
+
+
 # ---- torch.nn ----------------------------------------------------------------------------------
 def _encoder():
     torch.manual_seed(0)
