@@ -97,6 +97,18 @@ def test_hf_sliding_window_outputs_do_not_depend_on_later_tokens(make):
     assert max_diff(moved[:, 6], long[:, 6]) > 1e-4
 
 
+def test_hf_sliding_window_cache_is_refused_for_what_it_is():
+    """Mistral with sliding_window=4 and a 3-token prompt: the second cached step finds a cache that
+    dropped position 0 (transformers' sliding-window layer keeps the last 3 keys). Refused, as
+    docs/swapping.md says, naming the sliding-window cache; before, the message blamed another
+    sequence, a cache changed in place or a quantised cache."""
+    model = _swapped(_mistral)
+    ids = torch.tensor([[3, 8, 11]])
+    with pytest.raises(ValueError, match=r"sliding-window cache.*use_cache=False"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, use_cache=False).shape == (1, 6)
+
+
 # ---- torch.nn ----------------------------------------------------------------------------------
 def _encoder():
     torch.manual_seed(0)
@@ -148,6 +160,29 @@ def test_torch_nn_causal_band_leaks_nothing_and_ignores_later_tokens(hint):
     assert max_diff(long[:, :4], short) <= EXACT
     assert max_diff(moved[:, :5], long[:, :5]) <= EXACT, "a later token moved an earlier output"
     assert max_diff(moved[:, 5], long[:, 5]) > 1e-4
+
+
+def test_multihead_attention_with_a_causal_mask_alone():
+    """attnzoo.MultiheadAttention(kind='sinkhorn') called directly in self-attention with a causal band or
+    packed blocks and no is_causal hint: the mask means causality, as in a swapped nn.TransformerEncoder
+    and the timm-facing layer; before, it ran as one non-causal problem and token 5 moved outputs 0..4."""
+    torch.manual_seed(0)
+    mha = attnzoo.MultiheadAttention(E, HEADS, kind=SPEC, batch_first=True).double().eval()
+    x = torch.randn(2, 9, E, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    moved = x.clone()
+    moved[:, 5] += 1.0
+
+    def run(t, keep, **kw):
+        return mha(t, t, t, attn_mask=_hidden(keep), need_weights=False, **kw)[0]
+
+    with torch.no_grad():
+        long, later = run(x, _band(9, 3)), run(moved, _band(9, 3))
+        hinted = run(x, _band(9, 3), is_causal=True)
+        block = run(x[:, :7], _block_causal([3, 4]))
+        alone = torch.cat([run(x[:, lo:hi], _band(hi - lo, hi - lo), is_causal=True) for lo, hi in ((0, 3), (3, 7))], 1)
+    assert max_diff(long[:, :5], later[:, :5]) <= EXACT, "a later token moved an earlier output"
+    assert max_diff(long, hinted) <= EXACT
+    assert max_diff(block, alone) <= EXACT
 
 
 # ---- timm --------------------------------------------------------------------------------------

@@ -134,6 +134,9 @@ CASES = {  # name -> (nq, nk, mask)
     "more queries than keys": (N, 5, None),
     "more queries than keys, band": (N, 5, band(5, 2, nq=N)),
     "fully masked row": (N, N, with_empty_row(N)),
+    # (B, H, N, N): each batch row and head its own structure (the kernels index the mask per head)
+    "per batch row and head": (N, N, torch.stack([torch.stack([block_causal([3, 4]), band(N, 3)]),
+                                                  torch.stack([with_empty_row(N), padded(N, 2, 0)[0, 0] & tril(N, N)])])),
 }
 
 

@@ -100,7 +100,12 @@ def _kept_prefix(state: Optional[PrefixState], ident: torch.Tensor, keep: Option
         reason = f"only {state.length} are kept (the cache holds more positions than went through this layer)"
     else:
         rows = _match_rows(ident[..., :past, :], state.ident[..., :past, :])
-        if rows is None:
+        if rows is None and state.length > past and _match_rows(
+                ident[..., :past, :], state.ident[..., state.length - past:state.length, :]) is not None:
+            # the cache holds the last `past` positions kept, not the first: it dropped the oldest
+            reason = (f"the cache dropped the oldest of the {state.length} positions kept (a sliding-window "
+                      "cache keeps only the window's last keys), which cached steps do not follow")
+        elif rows is None:
             reason = ("the keys the cache holds for them are not those the kept queries were seen with "
                       "(another sequence, a cache changed in place, or a quantised cache)")
         elif not _same_padding(_rows(state.keep, rows), keep, past):

@@ -133,6 +133,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                                                    attn_mask, is_causal)
         refuse_nested(self, query, key, value)
         self._check_inputs(query, key, value)
+        self_attention = query is key  # before the reshapes below make new tensors
         batched = query.dim() == 3
         if not batched:  # (L, E) -> (L, 1, E): sequence first, batch of one
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -143,9 +144,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         L, B, _ = query.shape
         S = key.shape[0]
         H, hd = self.num_heads, self.head_dim
-        if is_causal and attn_mask is not None:
+        if attn_mask is not None and (is_causal or (self_attention and catalog.get(self.kind).couples_queries)):
             # causality goes to the kernel as is_causal, with the mask when it holds more (a band, packed
-            # blocks); torch's hint was wrong about a mask that keeps a later key: it applies as given
+            # blocks); torch's hint was wrong about a mask that keeps a later key: it applies as given.
+            # In self-attention a variant that couples queries reads a mask that keeps no later key as
+            # causality without the hint (as attnzoo.swap's torch.nn modules and the timm-facing layer do):
+            # as one plain problem its column normalisation would let later tokens move earlier outputs
             attn_mask, is_causal = split_causal_mask(attn_mask, L, S)
         q, k, v = self._project(query, key, value)
         q, k, v = (t.reshape(t.shape[0], B, H, hd).permute(1, 2, 0, 3) for t in (q, k, v))
