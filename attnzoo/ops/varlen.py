@@ -12,9 +12,12 @@ each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnz
 
 Two exact routes, chosen once per call by how the call runs:
 
-* eager: the offsets are read once on the host and the sequences of equal (n_q, n_k) are stacked
-  into one batch and handed to the variant's own function (so every backend of every variant runs
-  packed calls, and the work is the sum over sequences of n_q n_k, never T_q T_k);
+* eager: the offsets are read once on the host. On CPU, a variant with a blockwise form (softmax, l2,
+  fenchel, sigmoid, relu) runs all sequences in one blockwise call that visits only the (query block,
+  key block) pairs inside a sequence (``varlen_blockwise``, which says when); otherwise the sequences
+  of equal (n_q, n_k) are stacked into one batch and handed to the variant's own function (so every
+  backend of every variant runs packed calls). Either way the work is the sum over sequences of
+  n_q n_k, never T_q T_k;
 * while torch.compile traces: offsets cannot be read, so variants whose queries are independent of
   each other (every built-in one except Sinkhorn) run as one padded batch of N rows of max_q / max_k
   with a per-sequence key mask: masking a key is removing it in every attnzoo variant and padded
@@ -31,6 +34,7 @@ import torch
 from . import logit_extras
 from . import validate as V
 from . import variant as catalog
+from . import varlen_blockwise
 
 
 def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, read_values: bool) -> list[int] | None:
@@ -168,4 +172,7 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     if offsets_q is None:                                               # compiling a coupling variant
         return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
                                             dict(is_causal=is_causal, **kwargs))
+    out = varlen_blockwise.run(name, q, k, v, offsets_q, offsets_k, is_causal, kwargs)   # CPU: one blockwise call
+    if out is not None:
+        return out
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))
