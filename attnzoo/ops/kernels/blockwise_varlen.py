@@ -87,7 +87,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: list[int], offsets_k: 
         raise ValueError(f"sinks are defined for kind 'softmax' only, got kind={kind!r}")
     out_dtype = q.dtype
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    q, k, v = (t.to(work) for t in (q, k, v))
+    q, k, v = (t.to(work).contiguous() for t in (q, k, v))   # packed (T, H, D) views: rows contiguous per head
     bias = None if add_b is None else torch.full((1, 1, 1, 1), float(add_b), dtype=work, device=q.device)
     left, right = window_size if window_size is not None else (-1, -1)
     config = (list(offsets_q), list(offsets_k), kind, float(scale), bool(is_causal),
