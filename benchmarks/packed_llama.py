@@ -28,37 +28,25 @@ import time
 
 import torch
 
-# half the padded tokens are padding: 8 x 512 slots, 2048 real tokens
-LENGTHS = [512, 384, 320, 256, 192, 160, 128, 96]
+from attnzoo.bench import packed_batch
+
+# half the padded tokens are padding: 8 x 512 slots, 2048 real tokens (the model benchmark's llama_packed
+# row at its full size: attnzoo bench --models llama_padded llama_packed)
+LENGTHS = packed_batch.mixed_lengths(8, 512)
 
 
 def llama(variant: str, hidden: int, layers: int):
     import attnzoo
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                         max_position_embeddings=1024))
-    return attnzoo.swap(model, variant).train()
+    config = {**packed_batch.SMALL_LLAMA, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers}
+    return attnzoo.swap(LlamaForCausalLM(LlamaConfig(**config)), variant).train()
 
 
 def batches(lengths):
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
-    longest = max(lengths)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    labels = ids.masked_fill(mask == 0, -100)
-    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    flat = torch.cat(seqs)[None]
-    labels = flat.clone()
-    labels[0, cu[:-1].long()] = -100                     # no token predicts across a boundary
-    packed = dict(input_ids=flat, labels=labels, position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, use_cache=False)
-    return padded, packed
+    seqs = packed_batch.sequences(lengths, packed_batch.SMALL_LLAMA["vocab_size"], torch.Generator().manual_seed(0))
+    return packed_batch.padded(seqs), packed_batch.packed(seqs)
 
 
 def step_times(runs: dict, steps: int) -> dict:
