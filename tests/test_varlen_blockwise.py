@@ -142,3 +142,10 @@ def test_bad_arguments_still_get_one_clear_error():
         packed_call("softmax", window_size=(1,))(q, k, v)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         AF.varlen("softmax", q, k, v, offsets(LQ), offsets(LK), max(LQ), max(LK), backend="cpu")
+
+
+def test_double_backward_is_refused_with_the_way_out():
+    q, k, v = packed_inputs(torch.float64, LQ, LK)
+    out = packed_call("softmax", is_causal=True)(q, k, v)
+    with pytest.raises(RuntimeError, match="double backward .* backend='reference'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)

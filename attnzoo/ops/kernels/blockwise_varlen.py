@@ -15,11 +15,13 @@ call whose options it cannot express (then ``ops/varlen.py`` runs the sequences 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from ..first_order import first_order_only
 from . import blockwise
 
 # variant name -> form(packed, q, k, v, *, scale, softcap, sinks, window_size, options) -> Tensor | None
@@ -55,8 +57,12 @@ class _PackedBlockwise(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        return _PackedBlockwise._backward(ctx, grad_out)
+
+    @staticmethod
+    @functools.partial(first_order_only, name="the packed blockwise backward (backend 'cpu' on packed sequences)")
+    def _backward(ctx, grad_out):
         q, k, v, out, stat, sinks, add_b = ctx.saved_tensors
         offsets_q, offsets_k, kind, scale, is_causal, block_q, block_k, left, right, softcap = ctx.config
         grad_out = grad_out.contiguous()
