@@ -140,6 +140,10 @@ def test_bad_arguments_still_get_one_clear_error():
         packed_call("softmax", sinks=torch.zeros(3, dtype=torch.float64))(q, k, v)
     with pytest.raises(ValueError, match="window_size must be a pair"):
         packed_call("softmax", window_size=(1,))(q, k, v)
+    with pytest.raises(ValueError, match="alpha"):
+        packed_call("fenchel", alpha=-1.0)(q, k, v)
+    with pytest.raises(ValueError, match="bias must be finite"):
+        packed_call("sigmoid", bias=float("inf"))(q, k, v)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         AF.varlen("softmax", q, k, v, offsets(LQ), offsets(LK), max(LQ), max(LK), backend="cpu")
 

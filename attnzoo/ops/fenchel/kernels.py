@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
@@ -95,8 +96,6 @@ def fenchel_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("log_u") is not None
             or options.get("relative_bias") is not None or options.get("solve", "first_order") != "first_order"):
         return None
-    alpha = options.get("alpha", 1.0)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        return None
+    alpha = V.check_positive("alpha", options.get("alpha", 1.0))   # the variant's own rule: alpha > 0
     return packed(q, k, v, kind="softmax", scale=alpha * scale, softcap=softcap, sinks=sinks,
                   window_size=window_size)

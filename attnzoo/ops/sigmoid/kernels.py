@@ -2,10 +2,9 @@
 backward); the Triton kernels are the pointwise family's (ops/kernels/pointwise/)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 
 
@@ -26,12 +25,12 @@ def sigmoid_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     per sequence, or a constant ``bias`` (a tensor bias is declined: its (B, H, Nq, Nk) layout has no
     packed meaning)."""
     bias = options.get("bias")
-    if set(options) - {"bias"} or sinks is not None or not (bias is None or _real(bias)):
+    if set(options) - {"bias"} or sinks is not None or isinstance(bias, torch.Tensor):
         return None
+    if bias is not None:   # the variant's own rule: a finite real number
+        bias = V.check_real("bias", bias)
+        if not V.is_finite(bias):
+            raise ValueError(f"bias must be finite, got {bias}")
     if bias is None:
         return packed(q, k, v, kind="sigmoid_default", scale=scale, softcap=softcap, window_size=window_size)
     return packed(q, k, v, kind="sigmoid", scale=scale, softcap=softcap, window_size=window_size, add_b=bias)
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
