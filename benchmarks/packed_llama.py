@@ -12,6 +12,11 @@ memory: peak resident memory (fresh process each) of one packed attention call, 
 
     PYTHONPATH=$PWD python benchmarks/packed_llama.py speed --variants softmax sigmoid
     PYTHONPATH=$PWD python benchmarks/packed_llama.py memory
+    PYTHONPATH=$PWD python benchmarks/packed_llama.py routes
+
+routes: one causal softmax attention call (forward + backward, backend "cpu", one thread, fresh process
+        each) at T = 8192 of 16 sequences, mixed lengths and equal ones: the packed blockwise call, one
+        call per distinct length, and the dense block-diagonal mask. Seconds and peak resident memory.
 """
 from __future__ import annotations
 
@@ -23,37 +28,25 @@ import time
 
 import torch
 
-# half the padded tokens are padding: 8 x 512 slots, 2048 real tokens
-LENGTHS = [512, 384, 320, 256, 192, 160, 128, 96]
+from attnzoo.bench import packed_batch
+
+# half the padded tokens are padding: 8 x 512 slots, 2048 real tokens (the model benchmark's llama_packed
+# row at its full size: attnzoo bench --models llama_padded llama_packed)
+LENGTHS = packed_batch.mixed_lengths(8, 512)
 
 
 def llama(variant: str, hidden: int, layers: int):
     import attnzoo
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
-                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                                         max_position_embeddings=1024))
-    return attnzoo.swap(model, variant).train()
+    config = {**packed_batch.SMALL_LLAMA, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers}
+    return attnzoo.swap(LlamaForCausalLM(LlamaConfig(**config)), variant).train()
 
 
 def batches(lengths):
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in lengths]
-    longest = max(lengths)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    labels = ids.masked_fill(mask == 0, -100)
-    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    flat = torch.cat(seqs)[None]
-    labels = flat.clone()
-    labels[0, cu[:-1].long()] = -100                     # no token predicts across a boundary
-    packed = dict(input_ids=flat, labels=labels, position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, use_cache=False)
-    return padded, packed
+    seqs = packed_batch.sequences(lengths, packed_batch.SMALL_LLAMA["vocab_size"], torch.Generator().manual_seed(0))
+    return packed_batch.padded(seqs), packed_batch.packed(seqs)
 
 
 def step_times(runs: dict, steps: int) -> dict:
@@ -89,28 +82,67 @@ def speed(args) -> dict:
             "hidden": args.hidden, "layers": args.layers, "threads": args.threads, "rows": rows}
 
 
-def one_attention_call(how: str, total: int, n_seq: int, heads: int, head_dim: int, backend: str) -> None:
-    """Runs in its own process: one forward + backward; the caller reads the peak RSS."""
+def mixed_lengths(total: int, n_seq: int) -> list[int]:
+    """n_seq distinct lengths around total / n_seq (from 0.5x to 1.5x of it), summing to total: the
+    per-length route makes one call per sequence here, its worst case."""
+    mean = total // n_seq
+    lengths = [mean // 2 + (mean * i) // max(n_seq - 1, 1) for i in range(n_seq)]
+    lengths[-1] += total - sum(lengths)
+    return lengths
+
+
+def one_attention_call(how: str, total: int, n_seq: int, heads: int, head_dim: int, backend: str,
+                       mixed: bool = False) -> float:
+    """Runs in its own process: one forward + backward of causal softmax attention on T = total tokens
+    made of n_seq sequences (equal lengths, or ``mixed_lengths``); returns its seconds, the caller reads
+    the peak RSS. how: "packed" (attnzoo.functional.varlen: on CPU with backend "cpu", the packed
+    blockwise call), "per_length" (one call per distinct length, the route before it) or "mask" (the
+    T x T block-diagonal mask a padding-free HF model builds without packed kernels)."""
     import attnzoo.functional as AF
+    from attnzoo.ops import varlen
+    lengths = mixed_lengths(total, n_seq) if mixed else [total // n_seq] * n_seq
     q, k, v = (torch.randn(total, heads, head_dim, requires_grad=True) for _ in range(3))
-    n = total // n_seq
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    start = time.perf_counter()
     if how == "packed":
-        cu = torch.arange(0, total + 1, n, dtype=torch.int32)
-        out = AF.varlen("softmax", q, k, v, cu, cu, n, n, is_causal=True, backend=backend)
+        out = AF.varlen("softmax", q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True, backend=backend)
+    elif how == "per_length":
+        offsets = cu.tolist()
+        out = varlen.per_sequence(AF.softmax, q, k, v, offsets, offsets, dict(is_causal=True, backend=backend))
     else:
-        seq = torch.arange(total) // n
+        seq = torch.searchsorted(cu[1:].long(), torch.arange(total), right=True)
         block = ((seq[:, None] == seq[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
         out = AF.softmax(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=block, backend=backend)
     out.sum().backward()
+    return time.perf_counter() - start
 
 
 def peak_rss_mb(*call_args) -> float:
+    return measured_call(*call_args)[1]
+
+
+def measured_call(*call_args) -> tuple[float, float]:
+    """(seconds, peak resident MiB added) of one_attention_call(*call_args) in a fresh process."""
     code = (f"import sys; sys.path.insert(0, {sys.path[0]!r}); import resource, torch; import attnzoo; "
             f"torch.set_num_threads(1); base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-            f"from packed_llama import one_attention_call; one_attention_call(*{call_args!r}); "
-            f"print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
+            f"from packed_llama import one_attention_call; s = one_attention_call(*{call_args!r}); "
+            f"print(s, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    seconds, mib = out.stdout.strip().splitlines()[-1].split()
+    return float(seconds), float(mib)
+
+
+def routes(args) -> dict:
+    """Packed blockwise vs per length vs dense block mask, backend "cpu", T tokens of N sequences."""
+    rows = []
+    for mixed in (True, False):
+        for how in ("packed", "per_length", "mask"):
+            seconds, mib = measured_call(how, args.total, args.n_seq, args.heads, args.head_dim, "cpu", mixed)
+            row = {"route": how, "lengths": "mixed" if mixed else "equal", "seconds": seconds, "peak_added_mib": mib}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"total": args.total, "n_seq": args.n_seq, "heads": args.heads, "head_dim": args.head_dim,
+            "threads": 1, "fwd_bwd": True, "causal": True, "rows": rows}
 
 
 def memory(args) -> dict:
@@ -141,10 +173,15 @@ def main():
     m.add_argument("--heads", type=int, default=1)
     m.add_argument("--head-dim", type=int, default=64)
     m.add_argument("--backends", nargs="+", default=["reference", "auto"])
-    for p in (s, m):
+    r = sub.add_parser("routes")
+    r.add_argument("--total", type=int, default=8192)
+    r.add_argument("--n-seq", type=int, default=16)
+    r.add_argument("--heads", type=int, default=4)
+    r.add_argument("--head-dim", type=int, default=64)
+    for p in (s, m, r):
         p.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
-    result = speed(args) if args.part == "speed" else memory(args)
+    result = {"speed": speed, "memory": memory, "routes": routes}[args.part](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

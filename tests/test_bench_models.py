@@ -14,6 +14,7 @@ from attnzoo import cli
 from attnzoo.bench import model_bench
 from attnzoo.bench.model_bench import ModelBenchConfig
 from attnzoo.bench.model_zoo import MODELS, OWN, model_spec
+from attnzoo.bench.packed_batch import mixed_lengths
 from attnzoo.bench.schema import validate_models
 from attnzoo.bench.timing import host_seconds, profile_steps, time_steps
 from attnzoo.layers.base import AttentionLayer
@@ -44,6 +45,9 @@ def test_every_case_has_a_row_with_consistent_figures(result):
         assert r["status"] == "ok", r["reason"]
         shapes = model_spec(r["model"]).tiny
         per_step = shapes.batch if r["unit"] == "images/s" else shapes.batch * shapes.seq
+        if model_spec(r["model"]).real_tokens is not None:  # mixed lengths: the real tokens, half of them
+            per_step = sum(mixed_lengths(shapes.batch, shapes.seq))
+            assert per_step == shapes.batch * shapes.seq // 2
         assert r["items_per_step"] == per_step
         assert r["items_per_s"] == pytest.approx(per_step / r["step_s"]["median"])
         assert r["ratio_vs_own"] == pytest.approx(r["items_per_s"] / own[r["model"]]["items_per_s"])
@@ -193,3 +197,29 @@ def test_pages_show_a_gpu_model_result_beside_the_kernel_table(result, tmp_path)
     assert "(benchmarks/results/gpu/fake-gpu/models.md)" in text
     page = render(None, gpu, tmp_path / "docs" / "benchmarks.md")
     assert "Whole models (Fake GPU 80GB)" in page and "not measured on a GPU yet" not in page
+
+
+@pytest.mark.parametrize("attention", [None, "sigmoid", "sinkhorn(n_iters=3)"])
+def test_the_packed_row_trains_what_the_padded_row_trains(attention):
+    """llama_packed and llama_padded: the same model (same seed) on the same sequences gives the same loss
+    (the same tokens predicted from the same prefixes), so their tokens/s compare like with like; a
+    packed row whose sequences saw each other, or whose per-sequence normalisation (sigmoid's -log n,
+    Sinkhorn's marginals) were the row's, would move it."""
+    losses = []
+    for name in ("llama_padded", "llama_packed"):
+        spec = model_spec(name)
+        torch.manual_seed(0)
+        model = spec.build("tiny", attention)
+        batch = spec.batch_of(model, spec.tiny, torch.device("cpu"), torch.Generator().manual_seed(1))
+        losses.append(float(spec.loss(model, batch).detach()))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+    padded, packed = (model_spec(n).batch_of(model, model_spec(n).tiny, torch.device("cpu"),
+                                            torch.Generator().manual_seed(1))[0] for n in ("llama_padded", "llama_packed"))
+    assert padded["input_ids"].shape == (8, 16) and packed["input_ids"].shape == (1, 64)
+    assert (padded["attention_mask"] == 0).sum() == 64   # half the padded tokens are padding
+
+
+def test_the_packed_rows_default_lengths():
+    """The full size's batch is benchmarks/packed_llama.py's: 8 sequences of 96-512 tokens."""
+    spec = model_spec("llama_packed")
+    assert mixed_lengths(spec.full.batch, spec.full.seq) == [512, 384, 320, 256, 192, 160, 128, 96]

@@ -121,3 +121,44 @@ def test_an_ordinary_batch_is_not_packed():
     assert hf_packed.find(q, q, causal, True, False, {"position_ids": torch.arange(4)[None]}) is None
     assert hf_packed.find(q.expand(2, -1, -1, -1), q, None, True, False,
                           {"position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}) is None
+
+
+def mistral_sliding():
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=E, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=HEADS, num_key_value_heads=2, head_dim=8,
+                                            max_position_embeddings=32, attention_dropout=0.0, sliding_window=2,
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None))
+
+
+def windowed_block_mask(cu, window):
+    keep = block_mask(cu)
+    token = torch.arange(keep.shape[-1])
+    return keep & (token[None, :] > token[:, None] - window)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("spec", ["softmax", "sigmoid", "sinkhorn", "fenchel"])
+def test_sliding_window_model_packed_equals_the_sequences_alone(spec, route, monkeypatch):
+    """Mistral with sliding_window=2 (sequences of 3, 1 and 5 tokens: the window cuts two): each route's
+    packed logits equal the sequences run alone, and the packed route is the one taken (the window goes
+    to the kernel as window_size inside each sequence; it is not padding inside a sequence)."""
+    model = swapped(mistral_sliding, spec)
+    ids, packed_ids, positions, cu = packed_batch()
+    taken = []
+    real_run = hf_packed.run
+    monkeypatch.setattr(hf_packed, "run", lambda *a, **kw: taken.append(kw["extras"]) or real_run(*a, **kw))
+    with torch.no_grad():
+        alone = torch.cat([model(i[None], use_cache=False).logits[0] for i in ids])
+        assert not taken
+        if route == "kwargs":
+            got = model(packed_ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                        max_length_q=max(LENGTHS), max_length_k=max(LENGTHS)).logits[0]
+        elif route == "position_ids":
+            got = model(packed_ids, position_ids=positions, use_cache=False).logits[0]
+        else:
+            monkeypatch.setattr(hf_packed, "_from_positions", lambda position_ids: None)
+            got = model(packed_ids, attention_mask=windowed_block_mask(cu, 2), position_ids=positions,
+                        use_cache=False).logits[0]
+    assert taken and all(e.get("window_size") == (1, 0) for e in taken)
+    assert max_diff(got, alone) <= EXACT

@@ -1,6 +1,8 @@
 """The models the model benchmark trains, each built from its config (nothing is downloaded): timm's
 ViT-S/16 and Hugging Face's BERT-base, GPT-2-small and a Llama-style model with grouped-query
-attention, with their own attention or an attnzoo variant swapped in.
+attention, with their own attention or an attnzoo variant swapped in; and the packed rows
+(``llama_padded`` / ``llama_packed``): a small Llama fine-tuned on one batch of mixed lengths, padded
+or packed into one row (``packed_batch``), whose tokens/s count the real tokens only.
 
 ``full`` is the size the issue measures on a GPU (ViT-S/16 at 224 x 224, N = 197, batch 128; BERT-base
 at 128 tokens; GPT-2-small and the Llama-style model at 1024 tokens, causal); ``tiny`` keeps each
@@ -26,6 +28,7 @@ from torch import nn
 
 from .. import registry
 from ..adapters import swap
+from . import packed_batch
 
 SIZES = ("full", "tiny")
 OWN = "own"   # the attention label of a model's own attention (timm's Attention, Hugging Face's sdpa)
@@ -50,12 +53,16 @@ class ModelSpec:
     build: Callable[[str, Optional[str]], nn.Module]           # (size, spec or None) -> model
     batch_of: Callable[[nn.Module, Shapes, torch.device, torch.Generator], tuple]
     loss: Callable[[nn.Module, tuple], torch.Tensor]
+    real_tokens: Optional[Callable[[Shapes], int]] = None      # a batch of mixed lengths: its tokens, no padding
 
     def shapes(self, size: str) -> Shapes:
         return self.full if size == "full" else self.tiny
 
     def items_per_step(self, shapes: Shapes) -> int:
-        """Images per step (ViT) or tokens per step (language models)."""
+        """Images per step (ViT) or tokens per step (language models; the real tokens of a batch of
+        mixed lengths, padding left out)."""
+        if self.real_tokens is not None:
+            return self.real_tokens(shapes)
         return shapes.batch if self.unit == "images/s" else shapes.batch * shapes.seq
 
 
@@ -133,6 +140,23 @@ def _lm_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def _mixed(pack: bool):
+    """A batch of mixed lengths (packed_batch.mixed_lengths of shapes.seq), padded or packed in one row."""
+    def batch_of(model: nn.Module, shapes: Shapes, device, g: torch.Generator) -> tuple:
+        seqs = packed_batch.sequences(packed_batch.mixed_lengths(shapes.batch, shapes.seq),
+                                      model.config.vocab_size, g)
+        return (packed_batch.to_device((packed_batch.packed if pack else packed_batch.padded)(seqs), device),)
+    return batch_of
+
+
+def _mixed_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    return model(**batch[0]).loss
+
+
+def _mixed_tokens(shapes: Shapes) -> int:
+    return sum(packed_batch.mixed_lengths(shapes.batch, shapes.seq))
+
+
 _NO_DROPOUT_BERT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # (GPT2LMHeadModel's class name does not say which loss it trains with: transformers would warn)
 _NO_DROPOUT_GPT2 = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "loss_type": "ForCausalLM"}
@@ -141,6 +165,12 @@ _TINY_LM = {"vocab_size": 128, "max_position_embeddings": 64}
 # the kernels that run every row independently: what the issue's language-model targets name
 LM_VARIANTS = ("softmax", "l2", "sigmoid", "relu", "linear")
 VIT_VARIANTS = ("softmax", "l2", "fenchel", "sigmoid", "relu", "linear", "sinkhorn(n_iters=3)", "ot")
+
+# packing changes every variant's per-sequence normalisation (sigmoid's -log n, Sinkhorn's marginals)
+_PACKED_VARIANTS = ("softmax", "sigmoid", "relu", "sinkhorn(n_iters=3)")
+_SMALL_LLAMA = _HF("LlamaForCausalLM", "LlamaConfig", dict(packed_batch.SMALL_LLAMA),
+                   {**_TINY_LM, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
+                    "num_attention_heads": 6, "num_key_value_heads": 2, "attention_dropout": 0.0})
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("vit_s", "timm vit_small_patch16_224 (ViT-S/16, 224 x 224)", "timm Attention", "images/s", False,
@@ -159,6 +189,12 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
                   {**_TINY_LM, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
                    "num_attention_heads": 6, "num_key_value_heads": 2}),
               _tokens, _lm_loss),
+    *(ModelSpec(f"llama_{how}", f"small Llama (LlamaForCausalLM: hidden 256, 4 layers, 8 query heads, 4 key/value "
+                                f"heads) fine-tuned on 8 sequences of mixed lengths (half the padded tokens padding), "
+                                + ("packed into one row (restarting position_ids, cu_seq_lens)" if how == "packed"
+                                   else "padded to the longest"),
+                "HF sdpa", "tokens/s", True, Shapes(8, 512), Shapes(8, 16), _PACKED_VARIANTS, _SMALL_LLAMA,
+                _mixed(how == "packed"), _mixed_loss, _mixed_tokens) for how in ("padded", "packed")),
     ModelSpec("bert", "Hugging Face BERT-base (BertForMaskedLM)", "HF sdpa", "tokens/s", False,
               Shapes(64, 128), Shapes(2, 16), LM_VARIANTS,
               _HF("BertForMaskedLM", "BertConfig", {**_NO_DROPOUT_BERT},

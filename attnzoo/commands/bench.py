@@ -93,7 +93,9 @@ def add_arguments(parser) -> None:
     t.add_argument("--seed", type=int, default=0)
     m = parser.add_argument_group("whole models (--models) and per-call overhead (--overhead)")
     m.add_argument("--models", nargs="*", default=None, metavar="MODEL",
-                   help="train whole models instead of timing kernels: vit_s, gpt2, llama, bert (no name: all four); "
+                   help="train whole models instead of timing kernels: vit_s, gpt2, llama, llama_padded, llama_packed, "
+                        "bert (no name: all six; llama_padded / llama_packed: one batch of mixed lengths padded or "
+                        "packed into one row); "
                         "each variant of --variants swapped in against the model's own attention")
     m.add_argument("--model-modes", nargs="+", default=None, choices=MODEL_MODES, metavar="MODE",
                    help="eager, compile (torch.compile), cudagraphs (mode='reduce-overhead', CUDA only) (default: all)")

@@ -7,13 +7,17 @@ and ``max_k`` (Python ints) bound the lengths. Sequence i's output is the varian
 q[cu_seq_q[i]:cu_seq_q[i+1]] and its keys alone, so everything a variant normalises per problem is
 per sequence: Sinkhorn's and OT's marginals, relu's 1/n, sigmoid's -log n, Fenchel's context
 preference, linear attention's sums and causal prefixes. ``is_causal`` is bottom-right aligned inside
-each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnzoo.
+each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnzoo, and so is a
+``window_size`` band; ``softcap`` and ``sinks`` apply to every sequence's rows.
 
 Two exact routes, chosen once per call by how the call runs:
 
-* eager: the offsets are read once on the host and the sequences of equal (n_q, n_k) are stacked
-  into one batch and handed to the variant's own function (so every backend of every variant runs
-  packed calls, and the work is the sum over sequences of n_q n_k, never T_q T_k);
+* eager: the offsets are read once on the host. On CPU, a variant with a blockwise form (softmax, l2,
+  fenchel, sigmoid, relu) runs all sequences in one blockwise call that visits only the (query block,
+  key block) pairs inside a sequence (``varlen_blockwise``, which says when); otherwise the sequences
+  of equal (n_q, n_k) are stacked into one batch and handed to the variant's own function (so every
+  backend of every variant runs packed calls). Either way the work is the sum over sequences of
+  n_q n_k, never T_q T_k;
 * while torch.compile traces: offsets cannot be read, so variants whose queries are independent of
   each other (every built-in one except Sinkhorn) run as one padded batch of N rows of max_q / max_k
   with a per-sequence key mask: masking a key is removing it in every attnzoo variant and padded
@@ -27,8 +31,10 @@ import numbers
 
 import torch
 
+from . import logit_extras
 from . import validate as V
 from . import variant as catalog
+from . import varlen_blockwise
 
 
 def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, read_values: bool) -> list[int] | None:
@@ -109,7 +115,11 @@ def _token_index(cu: torch.Tensor, total: int):
 
 
 def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Tensor:
-    """One (N, H, max, D) batch with each sequence's keys kept by a mask; padded queries dropped."""
+    """One (N, H, max, D) batch with each sequence's keys kept by a mask; padded queries dropped. The
+    causal diagonal and a ``window_size`` band are aligned bottom-right inside each sequence here, in the
+    mask (handed to ``fn`` they would align to the padded max_q x max_k block)."""
+    kwargs = dict(kwargs)
+    window = logit_extras.check_window_size(kwargs.pop("window_size", None))
     n_seq = cu_q.numel() - 1
     seq_q, pos_q = _token_index(cu_q, q.shape[0])
     seq_k, pos_k = _token_index(cu_k, k.shape[0])
@@ -121,9 +131,14 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
     len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[:, None, None]
     key = torch.arange(max_k, device=q.device)[None, None, :]
     keep = key < len_k                                                  # (N, 1, max_k)
+    query = torch.arange(max_q, device=q.device)[None, :, None]
+    diagonal = key - query - (len_k - len_q)                            # (N, max_q, max_k): j - i - (n_k - n_q)
     if is_causal:
-        query = torch.arange(max_q, device=q.device)[None, :, None]
-        keep = keep & (key <= query + (len_k - len_q))                  # (N, max_q, max_k)
+        keep = keep & (diagonal <= 0)
+    if window is not None and window[0] >= 0:
+        keep = keep & (diagonal >= -window[0])
+    if window is not None and window[1] >= 0:
+        keep = keep & (diagonal <= window[1])
     out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, pos_k, max_k)),
              _as_batch(pad(v, seq_k, pos_k, max_k)), attn_mask=keep[:, None], **kwargs)
     return out.transpose(1, 2)[seq_q, pos_q]
@@ -157,4 +172,7 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     if offsets_q is None:                                               # compiling a coupling variant
         return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
                                             dict(is_causal=is_causal, **kwargs))
+    out = varlen_blockwise.run(name, q, k, v, offsets_q, offsets_k, is_causal, kwargs)   # CPU: one blockwise call
+    if out is not None:
+        return out
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))

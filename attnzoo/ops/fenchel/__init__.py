@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
-from ..kernels import blockwise, sdpa
+from ..kernels import blockwise, blockwise_varlen, sdpa
 from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
@@ -20,7 +20,7 @@ from ..variant import Variant, declare
 from .cost import FORMULA, fenchel_flops
 from .functional import check, fenchel
 from . import layer
-from .kernels import fenchel_cpu, fenchel_flex, fenchel_torch
+from .kernels import fenchel_cpu, fenchel_cpu_varlen, fenchel_flex, fenchel_torch
 from .layer import FenchelHook
 from .reference import fenchel_attention
 
@@ -55,6 +55,7 @@ register_triton("fenchel", flash.fenchel_attention, all_of(call_reason, triton_f
 sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")
 blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", "sinks", "window_size"))
+blockwise_varlen.register("fenchel", fenchel_cpu_varlen)
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
                  description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
 

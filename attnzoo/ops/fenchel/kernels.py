@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
@@ -87,3 +88,14 @@ def fenchel_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None,
 def t5_flex(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale):
     """softmax(scale q.k + table[lut[j - i + Nq - 1], h] + mask) v; ``lut`` from ``t5_offset_lut``."""
     return flex_attention(q, k, v, attn_mask, is_causal, scale, offset_bias=(table, lut))
+
+
+def fenchel_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): first order with no
+    preference (a packed call has no (B, H, Nq, Nk) log u; a layer's context runs per length)."""
+    if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("log_u") is not None
+            or options.get("relative_bias") is not None or options.get("solve", "first_order") != "first_order"):
+        return None
+    alpha = V.check_positive("alpha", options.get("alpha", 1.0))   # the variant's own rule: alpha > 0
+    return packed(q, k, v, kind="softmax", scale=alpha * scale, softcap=softcap, sinks=sinks,
+                  window_size=window_size)

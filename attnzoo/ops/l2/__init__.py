@@ -9,14 +9,14 @@ forms of them in kernels.py.
 from __future__ import annotations
 
 from ..dispatch import register_backend
-from ..kernels import blockwise, sdpa
+from ..kernels import blockwise, blockwise_varlen, sdpa
 from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .functional import l2
-from .kernels import l2_cpu, l2_flex, l2_torch
+from .kernels import l2_cpu, l2_cpu_varlen, l2_flex, l2_torch
 from .layer import L2Hook
 from .reference import l2_attention
 
@@ -24,6 +24,7 @@ register_triton("l2", flash.l2_attention, gqa=True, specialize=flash_bound.speci
                 description="Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout")
 sdpa.register("l2", l2_torch, priority=15, gqa=True, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
 blockwise.register("l2", l2_cpu)
+blockwise_varlen.register("l2", l2_cpu_varlen)
 register_backend("l2", "flex", l2_flex, supports=flex_reason, priority=5,
                  description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))
 

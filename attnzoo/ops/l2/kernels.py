@@ -45,3 +45,14 @@ def l2_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, wi
 def l2_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
     kk = (k.float() * k.float()).sum(-1) * scale
     return flex_attention(q, k, v, attn_mask, is_causal, 2.0 * scale, key_term=kk)
+
+
+def l2_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py); no softcap or sinks, as
+    ``l2_cpu``. The augmented coordinates are formed in float32 at least (||k||^2 in half precision would
+    cost the logits ~3 digits)."""
+    if options or softcap is not None or sinks is not None:
+        return None
+    work = at_least_fp32(q.dtype)
+    qa, ka = l2_augment(q.to(work), k.to(work))
+    return packed(qa, ka, v.to(work), kind="softmax", scale=scale, window_size=window_size).to(v.dtype)

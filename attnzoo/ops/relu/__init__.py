@@ -6,19 +6,20 @@ softmax family's SDPA backends carry; SDPA itself does not apply).
 """
 from __future__ import annotations
 
-from ..kernels import blockwise
+from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .functional import relu
-from .kernels import relu_cpu
+from .kernels import relu_cpu, relu_cpu_varlen
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
                 gqa=True, specialize=pointwise_bound.specializer(sigmoid=False),
                 description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
 blockwise.register("relu", relu_cpu, extras=("softcap", "window_size"))
+blockwise_varlen.register("relu", relu_cpu_varlen)
 blockwise.register("relu", relu_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 

@@ -9,3 +9,10 @@ def relu_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, 
     keep, add = split_attn_mask(attn_mask)
     return blockwise_attention(q, k, v, kind="relu", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
                                softcap=softcap, window_size=window_size)
+
+
+def relu_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): n_i per sequence."""
+    if options or sinks is not None:
+        return None
+    return packed(q, k, v, kind="relu", scale=scale, softcap=softcap, window_size=window_size)

@@ -8,13 +8,13 @@ softmax family's SDPA backends carry; SDPA itself does not apply).
 from __future__ import annotations
 
 from ..dispatch import all_of
-from ..kernels import blockwise
+from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
 from ..variant import Variant, declare
 from .functional import check, sigmoid
-from .kernels import sigmoid_cpu
+from .kernels import sigmoid_cpu, sigmoid_cpu_varlen
 from .layer import SigmoidHook
 from .reference import sigmoid_attention
 
@@ -28,6 +28,7 @@ register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bia
                 description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
 blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))
+blockwise_varlen.register("sigmoid", sigmoid_cpu_varlen)
 blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 

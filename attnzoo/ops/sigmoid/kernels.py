@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 
 
@@ -17,3 +18,19 @@ def sigmoid_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, d
         bias = torch.full((1, 1, 1, 1), float(bias), dtype=q.dtype, device=q.device)
     return blockwise_attention(q, k, v, kind="sigmoid", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
                                add_b=bias, softcap=softcap, window_size=window_size)
+
+
+def sigmoid_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): the default bias -log n_i
+    per sequence, or a constant ``bias`` (a tensor bias is declined: its (B, H, Nq, Nk) layout has no
+    packed meaning)."""
+    bias = options.get("bias")
+    if set(options) - {"bias"} or sinks is not None or isinstance(bias, torch.Tensor):
+        return None
+    if bias is not None:   # the variant's own rule: a finite real number
+        bias = V.check_real("bias", bias)
+        if not V.is_finite(bias):
+            raise ValueError(f"bias must be finite, got {bias}")
+    if bias is None:
+        return packed(q, k, v, kind="sigmoid_default", scale=scale, softcap=softcap, window_size=window_size)
+    return packed(q, k, v, kind="sigmoid", scale=scale, softcap=softcap, window_size=window_size, add_b=bias)

@@ -14,3 +14,10 @@ def softmax_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.
     keep, add = split_attn_mask(attn_mask)
     return blockwise_attention(q, k, v, kind="softmax", scale=scale, is_causal=is_causal, keep=keep, add_a=add,
                                softcap=softcap, sinks=sinks, window_size=window_size)
+
+
+def softmax_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py)."""
+    if options:
+        return None
+    return packed(q, k, v, kind="softmax", scale=scale, softcap=softcap, sinks=sinks, window_size=window_size)
