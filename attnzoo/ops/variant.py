@@ -333,10 +333,10 @@ def _make_plan(name: str, requested: str, q, k, v, attn_mask, is_causal, scale, 
     kept_options = None if options_per_call else {n: a for n, a in kw.items() if n not in call.SHARED_KWARGS}
     restore_nan = q.device.type in choice.backend.hides_query_nan_on
     special = None
-    if choice.backend.specialize is not None and group <= 1:
+    empty = q.shape[0] == 0 or q.shape[1] == 0  # no (batch, head) pair: no launch to bind
+    if choice.backend.specialize is not None and group <= 1 and not empty:
         special = choice.backend.specialize(q, k, v, **kw, **{n: a for n, a in shared.items() if n == "enable_gqa"})
-    return plan_cache.Plan(choice, shared, kept_options, restore_nan, q.shape[0] == 0 or q.shape[1] == 0,
-                           group if group > 1 else 0, special), kw
+    return plan_cache.Plan(choice, shared, kept_options, restore_nan, empty, group if group > 1 else 0, special), kw
 
 
 def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: dict, kw: Optional[dict] = None):
