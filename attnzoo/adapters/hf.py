@@ -149,7 +149,8 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     new = query.shape[-2]
     # a cached step: what the kernel reads about the earlier positions beyond HF's keys and values
     if causal and not cross and (kernel.couples_queries or kernel.needs_key_tokens):
-        query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens)
+        query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens,
+                                                         window=kwargs.get("sliding_window"))
     elif causal_queries and kernel.couples_queries:
         query, mask = hf_decode.with_earlier_queries(kernel, module, query, mask)
     self_attention = query.shape[-2] == key.shape[-2] and not cross
