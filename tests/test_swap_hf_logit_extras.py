@@ -159,6 +159,21 @@ def test_sinkhorn_decodes_under_a_window_with_left_padding(family, cache):
     assert max(max_diff(a, b) for a, b in zip(out[True].logits, out[False].logits)) <= 1e-10
 
 
+@pytest.mark.parametrize("cache", ["sliding", "full"])
+def test_sinkhorn_cached_chunk_of_several_tokens_under_a_window(cache):
+    """Several new tokens in one cached call (as assisted decoding verifies its candidates), under a
+    window and left padding: each new row equals the same row of one uncached forward over all tokens."""
+    model = swapped("mistral", "sinkhorn")
+    with torch.no_grad():
+        full = model(IDS, attention_mask=LEFT_PAD).logits
+        given = {"cache": transformers.DynamicCache()} if cache == "full" else {}
+        first = model(IDS[:, :6], attention_mask=LEFT_PAD[:, :6], use_cache=True, **given)
+        rest = model(IDS[:, 6:], attention_mask=LEFT_PAD, cache=first.past_key_values, use_cache=True).logits
+    real = LEFT_PAD[:, :6].bool()
+    assert max_diff(first.logits[real], full[:, :6][real]) <= 1e-10
+    assert max_diff(rest, full[:, 6:]) <= 1e-10
+
+
 @pytest.mark.parametrize("family,spec", cases())
 def test_every_variant_trains_keeps_causality_and_decodes(family, spec):
     model = swapped(family, spec)
