@@ -82,3 +82,24 @@ def test_the_gpu_grid_has_the_rows():
         assert isinstance(cases[f"flex+{name}"], FlexExtrasTarget)
         assert cases[f"softmax+{name} / triton"].applies(long)
     assert cases["sdpa+window1024"].spec.kwargs["window_size"] == (1023, 0)
+
+
+@pytest.mark.parametrize("spec_text", SPECS + ["softmax(softcap=2)", "masked(sinks=True, softcap=3, window_size=(4, 0))"])
+def test_flex_with_the_same_mods_computes_the_spec(spec_text, monkeypatch):
+    """The FlexAttention row's mask_mod / score_mod / sink renormalisation, checked on CPU through eager
+    flex_attention (forward only: the timed rows are compiled, on CUDA)."""
+    import warnings
+
+    import attnzoo.ops.kernels.flex as flex_kernels
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from attnzoo.bench import logit_extras
+    monkeypatch.setattr(flex_kernels, "compiled_flex_attention", lambda: flex_attention)
+    spec = parse_variant(spec_text)
+    p = Problem(Shape(batch=1, heads=2, seq_q=32, head_dim=8), torch.float64, torch.device("cpu"), "fwd", False,
+                seed=4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is unfused
+        want = AttnzooTarget(spec, "reference").prepare(p).forward()
+        got = logit_extras.flex(spec, p, "torch-flex", any_device=True).forward()
+    assert (got - want).abs().max() <= 1e-12

@@ -65,10 +65,12 @@ def sdpa(spec: VariantSpec, problem: Problem, label: str) -> Prepared:
                     ("sdpa-extras", spec.label, problem.key(), causal), materialises=True)
 
 
-def flex(spec: VariantSpec, problem: Problem, label: str) -> Prepared:
-    """FlexAttention with the window as mask_mod, softcap as score_mod, sinks by renormalisation."""
-    if problem.device.type != "cuda":
+def flex(spec: VariantSpec, problem: Problem, label: str, any_device: bool = False) -> Prepared:
+    """FlexAttention with the window as mask_mod, softcap as score_mod, sinks by renormalisation.
+    ``any_device``: build it on CPU too (a forward-only check; the benchmark rows are CUDA only)."""
+    if problem.device.type != "cuda" and not any_device:
         raise Unsupported("FlexAttention is benchmarked on CUDA only (it has no backward on CPU)")
+    from torch.nn.attention import flex_attention as flex_module
     from torch.nn.attention.flex_attention import create_block_mask
 
     from ..ops.kernels.flex import compiled_flex_attention
@@ -101,11 +103,15 @@ def flex(spec: VariantSpec, problem: Problem, label: str) -> Prepared:
             return cap * torch.tanh(score / cap)
     sinks = kw.get("sinks")
     compiled = compiled_flex_attention()
+    # torch >= 2.9 asks for the log-sum-exp with return_aux=AuxRequest(lse=True), earlier with return_lse
+    aux_request = getattr(flex_module, "AuxRequest", None)
+    lse_kwargs = {"return_aux": aux_request(lse=True)} if aux_request is not None else {"return_lse": True}
 
     def forward():
         if sinks is None:
             return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-        out, lse = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+        out, aux = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, **lse_kwargs)
+        lse = aux.lse if aux_request is not None else aux
         # the sink joins the normaliser: weights exp(s - lse) become exp(s - logaddexp(lse, sink))
         return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
     return Prepared(forward, [q, k, v, *leaves], label, ("flex-extras", spec.label, problem.key(), causal))
