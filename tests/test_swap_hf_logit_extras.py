@@ -159,6 +159,17 @@ def test_sinkhorn_decodes_under_a_window_with_left_padding(family, cache):
     assert max(max_diff(a, b) for a, b in zip(out[True].logits, out[False].logits)) <= 1e-10
 
 
+def test_sinkhorn_beam_search_under_a_window():
+    """Beam search reorders a sliding cache's rows: the kept queries follow them (matched row by row)."""
+    model = swapped("gemma2", "sinkhorn")
+    with torch.no_grad():
+        out = {use_cache: model.generate(IDS[:, :6], attention_mask=LEFT_PAD[:, :6], max_new_tokens=5,
+                                         do_sample=False, num_beams=3, use_cache=use_cache, output_scores=True,
+                                         return_dict_in_generate=True) for use_cache in (True, False)}
+    assert torch.equal(out[True].sequences, out[False].sequences)
+    assert max(max_diff(a, b) for a, b in zip(out[True].scores, out[False].scores)) <= 1e-10
+
+
 @pytest.mark.parametrize("cache", ["sliding", "full"])
 def test_sinkhorn_cached_chunk_of_several_tokens_under_a_window(cache):
     """Several new tokens in one cached call (as assisted decoding verifies its candidates), under a
