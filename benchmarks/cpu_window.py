@@ -2,8 +2,11 @@
 
 Each case runs in a fresh process (one thread): causal softmax attention, fp32, B = 1, H = 4, D = 64,
 forward + backward on backend "cpu" (ops/kernels/blockwise.py), which visits only the key blocks in
-the band. Reported: the best of --repeats wall times, and the peak resident memory the call added
-over the process's state just before it (inputs included in neither: they are made before).
+the band. Reported: the best of --repeats wall times and CPU times (the process's own, which other
+processes on a shared machine do not inflate: prefer it there), and the peak resident memory the call
+added over the process's state just before it (inputs included in neither: they are made before).
+Of that memory, the output and the three input gradients (4 x B H N D numbers, 16 MiB at the
+defaults) are what any call returns; the rest is the attention's own temporaries, reported apart.
 
     PYTHONPATH=$PWD python benchmarks/cpu_window.py --n 4096 --window 128
 """
@@ -31,15 +34,18 @@ def one_case(n: int, window: int, repeats: int) -> dict:
     small = [t.detach()[:, :, :256].clone().requires_grad_() for t in (q, k, v)]
     AF.softmax(*small, is_causal=True, backend="cpu", **kw).sum().backward()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = AF.softmax(q, k, v, is_causal=True, backend="cpu", **kw)
         out.backward(grad)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         q.grad = k.grad = v.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"n": n, "window": window or None, "seconds": min(times), "peak_added_mib": (peak - before) / 1024}
+    returned = 4 * q.numel() * q.element_size() / 2 ** 20  # the output and dq, dk, dv
+    return {"n": n, "window": window or None, "seconds": min(times), "cpu_seconds": min(cpu_times),
+            "peak_added_mib": (peak - before) / 1024, "returned_mib": returned}
 
 
 def main() -> None:
@@ -58,10 +64,16 @@ def main() -> None:
                               "--case", str(window)], check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     full, band = rows
+    def own(r):  # the attention's own temporaries: the peak beyond what the call returns
+        return max(r["peak_added_mib"] - r["returned_mib"], 0.0)
+
     for r in rows:
-        print(f"N={r['n']} window={r['window']}: {r['seconds']:.3f} s, +{r['peak_added_mib']:.1f} MiB peak")
-    print(f"window / no window: time {band['seconds'] / full['seconds']:.3f}x, "
-          f"peak memory added {band['peak_added_mib'] / max(full['peak_added_mib'], 1e-9):.3f}x")
+        print(f"N={r['n']} window={r['window']}: {r['seconds']:.3f} s wall, {r['cpu_seconds']:.3f} s CPU, "
+              f"+{r['peak_added_mib']:.1f} MiB peak ({r['returned_mib']:.1f} returned, {own(r):.1f} temporaries)")
+    print(f"window / no window: wall time {band['seconds'] / full['seconds']:.3f}x, "
+          f"CPU time {band['cpu_seconds'] / full['cpu_seconds']:.3f}x, "
+          f"peak memory added {band['peak_added_mib'] / max(full['peak_added_mib'], 1e-9):.3f}x, "
+          f"temporaries {own(band) / max(own(full), 1e-9):.3f}x")
 
 
 if __name__ == "__main__":

@@ -135,15 +135,54 @@ def cases():
         for spec in VARIANTS if family in NEEDS else ["softmax", "sigmoid", "sinkhorn"]:
             if not defines(spec, family):
                 continue
-            marks = []
-            if spec == "sinkhorn" and family != "gpt_oss":
-                # a sliding window reaching a variant that couples queries is issue 31's (truth31): until
-                # then a cached step refuses with a clear message, which this xfail pins
-                marks = [pytest.mark.xfail(strict=True, raises=ValueError,
-                                           reason="Sinkhorn under a sliding-window mask: cached decoding refused "
-                                                  "(issue 31 item 2)")]
-            out.append(pytest.param(family, spec, marks=marks, id=f"{family}-{spec}"))
+            out.append(pytest.param(family, spec, id=f"{family}-{spec}"))
     return out
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+@pytest.mark.parametrize("cache", ["sliding", "full"])
+def test_sinkhorn_decodes_under_a_window_with_left_padding(family, cache):
+    """A variant that couples queries, under a sliding window, with left padding, generating past the
+    window (the padding and the first tokens leave it): the cached steps equal the uncached forward.
+    The model's own cache keeps only the window's keys in its sliding layers; a plain DynamicCache()
+    keeps every key, and HF's one-row mask then drops those that left the window."""
+    model = swapped(family, "sinkhorn")
+    prompt, pad = IDS[:, :6], LEFT_PAD[:, :6]
+    with torch.no_grad():
+        out = {}
+        for use_cache in (True, False):
+            given = {"cache": transformers.DynamicCache()} if use_cache and cache == "full" else {}
+            out[use_cache] = model.generate(prompt, attention_mask=pad, max_new_tokens=6, do_sample=False,
+                                            use_cache=use_cache, output_logits=True, return_dict_in_generate=True,
+                                            **given)
+    assert torch.equal(out[True].sequences, out[False].sequences)
+    assert max(max_diff(a, b) for a, b in zip(out[True].logits, out[False].logits)) <= 1e-10
+
+
+def test_sinkhorn_beam_search_under_a_window():
+    """Beam search reorders a sliding cache's rows: the kept queries follow them (matched row by row)."""
+    model = swapped("gemma2", "sinkhorn")
+    with torch.no_grad():
+        out = {use_cache: model.generate(IDS[:, :6], attention_mask=LEFT_PAD[:, :6], max_new_tokens=5,
+                                         do_sample=False, num_beams=3, use_cache=use_cache, output_scores=True,
+                                         return_dict_in_generate=True) for use_cache in (True, False)}
+    assert torch.equal(out[True].sequences, out[False].sequences)
+    assert max(max_diff(a, b) for a, b in zip(out[True].scores, out[False].scores)) <= 1e-10
+
+
+@pytest.mark.parametrize("cache", ["sliding", "full"])
+def test_sinkhorn_cached_chunk_of_several_tokens_under_a_window(cache):
+    """Several new tokens in one cached call (as assisted decoding verifies its candidates), under a
+    window and left padding: each new row equals the same row of one uncached forward over all tokens."""
+    model = swapped("mistral", "sinkhorn")
+    with torch.no_grad():
+        full = model(IDS, attention_mask=LEFT_PAD).logits
+        given = {"cache": transformers.DynamicCache()} if cache == "full" else {}
+        first = model(IDS[:, :6], attention_mask=LEFT_PAD[:, :6], use_cache=True, **given)
+        rest = model(IDS[:, 6:], attention_mask=LEFT_PAD, cache=first.past_key_values, use_cache=True).logits
+    real = LEFT_PAD[:, :6].bool()
+    assert max_diff(first.logits[real], full[:, :6][real]) <= 1e-10
+    assert max_diff(rest, full[:, 6:]) <= 1e-10
 
 
 @pytest.mark.parametrize("family,spec", cases())

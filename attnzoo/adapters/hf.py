@@ -149,17 +149,35 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
     new = query.shape[-2]
     # a cached step: what the kernel reads about the earlier positions beyond HF's keys and values
     if causal and not cross and (kernel.couples_queries or kernel.needs_key_tokens):
-        query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens)
+        query, tokens = hf_decode.with_earlier_positions(kernel, module, query, key, mask, tokens,
+                                                         window=kwargs.get("sliding_window"))
     elif causal_queries and kernel.couples_queries:
         query, mask = hf_decode.with_earlier_queries(kernel, module, query, mask)
     self_attention = query.shape[-2] == key.shape[-2] and not cross
     # grouped-query attention (Llama & co.: fewer key/value heads than query heads) goes to the kernel
     # as it is: enable_gqa=True, each key/value head serving H / H_kv query heads (SDPA's convention)
-    out = run_kernel(kernel, query, key, value, attn_mask=mask, is_causal=causal,
-                     dropout_p=dropout if module.training else 0.0,
-                     scale=scaling, x=tokens, enable_gqa=key.shape[1] != query.shape[1],
-                     self_attention=self_attention, causal_queries=causal_queries, last_rows=new, extras=extras)
+    call = dict(is_causal=causal, dropout_p=dropout if module.training else 0.0, scale=scaling,
+                enable_gqa=key.shape[1] != query.shape[1], causal_queries=causal_queries, extras=extras)
+    if query.shape[-2] > new and mask is not None and mask.shape[-2] > 1:
+        out = _each_new_row(kernel, query, key, value, mask, tokens, new, call)
+    else:
+        out = run_kernel(kernel, query, key, value, attn_mask=mask, x=tokens, self_attention=self_attention,
+                         last_rows=new, **call)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _each_new_row(kernel: AttentionLayer, query, key, value, mask, tokens, new: int, call: dict):
+    """A cached step of several new positions under a sliding window (the only per-row mask
+    with_earlier_positions lets through with earlier queries), for a variant that couples queries: each
+    new row r as a one-row step over the positions up to it, with its own row of the mask (the keys in
+    its window, not padding), which is then its whole problem (hf_decode.with_earlier_positions)."""
+    past, out = query.shape[-2] - new, []
+    for r in range(new):
+        upto = past + r + 1
+        out.append(run_kernel(kernel, query[..., :upto, :], key[..., :upto, :], value[..., :upto, :],
+                              attn_mask=mask[..., r:r + 1, :upto], x=None if tokens is None else tokens[:, :upto],
+                              self_attention=True, last_rows=1, **call))
+    return torch.cat(out, dim=-2)
 
 
 _LAST_SPLIT: list = [None]  # (weak reference to an HF mask, its version and sizes, causal_and_rest's answer)

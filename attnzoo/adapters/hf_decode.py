@@ -95,29 +95,51 @@ def _may_keep(module) -> bool:
     return not (module.training and torch.is_grad_enabled())
 
 
-def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tokens):
+def with_earlier_positions(kernel: AttentionLayer, module, query, key, mask, tokens, window=None):
     """Causal self-attention: the queries (a variant that couples queries) and key tokens (a kernel
-    that reads them) of every position in the cache, the earlier ones from decode_state."""
+    that reads them) of every position in the cache, the earlier ones from decode_state.
+
+    ``window``: the host's sliding window (HF's ``sliding_window``), None: none. Under a window the
+    mask is causality AND the band AND padding. Row i's problem (ops.masking.coupled_causal_rows) is
+    then over the tokens in its window, every pair of which lies inside the window, so the earlier
+    positions' queries plus the step's one-row mask (which keys the new query sees) determine it; a
+    sliding cache that keeps only the window's keys is followed (decode_state)."""
     new, nk = query.shape[-2], key.shape[-2]
     couples = kernel.couples_queries
     # the mask is causality plus padding (causal_and_rest): one row, and no logit bias in it (a one-row
     # T5 position bias is the bias of the new query only, not of the earlier ones). Only a variant that
     # couples queries asks: reading the values is a device sync
+    windowed = couples and window is not None and mask is not None and _padding_only(mask)
     per_key = couples and (mask is None or (mask.shape[-2] == 1 and _padding_only(mask)))
-    if couples and not per_key and nk > new:
+    if couples and not (per_key or windowed) and nk > new:
         raise ValueError(f"{_what(kernel, module)}: a cached step of a variant that couples queries needs "
-                         "the mask to be causality plus padding, and this one is not (a sliding window, "
-                         f"a position bias such as T5's, or a static cache's unused slots); {decode_state.ADVICE}")
+                         "the mask to be causality plus padding (and maybe the host's sliding window), and "
+                         "this one is not (a position bias such as T5's, or a static cache's unused slots); "
+                         f"{decode_state.ADVICE}")
     keep = None
-    if couples and mask is not None and per_key:
+    if windowed:
+        keep = _window_keep(mask, query.shape[0], new, nk)
+    elif couples and mask is not None and per_key:
         keep = mask if mask.dtype == torch.bool else mask > -math.inf
         keep = keep.expand(query.shape[0], -1, 1, nk)[:, :, 0]  # (B, Hm, Nk): False = padding
-    remember = (per_key or not couples) and _may_keep(module)
+    remember = (per_key or windowed or not couples) and _may_keep(module)
     queries, tokens = decode_state.extend(module, ident=key, new=new, what=_what(kernel, module),
                                           queries=query if couples else None,
                                           tokens=tokens if kernel.needs_key_tokens else None,
-                                          keep=keep, remember=remember)
+                                          keep=keep, remember=remember, window=couples and window is not None)
     return (queries if couples else query), tokens
+
+
+def _window_keep(mask: torch.Tensor, batch: int, new: int, nk: int) -> torch.Tensor:
+    """(B, Hm, Nk) bool from a causal + band + padding mask of the call's ``new`` queries: a new position
+    is kept when it sees itself (padding hides a token from every query, itself included), an earlier
+    one when some new query sees it (the band may already have dropped it: decode_state then keeps the
+    padding it was first kept with)."""
+    keep = mask if mask.dtype == torch.bool else mask > -math.inf
+    keep = keep.expand(batch, -1, new, nk)
+    own = keep.diagonal(offset=nk - new, dim1=-2, dim2=-1)           # (B, Hm, new)
+    seen = keep[..., : nk - new].any(-2)                              # (B, Hm, P)
+    return torch.cat([seen, own], dim=-1)
 
 
 def _padding_only(mask: torch.Tensor) -> bool:

@@ -14,7 +14,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import logit_extras
 from .errors import Unavailable, Unsupported
+from .extras_inputs import extras_of
 from .problem import Problem, qkv, randn
 from .targets import Case, Prepared, parse_variant
 
@@ -200,6 +202,21 @@ class TorchMhaTarget(Baseline):
         return Prepared(forward, [x, *module.parameters()], TORCH_MHA, ("torch-mha", problem.key(), causal))
 
 
+class SdpaExtrasTarget(Baseline):
+    """SDPA computing a spec's softcap / sinks / window with the same dense mask (logit_extras.sdpa)."""
+
+    def prepare(self, problem: Problem) -> Prepared:
+        return logit_extras.sdpa(self.spec, problem, self.backend)
+
+
+class FlexExtrasTarget(Baseline):
+    """FlexAttention computing a spec's softcap / sinks / window with the same mods (logit_extras.flex)."""
+    compiles = True
+
+    def prepare(self, problem: Problem) -> Prepared:
+        return logit_extras.flex(self.spec, problem, self.backend)
+
+
 def sdpa_names(device: torch.device) -> list[str]:
     return [SDPA, *(_CPU_SDPA if torch.device(device).type == "cpu" else _SDPA_BACKENDS)]
 
@@ -214,6 +231,11 @@ def baseline_targets(spec: VariantSpec, device: torch.device, backends: Optional
     out: list[Baseline] = []
     if spec.timed_module is not None:
         out.append(TorchMhaTarget(spec, TORCH_MHA))
+    elif extras_of(spec):
+        # softcap / sinks / a window: the baselines that compute the same attention (a plain SDPA or
+        # Flex row would time another one)
+        if spec.kernel == "softmax" and not spec.kernel_kwargs:
+            out += [SdpaExtrasTarget(spec, SDPA), FlexExtrasTarget(spec, FLEX)]
     else:
         plain_softmax = spec.kernel == "softmax" and not spec.kernel_kwargs
         if plain_softmax:

@@ -15,7 +15,7 @@ import torch
 
 from ..ops import dispatch
 from ..ops.sizes import Shape
-from .baselines import FlexTarget, SdpaTarget
+from .baselines import FlexExtrasTarget, FlexTarget, SdpaExtrasTarget, SdpaTarget
 from .problem import Problem, qkv, randn
 from .targets import AUTO, PLAIN, AttnzooTarget, Case, Flavour, Prepared, parse_variant
 
@@ -178,10 +178,35 @@ def attnzoo_cases(device: torch.device) -> list[Case]:
     return cases
 
 
+# softcap, sinks and sliding windows (issue 29), at N >= 4096: (row name, spec). Each against SDPA with
+# the same dense mask and FlexAttention with the same mods (bench/logit_extras.py); not ranked (auto's
+# tables are per variant, and a window changes which backend wins only through its mask)
+EXTRAS_SPECS = [("softmax+softcap", "softmax(softcap=30)"), ("softmax+sinks", "softmax(sinks=True)"),
+                ("softmax+window256", "softmax(window_size=(255, 0))"),
+                ("softmax+window1024", "softmax(window_size=(1023, 0))")]
+
+
+def _long(p: Problem) -> bool:
+    return p.shape.seq_q >= 4096
+
+
+def extras_cases(device: torch.device) -> list[Case]:
+    cases: list[Case] = []
+    for name, spec_text in EXTRAS_SPECS:
+        spec = parse_variant(spec_text)
+        names = cuda_backends(spec.kernel) if torch.device(device).type == "cuda" else [
+            n for n in dispatch.backends(spec.kernel) if n != "reference"]
+        cases += [AttnzooTarget(spec, backend, PLAIN, f"{name} / {backend}", None, _long) for backend in names]
+        cases.append(SdpaExtrasTarget(spec, "sdpa", label=f"sdpa+{name.split('+')[1]}", applies=_long))
+        if torch.device(device).type == "cuda":
+            cases.append(FlexExtrasTarget(spec, "flex", label=f"flex+{name.split('+')[1]}", applies=_long))
+    return cases
+
+
 def speed_cases(device: torch.device) -> list[Case]:
     """Every case the speed phase may time on ``device``: the baselines, then attnzoo's."""
-    return [_flex_n(c) for c in baseline_cases(device) + attnzoo_cases(device)]
+    return [_flex_n(c) for c in baseline_cases(device) + attnzoo_cases(device) + extras_cases(device)]
 
 
-__all__ = ["AUTO", "FLEX_N", "MODE", "T5Case", "VARIANT_FLAVOURS", "attnzoo_cases", "baseline_cases",
-           "benchmark_problems", "cuda_backends", "problem_from_fields", "row_fields", "speed_cases"]
+__all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "T5Case", "VARIANT_FLAVOURS", "attnzoo_cases", "baseline_cases",
+           "extras_cases", "benchmark_problems", "cuda_backends", "problem_from_fields", "row_fields", "speed_cases"]

@@ -17,6 +17,7 @@ from .. import registry
 from ..functional import explain
 from ..ops import dispatch
 from .errors import Skipped, Unsupported
+from .extras_inputs import call_inputs
 from .flops import flops
 from .problem import Problem, qkv, randn
 
@@ -165,6 +166,9 @@ class AttnzooTarget(Case):
         causal = self.spec.causal(problem.causal)
         q, k, v = qkv(problem)
         extra, extra_leaves = self.flavour.inputs(problem)
+        if self.spec.timed_module is None:  # the spec's softcap / sinks / window_size go into the call
+            spec_extra, spec_leaves = call_inputs(self.spec, problem)
+            extra, extra_leaves = {**extra, **spec_extra}, [*extra_leaves, *spec_leaves]
         resolved = self._resolve(q, k, v, causal, extra)
         key = ("attnzoo", self.spec.label, self.flavour.name, resolved, problem.key(), causal)
         if self.spec.timed_module is not None:

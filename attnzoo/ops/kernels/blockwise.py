@@ -65,6 +65,7 @@ class _Masks:
             right = 0 if right is None else min(right, 0)
         self.right = right
         self.softcap = softcap
+        self._bands: dict = {}  # (j0 - i0, rows, cols) -> the band's dropped block (see band_block)
 
     @staticmethod
     def block(t, qs, qe, ks, ke):
@@ -85,21 +86,34 @@ class _Masks:
         out = None
         if self.keep is not None:
             out = ~self.block(self.keep, qs, qe, ks, ke)
-        upper = self.right is not None and ke - 1 > qs + self.offset + self.right  # crosses the band's top
-        lower = self.left is not None and ks < qe - 1 + self.offset - self.left    # or its bottom edge
-        if upper or lower:
-            d = (torch.arange(ks, ke, device=device)[None, :] - torch.arange(qs, qe, device=device)[:, None]
-                 - self.offset)  # j - i - offset
-            c = None
-            if upper:
-                c = d > self.right
-            if lower:
-                c = (d < -self.left) if c is None else (c | (d < -self.left))
+        c = self.band_block(qs, qe, ks, ke, device)
+        if c is not None:
             out = c if out is None else (out | c)
         if with_add_a and self.add_a is not None:
             a = self.block(self.add_a, qs, qe, ks, ke) == -math.inf
             out = a if out is None else (out | a)
         return out
+
+    def band_block(self, qs, qe, ks, ke, device):
+        """Bool block, True outside the causal triangle / the window's band, or None when the block lies
+        inside. It depends only on ks - qs and the block's shape, so a window's blocks (all alike but the
+        first few) share one tensor, built once per call instead of once per block and pass."""
+        upper = self.right is not None and ke - 1 > qs + self.offset + self.right  # crosses the band's top
+        lower = self.left is not None and ks < qe - 1 + self.offset - self.left    # or its bottom edge
+        if not (upper or lower):
+            return None
+        slot = (ks - qs, qe - qs, ke - ks, upper, lower)
+        hit = self._bands.get(slot)
+        if hit is None or hit.device != device:
+            d = (torch.arange(ks, ke, device=device)[None, :] - torch.arange(qs, qe, device=device)[:, None]
+                 - self.offset)  # j - i - offset
+            hit = None
+            if upper:
+                hit = d > self.right
+            if lower:
+                hit = (d < -self.left) if hit is None else (hit | (d < -self.left))
+            self._bands[slot] = hit
+        return hit
 
     def scores(self, q_scaled, k, qs, qe, ks, ke, tanh_out=None):
         """s = cap(q_scaled k^T) + add_a + add_b for one block, -inf where the key does not take part;
@@ -173,25 +187,37 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     for qs in range(0, nq, block_q):
         qe = min(qs + block_q, nq)
         qb = q[:, :, qs:qe] * scale
+        row_max = None  # softmax: None until the first key block (or the sink) sets the running max and sum
         if kind == "softmax" and sinks is not None:  # the sink: the first key, with no value
             row_max = sinks.view(1, H, 1, 1).expand(B, H, qe - qs, 1).clone()
             row_sum = torch.exp(row_max - torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max)))
-        elif kind == "softmax":
-            row_max = q.new_full((B, H, qe - qs, 1), -math.inf)
-            row_sum = q.new_zeros(B, H, qe - qs, 1)
-        acc = q.new_zeros(B, H, qe - qs, dv)
+        acc = None
         for ks, ke in masks.key_blocks(qs, qe, block_k):
             s = masks.scores(qb, k, qs, qe, ks, ke)
-            if kind == "softmax":
+            if kind == "softmax" and row_max is None:
+                # the first block starts the running max and sum: no rescale of zeros (under a window
+                # most query blocks have this one key block only)
+                row_max = s.amax(-1, keepdim=True)
+                safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
+                p = s.sub_(safe_max).exp_()
+                row_sum = p.sum(-1, keepdim=True)
+                acc = p @ v[:, :, ks:ke]
+            elif kind == "softmax":
                 new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
                 safe_max = torch.where(new_max > -math.inf, new_max, torch.zeros_like(new_max))
                 p = s.sub_(safe_max).exp_()
                 rescale = torch.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
-                acc = acc.mul_(rescale).add_(p @ v[:, :, ks:ke])
+                pv = p @ v[:, :, ks:ke]
+                acc = pv if acc is None else acc.mul_(rescale).add_(pv)
                 row_max = new_max
             else:
-                acc = acc.add_(_pointwise_weights(kind, s, stat[:, :, qs:qe]) @ v[:, :, ks:ke])
+                pv = _pointwise_weights(kind, s, stat[:, :, qs:qe]) @ v[:, :, ks:ke]
+                acc = pv if acc is None else acc.add_(pv)
+        if acc is None:  # no key block (every key outside the band or after the diagonal)
+            acc = q.new_zeros(B, H, qe - qs, dv)
+            if kind == "softmax" and row_max is None:
+                row_max, row_sum = q.new_full((B, H, qe - qs, 1), -math.inf), q.new_zeros(B, H, qe - qs, 1)
         if kind == "softmax":
             nonempty = row_sum > 0
             total = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
@@ -233,7 +259,7 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
                 d_sinks -= (torch.exp(sinks.view(1, H, 1, 1) - lse) * delta).sum(2, keepdim=True)
         elif kind == "relu":
             do = do / stat[:, :, qs:qe].clamp_min(1.0)  # w = relu(s) / n_i: fold 1/n_i into the rows of dO
-        dqb = torch.zeros_like(qb)
+        dqb = None
         for ks, ke in masks.key_blocks(qs, qe, block_k):
             tanh = []
             s = masks.scores(qb, k, qs, qe, ks, ke, tanh)
@@ -255,9 +281,10 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
                     _accumulate(d_add, ds, qs, qe, ks, ke)
             if tanh:  # through the cap: d cap(x) / dx = 1 - tanh^2
                 ds = ds * (1.0 - tanh[0] * tanh[0])
-            dqb += ds @ k[:, :, ks:ke]
+            dqb = ds @ k[:, :, ks:ke] if dqb is None else dqb.add_(ds @ k[:, :, ks:ke])
             dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
-        dq[:, :, qs:qe] = dqb * scale
+        if dqb is not None:  # else no key block: dq stays 0
+            dq[:, :, qs:qe] = dqb.mul_(scale)
     return dq, dk, dv, d_adds[0], d_adds[1], d_sinks.sum(0).reshape(-1) if sinks is not None else d_sinks
 
 
