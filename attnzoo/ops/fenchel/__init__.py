@@ -20,7 +20,7 @@ from ..variant import Variant, declare
 from .cost import FORMULA, fenchel_flops
 from .functional import check, fenchel
 from . import layer
-from .kernels import fenchel_cpu, fenchel_flex, fenchel_torch
+from .backends import fenchel_cpu, fenchel_flex, fenchel_torch
 from .layer import FenchelHook
 from .reference import fenchel_attention
 

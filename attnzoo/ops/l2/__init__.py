@@ -16,7 +16,7 @@ from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .functional import l2
-from .kernels import l2_cpu, l2_flex, l2_torch
+from .backends import l2_cpu, l2_flex, l2_torch
 from .layer import L2Hook
 from .reference import l2_attention
 

@@ -12,7 +12,7 @@ from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .functional import relu
-from .kernels import relu_cpu
+from .backends import relu_cpu
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,

@@ -14,7 +14,7 @@ from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
 from ..variant import Variant, declare
 from .functional import check, sigmoid
-from .kernels import sigmoid_cpu
+from .backends import sigmoid_cpu
 from .layer import SigmoidHook
 from .reference import sigmoid_attention
 

@@ -14,7 +14,7 @@ from ..kernels.flash_softmax import triton as flash
 from ..triton_utils import register_triton
 from ..variant import Variant, declare
 from .functional import softmax
-from .kernels import softmax_cpu, softmax_torch
+from .backends import softmax_cpu, softmax_torch
 from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
