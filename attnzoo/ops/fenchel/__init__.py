@@ -16,7 +16,8 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import call_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .cost import FORMULA, fenchel_flops
 from .functional import check, fenchel
 from . import layer

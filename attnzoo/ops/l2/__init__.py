@@ -14,7 +14,8 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import l2
 from .backends import l2_cpu, l2_flex, l2_torch
 from .layer import L2Hook

@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .bound import specialize as bind_causal
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused

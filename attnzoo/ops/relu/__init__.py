@@ -10,7 +10,8 @@ from ..kernels import blockwise
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import relu
 from .backends import relu_cpu
 from .reference import relu_attention

@@ -12,7 +12,8 @@ from ..kernels import blockwise
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import check, sigmoid
 from .backends import sigmoid_cpu
 from .layer import SigmoidHook

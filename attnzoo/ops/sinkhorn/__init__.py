@@ -20,7 +20,8 @@ import torch
 from ..dispatch import all_of, register_backend
 from ..masking import split_mask
 from ..triton_utils import HAVE_TRITON
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from . import cpu
 from .cost import FORMULA, sinkhorn_flops, sinkhorn_reference_bytes
 from .functional import check, sinkhorn

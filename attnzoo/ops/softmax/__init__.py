@@ -12,7 +12,8 @@ from ..kernels import blockwise, sdpa
 from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import softmax
 from .backends import softmax_cpu, softmax_torch
 from .reference import softmax_attention
