@@ -1,5 +1,6 @@
 """The call path: every public attention function ends in ``attend``, which checks a call, decides
-once per call signature (ops/plan.py) and runs the chosen backend (docs/design.md, "The call path")."""
+once per call signature (ops/plan.py) and runs the chosen backend (docs/design.md, "The call path").
+The file reads top to bottom: ``attend`` first, then what it calls in the order it calls them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -15,23 +16,46 @@ from .catalog import _VARIANTS, get
 from .masking import propagate_query_nan
 from .record import Variant
 
-def backend_kwargs(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
-                   enable_gqa=False, **options) -> dict:
-    """The keyword arguments ``name``'s backends receive for this call (every argument checked)."""
-    record = get(name)
-    kw = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, record.default_scale, enable_gqa)
-    return {**kw, **_checked_options(record, q, k, v, kw["scale"], options)}
 
+def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0, backend=None,
+           enable_gqa=False, **options):
+    """Check the arguments of a ``name`` call, then run it on the backend the dispatcher picks.
 
-def _checked_options(record: Variant, q, k, v, scale, options: dict) -> dict:
-    extras = {n: options[n] for n in logit_extras.BACKEND_EXTRAS if n in options}
-    own = {n: a for n, a in options.items() if n not in extras}
-    checked = record.check(q, k, v, scale=scale, **own) if record.check is not None else own
-    if "softcap" in extras:
-        checked["softcap"] = logit_extras.check_softcap(extras["softcap"])
-    if "sinks" in extras:
-        checked["sinks"] = logit_extras.check_sinks(extras["sinks"], q)
-    return checked
+    The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
+    the same signature does only the value checks and the kernel."""
+    record = _VARIANTS.get(name) or get(name)  # get() names the variants when name is not one
+    requested = backend or dispatch.default_backend()  # read once: the key and the choice see one value
+    if options:
+        window = options.get("window_size")
+        if (options.get("softcap") is not None or options.get("sinks") is not None
+                or not (window is None or (type(window) is tuple and window == (-1, -1)))):
+            options, window = _with_extras(record, dict(options))
+            if window is not None:
+                native, found = _windowed(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
+                                          enable_gqa, options, window)
+                if native is not None:
+                    return logit_extras.run_native_window(native, q, k, v, found)
+                attn_mask = found
+        elif "softcap" in options or "sinks" in options or "window_size" in options:
+            # the common call: the functions pass the defaults (None, None, (-1, -1)), which no backend
+            # needs to see; decided and dropped inline, as this runs on every call (issue 28's budget)
+            options = dict(options)
+            options.pop("softcap", None)
+            options.pop("sinks", None)
+            options.pop("window_size", None)
+    key = per_call = None
+    if not torch.compiler.is_compiling():
+        key, per_call = plan_cache.signature(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
+                                             enable_gqa, options)
+        if key is not None:
+            p = plan_cache.lookup(key)
+            if p is not None:
+                return _run_plan(record, p, q, k, v, attn_mask, options)
+    p, kw = _make_plan(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options,
+                       key if not per_call else None, options_per_call=key is None or per_call)
+    if key is not None and p.choice.reusable:
+        plan_cache.keep(key, p)
+    return _run_plan(record, p, q, k, v, attn_mask, options, kw)
 
 
 def _with_extras(record: Variant, options: dict):
@@ -79,6 +103,25 @@ def _make_plan(name: str, requested: str, q, k, v, attn_mask, is_causal, scale, 
                            group if group > 1 else 0, special), kw
 
 
+def backend_kwargs(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
+                   enable_gqa=False, **options) -> dict:
+    """The keyword arguments ``name``'s backends receive for this call (every argument checked)."""
+    record = get(name)
+    kw = call.common_args(q, k, v, attn_mask, is_causal, scale, dropout_p, record.default_scale, enable_gqa)
+    return {**kw, **_checked_options(record, q, k, v, kw["scale"], options)}
+
+
+def _checked_options(record: Variant, q, k, v, scale, options: dict) -> dict:
+    extras = {n: options[n] for n in logit_extras.BACKEND_EXTRAS if n in options}
+    own = {n: a for n, a in options.items() if n not in extras}
+    checked = record.check(q, k, v, scale=scale, **own) if record.check is not None else own
+    if "softcap" in extras:
+        checked["softcap"] = logit_extras.check_softcap(extras["softcap"])
+    if "sinks" in extras:
+        checked["sinks"] = logit_extras.check_sinks(extras["sinks"], q)
+    return checked
+
+
 def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: dict, kw: Optional[dict] = None):
     """Run a call on its plan; ``kw`` (the first call's checked arguments) saves checking them again."""
     if kw is None:
@@ -100,47 +143,6 @@ def _run_plan(record: Variant, p: plan_cache.Plan, q, k, v, attn_mask, options: 
     if p.restore_nan:
         out = propagate_query_nan(out, q)
     return out
-
-
-def attend(name: str, q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0, backend=None,
-           enable_gqa=False, **options):
-    """Check the arguments of a ``name`` call, then run it on the backend the dispatcher picks.
-
-    The checks and the choice are made once per call signature (``ops/plan.py``); a later call with
-    the same signature does only the value checks and the kernel."""
-    record = _VARIANTS.get(name) or get(name)  # get() names the variants when name is not one
-    requested = backend or dispatch.default_backend()  # read once: the key and the choice see one value
-    if options:
-        window = options.get("window_size")
-        if (options.get("softcap") is not None or options.get("sinks") is not None
-                or not (window is None or (type(window) is tuple and window == (-1, -1)))):
-            options, window = _with_extras(record, dict(options))
-            if window is not None:
-                native, found = _windowed(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
-                                          enable_gqa, options, window)
-                if native is not None:
-                    return logit_extras.run_native_window(native, q, k, v, found)
-                attn_mask = found
-        elif "softcap" in options or "sinks" in options or "window_size" in options:
-            # the common call: the functions pass the defaults (None, None, (-1, -1)), which no backend
-            # needs to see; decided and dropped inline, as this runs on every call (issue 28's budget)
-            options = dict(options)
-            options.pop("softcap", None)
-            options.pop("sinks", None)
-            options.pop("window_size", None)
-    key = per_call = None
-    if not torch.compiler.is_compiling():
-        key, per_call = plan_cache.signature(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p,
-                                             enable_gqa, options)
-        if key is not None:
-            p = plan_cache.lookup(key)
-            if p is not None:
-                return _run_plan(record, p, q, k, v, attn_mask, options)
-    p, kw = _make_plan(name, requested, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options,
-                       key if not per_call else None, options_per_call=key is None or per_call)
-    if key is not None and p.choice.reusable:
-        plan_cache.keep(key, p)
-    return _run_plan(record, p, q, k, v, attn_mask, options, kw)
 
 
 record_module.use_call_path(attend)
