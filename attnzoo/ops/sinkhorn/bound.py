@@ -48,10 +48,9 @@ class BoundSinkhorn:
         self.record_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         p = st._problem(q, k, v, attn_mask, scale, eps, cost == "l2", True)
         s = st.ENGINE._setup(p)  # the engine's shapes, logit factor and mask orientation
-        self.T, self.c, A = int(n_iters), float(p.col_target), s["A"]
-        self.A = A
+        self.T, self.c, self.A = int(n_iters), float(p.col_target), s["A"]
+        A = self.A
         self.dtype, self.device, self.split_p = q.dtype, q.device, s["split_p"]
-        self.BH = (B, H)
         self.F_shape, self.G_shape = (self.T, B, H, nq), (self.T + 1, B, H, nk)
         self.lse_shape, self.out_shape = (B, H, nq), (B, H, nq, DV)
         self.XF_shape, self.UF_shape, self.fast_shape = (B, H, nq, 2 * self.T), (B, H, nk, 2 * self.T), (self.T, B * H)
@@ -101,7 +100,6 @@ class BoundSinkhorn:
         self.grad_qk = (*bind(K._grad_qk_kernel, "grad_qk", wide, nk,
                               dict(meta_cols, L2=cost == "l2", BLOCK_DV=st._block(DV), KT=st.FACTOR_COLUMNS)),
                         (H, nk, nq, D, DV, A, *cols))
-        self.dk_dtype, self.dv_dtype = k.dtype, v.dtype
 
     def __call__(self, q, k, v, *, attn_mask=None, **_):
         if st._PINNED or torch._C._len_torch_dispatch_stack():
