@@ -59,7 +59,7 @@ def _call(variant, backend, qkv, kw, backward=True):
     if backend == "torch" and variant == "fenchel":
         # the dispatcher declines SDPA for a log_u that needs a gradient on CPU (SDPA would take its
         # math kernel); call the kernel directly to measure what that decision avoids
-        from attnzoo.ops.fenchel.kernels import fenchel_torch
+        from attnzoo.ops.fenchel.backends import fenchel_torch
         q = qkv[0]
         out = fenchel_torch(*qkv, scale=q.shape[-1] ** -0.5, **kw)
     else:

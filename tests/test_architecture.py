@@ -77,7 +77,7 @@ def ops_folder(name: str) -> str | None:
 def test_the_graph_is_read():
     # a scanner that found nothing would pass every rule below
     assert len(MODULES) > 100
-    assert "attnzoo.ops.variant" in GRAPH["attnzoo.ops.softmax"]
+    assert "attnzoo.ops.catalog" in GRAPH["attnzoo.ops.softmax"]
     assert "attnzoo.registry" in GRAPH["attnzoo.adapters.spec"] or any(
         "attnzoo.registry" in GRAPH[m] for m in MODULES if m.startswith("attnzoo.adapters"))
 

@@ -361,8 +361,8 @@ FLEX_CASES = [c for c in CASES if c["id"] in ("plain", "causal_nq<nk", "causal_n
 @pytest.mark.parametrize("case", FLEX_CASES, ids=[c["id"] for c in FLEX_CASES])
 @pytest.mark.parametrize("variant", ["l2", "fenchel"])
 def test_flex_forward_matches_formula_on_cpu(variant, case):
-    from attnzoo.ops.fenchel.kernels import fenchel_flex
-    from attnzoo.ops.l2.kernels import l2_flex
+    from attnzoo.ops.fenchel.backends import fenchel_flex
+    from attnzoo.ops.l2.backends import l2_flex
     g = torch.Generator().manual_seed(11)
     q, k, v = (t.detach() for t in _inputs(case, g))
     mask = _make_mask(case, g)

@@ -1,4 +1,4 @@
-"""Non-causal linear attention's Triton kernels (ops/linear/noncausal_triton.py) against float64 math.
+"""Non-causal linear attention's Triton kernels (ops/linear/noncausal.py) against float64 math.
 
 tests/formulas.py.linear is the N x N form written from Katharopoulos et al. / paper 002 eq 2.2:
 w_ij = phi(scale q_i).phi(k_j) exp(mask_ij) on the keys taking part, out_i = sum_j w_ij v_j /

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from attnzoo.ops import dispatch
+from attnzoo.ops import dispatch, plan
 from attnzoo.ops.sinkhorn import cpu as sk_cpu
 from attnzoo.ops.sinkhorn.streaming import Problem
 from tests.common import (HAVE_TRITON, INTERPRET, KERNEL_DEVICE, float_mask, needs_gpu, needs_interpreter,
@@ -30,6 +30,16 @@ else:  # pragma: no cover
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Tests here change triton.py's module constants (MIN_SUM, SPREAD_MAX, FOLD_BELOW, FACTOR_MAX), which
+    a kept plan's bound launches hold (ops/sinkhorn/bound.py): no plan outlives a test, so each test's
+    constants are the ones its calls run with."""
+    plan.clear()
+    yield
+    plan.clear()
 
 
 # ---------------------------------------------------------------- float64 math from the formulas
@@ -467,6 +477,7 @@ def test_triton_extreme_logits_take_the_exact_walks(shortcut, n_iters, monkeypat
     c = dict(EXTREME.values[0], n_iters=n_iters, big=3.0 if shortcut == "MIN_SUM" else 2.0)
     check_against_math(c, _triton_run)
     monkeypatch.setattr(sk_triton, shortcut, SHIFTED_ONLY[shortcut])
+    plan.clear()  # the kept plan holds the constants it was bound with
     with pytest.raises(AssertionError):
         check_against_math(c, _triton_run)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from attnzoo.ops.fenchel.kernels import fenchel_torch
+from attnzoo.ops.fenchel.backends import fenchel_torch
 from attnzoo.ops.kernels.sdpa import split_coordinate
-from attnzoo.ops.l2.kernels import l2_torch
+from attnzoo.ops.l2.backends import l2_torch
 from tests import formulas as Fm
 from tests.common import qkv, seeded
 

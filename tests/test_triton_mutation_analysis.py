@@ -21,7 +21,7 @@ from tests.common import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 S, P, SK = "attnzoo.ops.kernels.flash_softmax.triton_kernels", "attnzoo.ops.kernels.pointwise.triton_kernels", "attnzoo.ops.sinkhorn.triton_kernels"
-L, O = "attnzoo.ops.linear.chunk_kernels", "attnzoo.ops.ot.triton_kernels"
+L, O = "attnzoo.ops.linear.triton_kernels", "attnzoo.ops.ot.triton_kernels"
 LN = "attnzoo.ops.linear.noncausal_kernels"
 # the forward's, dQ's and dK/dV's autotuners launch the selector kernels where Triton can build the Hopper variant
 FWD = ("attnzoo.ops.kernels.flash_softmax.hopper_kernels.softmax_fwd_select_kernel" if TENSOR_DESCRIPTORS

@@ -2,7 +2,7 @@
 checks common to all variants, grouped-query heads, and the output of a call with no (batch, head)
 pair.
 
-``ops.variant.attend`` runs these checks, the variant's own ``check`` and the dispatcher's choice
+``ops.call_path.attend`` runs these checks, the variant's own ``check`` and the dispatcher's choice
 once per call signature (``ops/plan.py``) and the chosen backend on every call.
 """
 from __future__ import annotations

@@ -16,11 +16,12 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import call_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .cost import FORMULA, fenchel_flops
 from .functional import check, fenchel
 from . import layer
-from .kernels import fenchel_cpu, fenchel_cpu_varlen, fenchel_flex, fenchel_torch
+from .backends import fenchel_cpu, fenchel_cpu_varlen, fenchel_flex, fenchel_torch
 from .layer import FenchelHook
 from .reference import fenchel_attention
 

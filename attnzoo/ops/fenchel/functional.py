@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import call, dispatch
 from .. import validate as V
-from ..variant import attend
+from ..call_path import attend
 from . import t5
 from .reference import SOLVES
 

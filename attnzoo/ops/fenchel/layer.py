@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import validate as V
-from ..variant import LayerHook
+from ..record import LayerHook
 from .reference import SOLVES
 from .t5 import T5Bias
 from .t5_buckets import check_bucketing

@@ -23,7 +23,7 @@ from .. import validate as V
 from ..kernels.flash_softmax.triton import bucket_bias_attention, offset_lut
 from ..kernels.flex import flex_reason
 from ..triton_utils import common_reason
-from .kernels import t5_flex
+from .backends import t5_flex
 from .t5_buckets import check_bucketing, t5_offset_lut
 from .t5_reference import t5_log_preference
 

@@ -14,9 +14,10 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import l2
-from .kernels import l2_cpu, l2_cpu_varlen, l2_flex, l2_torch
+from .backends import l2_cpu, l2_cpu_varlen, l2_flex, l2_torch
 from .layer import L2Hook
 from .reference import l2_attention
 

@@ -1,7 +1,7 @@
 """The public L2 attention function (re-exported as ``attnzoo.functional.l2``)."""
 from __future__ import annotations
 
-from ..variant import attend
+from ..call_path import attend
 
 
 def l2(q, k, v, attn_mask=None, is_causal=False, scale=None, *, dropout_p=0.0, backend=None, enable_gqa=False,

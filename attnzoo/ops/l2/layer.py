@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import validate as V
-from ..variant import LayerHook
+from ..record import LayerHook
 
 
 class L2Hook(LayerHook):

@@ -4,7 +4,7 @@ normalised by phi(q_i) . sum_j phi(k_j), phi = elu + 1 (or relu, or none); no lo
 Backends: "reference"; "cpu", chunked causal linear attention / two matmuls (cpu.py, factorised.py),
 custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as the reference at
 every size measured, far less memory); "triton", the chunked parallel form for causal calls (triton.py,
-chunk_kernels.py) and a key-state reduction for non-causal ones (noncausal_triton.py,
+triton_kernels.py) and a key-state reduction for non-causal ones (noncausal.py,
 noncausal_kernels.py), priority 20, auto on CUDA only.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .bound import specialize as bind_causal
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused

@@ -8,7 +8,7 @@ normaliser mode, whether the unrounded output is kept). A call allocates and lau
 output kernels; its backward reuses the binding for the state recomputation, the normaliser gradient,
 the reverse scan and the dv / dq-dk kernels. Absent inputs (s0, z0, the per-head epsilon, the
 identity map's normaliser rows) get one stand-in each instead of a zero-sized allocation per call.
-The other forms (masks, Nq != Nk, non-causal) keep the general route (triton.py, noncausal_triton.py).
+The other forms (masks, Nq != Nk, non-causal) keep the general route (triton.py, noncausal.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from ..first_order import first_order_only
 from ..triton_utils import HAVE_TRITON, stand_in
-from . import chunk_kernels as ck
+from . import triton_kernels as ck
 from . import triton as lt
 from .launch import FEATURES, device_index, flags
 

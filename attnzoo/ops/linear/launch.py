@@ -1,10 +1,10 @@
-"""What the causal (triton.py) and non-causal (noncausal_triton.py) linear host code share: the dtypes
+"""What the causal (triton.py) and non-causal (noncausal.py) linear host code share: the dtypes
 the kernels take, their precision flags, strides and the device a launch runs on."""
 from __future__ import annotations
 
 import torch
 
-from . import chunk_kernels as ck
+from . import triton_kernels as ck
 from ..triton_utils import HAVE_TRITON, INTERPRETED, dot_precision
 
 if HAVE_TRITON:

@@ -1,4 +1,4 @@
-"""Triton kernels of non-causal linear attention (host code: noncausal_triton.py).
+"""Triton kernels of non-causal linear attention (host code: noncausal.py).
 
 Per (batch, head), with phi the feature map (applied in the kernels to scale * q and to k) and the key
 weights w_j of a key-only mask (bool: keep_j; float: keep_j exp(m_j - shift), shift = the largest
@@ -42,7 +42,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .chunk_kernels import _feature_slope, _features, _load, _load_t, _scalar, _wide
+    from .triton_kernels import _feature_slope, _features, _load, _load_t, _scalar, _wide
     from ..triton_utils import mm
 
     @triton.jit

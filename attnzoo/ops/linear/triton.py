@@ -1,4 +1,4 @@
-"""Causal linear attention in Triton: the chunked parallel form (kernels: chunk_kernels.py).
+"""Causal linear attention in Triton: the chunked parallel form (kernels: triton_kernels.py).
 
 Chunks of C rows: inside a chunk a quadratic tril(phi(Q) phi(K)^T) V on the tensor cores, across chunks
 an fp32 state H_c = s0 + sum of earlier chunks' phi(K)^T V written by a scan (one program per
@@ -20,7 +20,7 @@ Host-side (plain autograd, O(N D) work) are the rarer forms of ``reference.py``:
 - bottom-right causal with Nk > Nq: the first Nk - Nq keys are seen by every query, their
   phi(K)^T V (fp32) is the initial state s0 (and their phi(K) sum the normaliser's z0);
 - Nq > Nk: the first Nq - Nk queries see no key and return zeros.
-Non-causal calls run their own kernels (noncausal_triton.py: the keys' state S = sum_j phi(k_j) v_j^T,
+Non-causal calls run their own kernels (noncausal.py: the keys' state S = sum_j phi(k_j) v_j^T,
 then phi(q_i)^T S, every form above fused in).
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import chunk_kernels as ck
+from . import triton_kernels as ck
 from .factorised import _causal_count, _key_weights
 from .launch import FEATURES, KERNEL_DTYPES, dtype_reason  # noqa: F401 (dtype_reason: the backend's check)
 from .launch import bhn as _bhn, device_index as _device_index, flags as _flags, pow2 as _pow2
 from .launch import unit_columns as _unit_columns
-from .noncausal_triton import linear_noncausal
+from .noncausal import linear_noncausal
 from .reference import EPS, feature_map_fn
 from ..triton_utils import HAVE_TRITON, INTERPRETED, kernel_op, launcher, tracing_only
 
@@ -52,7 +52,7 @@ INTERPRETER_TILE = 16
 # a sum of N outer products (v with a mean over a long sequence); bf16 has fp32's range.
 MEAN_STATE_DTYPES = (torch.float16,)
 # Input dtypes whose normalised forward also writes its output unrounded (fp32) for the backward (issue 21):
-# the normaliser gradient c_i = -r_i dO_i . out_i cancels against other terms of dq (chunk_kernels).
+# the normaliser gradient c_i = -r_i dO_i . out_i cancels against other terms of dq (triton_kernels).
 EXACT_OUT_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -122,7 +122,7 @@ def _states(k, v, s0, z0, prefix_rows, scale, feature, normalised, cfg, flags):
 # take q, k, v of shape (B, H, N, .) with unit column stride; s0 (B, H, D, Dv) and z0 (B, H, D) in the
 # accumulator dtype, or None; eps_bh (B * H,) the normaliser's epsilon per head, or None for 1e-6;
 # prefix_rows the keys summed in s0. ``scale`` reaches the kernels as a Python float, which inductor
-# types fp64: the kernels cast it to their accumulator dtype (chunk_kernels._scalar).
+# types fp64: the kernels cast it to their accumulator dtype (triton_kernels._scalar).
 if HAVE_TRITON:
     @kernel_op("attnzoo::linear_causal_fwd", mutates_args=())
     def linear_causal_fwd(q: Tensor, k: Tensor, v: Tensor, s0: Optional[Tensor], z0: Optional[Tensor],
@@ -132,7 +132,7 @@ if HAVE_TRITON:
         kept for the backward; (B * H, 0) unless mode is MODE_NORMALISED, exact: out before its
         rounding (fp32, (B, H, N, Dv)) for half inputs in MODE_NORMALISED, else (0,): the backward's
         normaliser gradient takes dO . out from it), with
-        out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see chunk_kernels)."""
+        out_i = r_i phi(q_i)^T (s0 + sum_{j <= i} phi(k_j) v_j^T) (r_i: see triton_kernels)."""
         B, H, N, D = q.shape
         DV = v.shape[-1]
         cfg, flags = launch_config(D, DV, q.dtype), _flags(q.dtype)
@@ -266,6 +266,6 @@ def _causal(q, k, v, attn_mask, scale, feature_map):
 
 def linear_attention_triton(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0, feature_map="elu",
                             dropout_p=0.0):
-    if not is_causal:   # its own kernels (noncausal_triton.py); backend "cpu" runs the two torch matmuls
+    if not is_causal:   # its own kernels (noncausal.py); backend "cpu" runs the two torch matmuls
         return linear_noncausal(q, k, v, attn_mask, scale, feature_map)
     return _causal(q, k, v, attn_mask, scale, feature_map)

@@ -16,7 +16,8 @@ import torch
 from ..dispatch import register_backend
 from ..measured import register_flavour
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .cost import FORMULA, ot_flops, ot_reference_bytes
 from .cpu import ot_attention_cpu
 from .factorised import supports_ot_fused

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import validate as V
-from ..variant import attend
+from ..call_path import attend
 
 
 def check(q, k, v, *, scale, alpha=1.0, gamma=None, log_u=None, templates_k=None, templates_v=None) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import validate as V
-from ..variant import LayerHook
+from ..record import LayerHook
 
 
 class OTHook(LayerHook):

@@ -10,9 +10,10 @@ from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import relu
-from .kernels import relu_cpu, relu_cpu_varlen
+from .backends import relu_cpu, relu_cpu_varlen
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,

@@ -12,9 +12,10 @@ from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import check, sigmoid
-from .kernels import sigmoid_cpu, sigmoid_cpu_varlen
+from .backends import sigmoid_cpu, sigmoid_cpu_varlen
 from .layer import SigmoidHook
 from .reference import sigmoid_attention
 

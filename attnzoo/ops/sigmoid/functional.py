@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import validate as V
-from ..variant import attend
+from ..call_path import attend
 
 
 def check(q, k, v, *, scale, bias=None) -> dict:

@@ -5,7 +5,7 @@ import torch
 
 from .. import validate as V
 from ..masking import key_counts, split_mask
-from ..variant import LayerHook
+from ..record import LayerHook
 from .reference import default_sigmoid_bias
 
 

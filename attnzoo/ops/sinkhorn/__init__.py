@@ -20,7 +20,8 @@ import torch
 from ..dispatch import all_of, register_backend
 from ..masking import split_mask
 from ..triton_utils import HAVE_TRITON
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from . import cpu
 from .cost import FORMULA, sinkhorn_flops, sinkhorn_reference_bytes
 from .functional import check, sinkhorn
@@ -28,6 +29,7 @@ from .layer import SinkhornHook
 from .reference import sinkhorn_attention
 
 if HAVE_TRITON:  # the kernels import triton at module level; the CPU backends do not need it
+    from . import bound as sinkhorn_bound
     from . import triton as sinkhorn_triton
 
 
@@ -99,7 +101,7 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
                  description="blockwise PyTorch, O(N) memory, implicit (fixed-point) backward")
 if HAVE_TRITON:
     register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
-                     _triton_supports, priority=20, auto_devices=("cuda",),
+                     _triton_supports, priority=20, auto_devices=("cuda",), specialize=sinkhorn_bound.specialize,
                      description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import validate as V
-from ..variant import attend
+from ..call_path import attend
 
 COSTS = ("l2", "dot")
 

@@ -1,7 +1,7 @@
 """What Sinkhorn attention adds to the shared layer: n_iters, eps and cost, passed on every call."""
 from __future__ import annotations
 
-from ..variant import LayerHook
+from ..record import LayerHook
 from .functional import check
 
 

@@ -12,9 +12,10 @@ from ..kernels import blockwise, blockwise_varlen, sdpa
 from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..triton_utils import register_triton
-from ..variant import Variant, declare
+from ..catalog import declare
+from ..record import Variant
 from .functional import softmax
-from .kernels import softmax_cpu, softmax_cpu_varlen, softmax_torch
+from .backends import softmax_cpu, softmax_cpu_varlen, softmax_torch
 from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)

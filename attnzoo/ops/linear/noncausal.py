@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .chunk_kernels import FEATURE_NONE
+from .triton_kernels import FEATURE_NONE
 from .factorised import key_only_mask
 from .launch import FEATURES, accumulator_dtype, bhn, device_index, flags, pow2, unit_columns
 from ..triton_utils import (HAVE_TRITON, INTERPRETED, MASK_BOOL, MASK_FLOAT, MASK_NONE, kernel_op, launcher,

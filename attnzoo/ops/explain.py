@@ -1,0 +1,59 @@
+"""``attnzoo.explain``: which backend runs a call and why the others were skipped, checked as the
+variant's function checks it; and ``check_keywords``, the unknown-keyword error it shares."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+from . import call, dispatch
+from . import logit_extras
+from . import validate as V
+from .call_path import _windowed, _with_extras, backend_kwargs
+from .catalog import _VARIANTS
+from .record import SHARED_ARGS, Variant
+
+def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
+    """Which backend runs this call and why the others were skipped. The arguments are checked exactly
+    as the variant's function checks them (an unknown keyword is a TypeError naming it); the
+    function's defaults fill the options not given."""
+    V.check_choice("variant", name, _VARIANTS)
+    record = _VARIANTS[name]
+    check_keywords(record, kwargs)
+    options = {**record.options, **{n: a for n, a in kwargs.items() if n not in SHARED_ARGS},
+               **{n: kwargs[n] for n in logit_extras.NAMES if n in kwargs}}
+    options, window = _with_extras(record, options)
+    shared = {n: kwargs[n] for n in call.SHARED_KWARGS + ("enable_gqa",) if n in kwargs}
+    if window is not None:
+        native, found = _windowed(name, backend, q, k, v, shared.get("attn_mask"), shared.get("is_causal", False),
+                                  shared.get("scale"), shared.get("dropout_p", 0.0), shared.get("enable_gqa", False),
+                                  options, window)
+        if native is not None:
+            return dispatch.Choice(name, native, backend or dispatch.default_backend(),
+                                   notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
+        shared["attn_mask"] = found
+    kw = backend_kwargs(name, q, k, v, **shared, **options)
+    group = call.gqa_group(q, k)
+    if group > 1:
+        choice = dispatch.choose(name, backend, q, call.expand_heads(k, group), call.expand_heads(v, group), **kw)
+    else:
+        choice = dispatch.choose(name, backend, q, k, v, **kw)
+    if group > 1:
+        how = ("indexes each shared key/value head in place" if choice.backend.gqa else
+               "does not index shared heads: k and v are expanded to q's heads first (a copy)")
+        choice.notes = choice.notes + (f"grouped-query attention, {call.gqa_group(q, k)} query heads per key/value "
+                                       f"head: '{choice.backend.name}' {how}",)
+    return choice
+
+
+def check_keywords(record: Variant, kwargs: Mapping[str, Any]) -> None:
+    """TypeError for a keyword the variant's function does not take, with the closest one it does."""
+    params = inspect.signature(record.functional).parameters
+    accepted = {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    accepted.discard("q"), accepted.discard("k"), accepted.discard("v")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted |= set(record.options) | set(SHARED_ARGS)
+    accepted.add("enable_gqa")
+    for keyword in kwargs:
+        if keyword not in accepted:
+            raise TypeError(f"{record.name}() got an unexpected keyword argument {keyword!r}"
+                            f"{V.close_match(keyword, accepted)}; it takes {sorted(accepted)}")
