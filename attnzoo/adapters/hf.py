@@ -100,12 +100,23 @@ def _logit_extras(kwargs: dict, causal: bool, nq: int, nk: int) -> dict:
     return extras
 
 
+_COLLECTOR = []  # transformers' collector of output_attentions, looked up once (the first call)
+
+
 def _attentions_requested() -> bool:
-    """True when the running HF forward collects attention weights (output_attentions=True)."""
+    """True when the running HF forward collects attention weights (output_attentions=True): one
+    ContextVar read per call; the import that finds it runs once."""
+    if not _COLLECTOR:
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:
+            _active_collector = None
+        _COLLECTOR.append(_active_collector)
+    if _COLLECTOR[0] is None:
+        return False
     try:
-        from transformers.utils.output_capturing import _active_collector
-        collected = _active_collector.get()
-    except (ImportError, LookupError, AttributeError):
+        collected = _COLLECTOR[0].get()
+    except LookupError:
         return False
     return isinstance(collected, dict) and "attentions" in collected
 
