@@ -350,6 +350,18 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
+    def query_block(H, Nq, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Where a query-block program (grid: query blocks x B*H) stands: (pid_bh, b, h, start_m, offs_m,
+        qi_at, offs_d, offs_dv). qi_at: the rows clamped into [0, Nq), for addresses only (rows past Nq
+        read any valid row; their results are never stored). pid_bh is int64 so that the head offsets
+        of large tensors do not overflow."""
+        pid_bh = tl.program_id(1).to(tl.int64)
+        start_m = tl.program_id(0) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        return (pid_bh, pid_bh // H, pid_bh % H, start_m, offs_m, tl.minimum(offs_m, Nq - 1),
+                tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
+
+    @triton.jit
     def visible_keys(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """(lo, hi) for a query block [start_m, start_m + BLOCK_M): key blocks [0, lo) are whole, in
         bounds and visible to every query of the block (no masking needed); [lo, hi) holds the

@@ -53,7 +53,8 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys, visible_queries
+    from ...triton_utils import (load_rows, load_tile, mm, mma, query_block, tile_logits, visible_keys,
+                                visible_queries)
     from .triton_kernels import (LOG2E, key_terms, scores, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
                                  softmax_fwd_kernel)
 
@@ -123,15 +124,7 @@ if TENSOR_DESCRIPTORS:
         checked: unit last stride, 16-byte aligned base and row strides)."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
@@ -222,15 +215,7 @@ if TENSOR_DESCRIPTORS:
         """dQ of one query block of one head (softmax_bwd_dq_kernel's program), K / V through descriptors."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh

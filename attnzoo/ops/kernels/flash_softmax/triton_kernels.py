@@ -51,7 +51,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (load_rows, load_tile, mm, mma, tile_logits, visible_keys,
+    from ...triton_utils import (load_rows, load_tile, mm, mma, query_block, tile_logits, visible_keys,
                                 visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
@@ -206,15 +206,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)  # rows past Nq: any valid address (their output is not stored)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -436,15 +428,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh

@@ -36,7 +36,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, tile_logits,
+    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, query_block, tile_logits,
                                 visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
@@ -161,15 +161,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -324,15 +316,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
