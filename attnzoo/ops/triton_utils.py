@@ -362,6 +362,18 @@ if HAVE_TRITON:
                 tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
 
     @triton.jit
+    def key_block(H_kv, Nk, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Where a key-block program of a dK/dV kernel (grid: key blocks x B*H_kv) stands: (pid_bkv, b,
+        h_kv, start_n, offs_n, kj_at, offs_d, offs_dv), pid_bkv = b * H_kv + key/value head (int64).
+        kj_at: the keys clamped into [0, Nk), for addresses only (keys past Nk read any valid key; their
+        gradients are never stored)."""
+        pid_bkv = tl.program_id(1).to(tl.int64)
+        start_n = tl.program_id(0) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return (pid_bkv, pid_bkv // H_kv, pid_bkv % H_kv, start_n, offs_n, tl.minimum(offs_n, Nk - 1),
+                tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
+
+    @triton.jit
     def visible_keys(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """(lo, hi) for a query block [start_m, start_m + BLOCK_M): key blocks [0, lo) are whole, in
         bounds and visible to every query of the block (no masking needed); [lo, hi) holds the

@@ -53,7 +53,7 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import (load_rows, load_tile, mm, mma, query_block, tile_logits, visible_keys,
+    from ...triton_utils import (load_rows, load_tile, mm, mma, key_block, query_block, tile_logits, visible_keys,
                                 visible_queries)
     from .triton_kernels import (LOG2E, key_terms, scores, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
                                  softmax_fwd_kernel)
@@ -325,16 +325,8 @@ if TENSOR_DESCRIPTORS:
         last stride, 16-byte aligned base and row strides). K / V are loaded once with plain pointers."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         # the resident key block through descriptors as well (zero past Nk and D): a TMA copy lands in
         # shared memory, where the wgmma reads it, instead of two tiles held in registers all along
         k = tl.make_tensor_descriptor(K + b * skb + h_kv * skh, shape=[Nk, D], strides=[skn, 1],

@@ -51,7 +51,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (load_rows, load_tile, mm, mma, query_block, tile_logits, visible_keys,
+    from ...triton_utils import (load_rows, load_tile, mm, mma, key_block, query_block, tile_logits, visible_keys,
                                 visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
@@ -322,16 +322,8 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)  # keys past Nk: any valid address (their gradients are not stored)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
@@ -377,7 +369,7 @@ if HAVE_TRITON:
             if HAS_T5:
                 B = tl.num_programs(1) // H_kv
                 every = tl.arange(0, BUCKETS)
-                tl.store(DTABLE + ((pid_n * B + b) * BUCKETS + every) * H + h, dtab)
+                tl.store(DTABLE + ((tl.program_id(0) * B + b) * BUCKETS + every) * H + h, dtab)
             colsum += ds_colsum
         if L2:
             dk = 2.0 * scale * (dk - k.to(tl.float32) * colsum[:, None])

@@ -36,8 +36,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, query_block, tile_logits,
-                                visible_keys, visible_queries)
+    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, key_block,
+                                query_block, tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -235,16 +235,8 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
