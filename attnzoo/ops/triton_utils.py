@@ -309,6 +309,13 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def store_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols, x):
+        """ptr[rows, cols] = x in ptr's dtype, inside (n_rows, n_cols) only: load_tile's counterpart for
+        an output tile (rows and columns past the tensor belong to padding or another program)."""
+        tl.store(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, x.to(ptr.dtype.element_ty),
+                 mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+
+    @triton.jit
     def load_rows(ptr, rows, n, other, BOUND: tl.constexpr):
         """ptr[rows] for a per-row vector (lse, delta, counts), ``other`` past n when BOUND."""
         if BOUND:

@@ -53,8 +53,8 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import (load_rows, load_tile, mm, mma, key_block, query_block, tile_logits, visible_keys,
-                                visible_queries)
+    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, query_block, store_tile,
+                                tile_logits, visible_keys, visible_queries)
     from .triton_kernels import (LOG2E, key_terms, scores, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
                                  softmax_fwd_kernel)
 
@@ -148,8 +148,7 @@ if TENSOR_DESCRIPTORS:
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
         O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, out)
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
@@ -241,8 +240,7 @@ if TENSOR_DESCRIPTORS:
         else:
             dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
-        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+        store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
 
     @triton.jit
     def softmax_dq_select_kernel(
@@ -372,10 +370,8 @@ if TENSOR_DESCRIPTORS:
             dk = scale * dk
         DK += pid_bkv * Nk * D  # contiguous (B, H_kv, N, D)
         DV_OUT += pid_bkv * Nk * DV
-        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+        store_tile(DK, offs_n, offs_d, D, 1, Nk, D, dk)
+        store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
     def softmax_dkdv_select_kernel(

@@ -51,8 +51,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (load_rows, load_tile, mm, mma, key_block, query_block, tile_logits, visible_keys,
-                                visible_queries)
+    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, query_block, store_tile,
+                                tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -238,12 +238,9 @@ if HAVE_TRITON:
             # (docs/kernels_softmax_family.md, "Precision"). Stored first, so the fp32 tile is dead by
             # the time the output's pointer tile is live (registers).
             ORES += b * sob + h * soh
-            tl.store(ORES + offs_m[:, None] * som + offs_dv[None, :] * sod,
-                     (out - rounded.to(tl.float32)).to(O.dtype.element_ty),
-                     mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+            store_tile(ORES, offs_m, offs_dv, som, sod, Nq, DV, out - rounded.to(tl.float32))
         O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, rounded,
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, rounded)
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
@@ -378,10 +375,8 @@ if HAVE_TRITON:
         # gradients are written contiguous (B, H_kv, N, D)
         DK += pid_bkv * Nk * D
         DV_OUT += pid_bkv * Nk * DV
-        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+        store_tile(DK, offs_n, offs_d, D, 1, Nk, D, dk)
+        store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
     def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
@@ -448,8 +443,7 @@ if HAVE_TRITON:
         else:
             dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
-        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+        store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
 
     @triton.jit
     def softmax_bwd_delta_kernel(O, ORES, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,
