@@ -8,6 +8,9 @@
 - ``load_tile`` / ``tile_logits``: the staged inner loops' loads and score masking. A loop stage
   whose blocks lie inside the bounds and below the causal diagonal passes False for the bounds /
   causal flags and gets loads without masks and no per-element masking arithmetic at all.
+- ``query_block`` / ``key_block``: where a query-block program (forward, dQ) or a key-block program
+  (dK/dV) stands: batch, head, its rows, their clamped addresses, the head-dim ranges. ``store_tile``:
+  the masked store of an output tile in the output's dtype.
 - Host helpers: whether the kernels can run on a tensor's device, block sizes, how a mask is handed
   to a kernel (broadcast by strides, never copied to (B, H, Nq, Nk)).
 """
