@@ -8,6 +8,9 @@
 - ``load_tile`` / ``tile_logits``: the staged inner loops' loads and score masking. A loop stage
   whose blocks lie inside the bounds and below the causal diagonal passes False for the bounds /
   causal flags and gets loads without masks and no per-element masking arithmetic at all.
+- ``query_block`` / ``key_block``: where a query-block program (forward, dQ) or a key-block program
+  (dK/dV) stands: batch, head, its rows, their clamped addresses, the head-dim ranges. ``store_tile``:
+  the masked store of an output tile in the output's dtype.
 - Host helpers: whether the kernels can run on a tensor's device, block sizes, how a mask is handed
   to a kernel (broadcast by strides, never copied to (B, H, Nq, Nk)).
 """
@@ -309,6 +312,13 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def store_tile(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols, x):
+        """ptr[rows, cols] = x in ptr's dtype, inside (n_rows, n_cols) only: load_tile's counterpart for
+        an output tile (rows and columns past the tensor belong to padding or another program)."""
+        tl.store(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, x.to(ptr.dtype.element_ty),
+                 mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+
+    @triton.jit
     def load_rows(ptr, rows, n, other, BOUND: tl.constexpr):
         """ptr[rows] for a per-row vector (lse, delta, counts), ``other`` past n when BOUND."""
         if BOUND:
@@ -348,6 +358,30 @@ if HAVE_TRITON:
         elif CAUSAL_MASK:  # key j takes part for query i iff j <= i + Nk - Nq (bottom-right aligned)
             s = tl.where(kj <= qi + (Nk - Nq), s, float("-inf"))
         return s
+
+    @triton.jit
+    def query_block(H, Nq, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Where a query-block program (grid: query blocks x B*H) stands: (pid_bh, b, h, start_m, offs_m,
+        qi_at, offs_d, offs_dv). qi_at: the rows clamped into [0, Nq), for addresses only (rows past Nq
+        read any valid row; their results are never stored). pid_bh is int64 so that the head offsets
+        of large tensors do not overflow."""
+        pid_bh = tl.program_id(1).to(tl.int64)
+        start_m = tl.program_id(0) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        return (pid_bh, pid_bh // H, pid_bh % H, start_m, offs_m, tl.minimum(offs_m, Nq - 1),
+                tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
+
+    @triton.jit
+    def key_block(H_kv, Nk, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Where a key-block program of a dK/dV kernel (grid: key blocks x B*H_kv) stands: (pid_bkv, b,
+        h_kv, start_n, offs_n, kj_at, offs_d, offs_dv), pid_bkv = b * H_kv + key/value head (int64).
+        kj_at: the keys clamped into [0, Nk), for addresses only (keys past Nk read any valid key; their
+        gradients are never stored)."""
+        pid_bkv = tl.program_id(1).to(tl.int64)
+        start_n = tl.program_id(0) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return (pid_bkv, pid_bkv // H_kv, pid_bkv % H_kv, start_n, offs_n, tl.minimum(offs_n, Nk - 1),
+                tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
 
     @triton.jit
     def visible_keys(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):

@@ -53,7 +53,8 @@ if HAVE_TRITON:
         WARP_SPECIALIZE = False
 
 if TENSOR_DESCRIPTORS:
-    from ...triton_utils import load_rows, load_tile, mm, mma, tile_logits, visible_keys, visible_queries
+    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, query_block, store_tile,
+                                tile_logits, visible_keys, visible_queries)
     from .triton_kernels import (LOG2E, key_terms, scores, softmax_bwd_dkdv_kernel, softmax_bwd_dq_kernel,
                                  softmax_fwd_kernel)
 
@@ -123,15 +124,7 @@ if TENSOR_DESCRIPTORS:
         checked: unit last stride, 16-byte aligned base and row strides)."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         MASK += b * smb + h * smh
         PREF += b * spb + h * sph
@@ -155,8 +148,7 @@ if TENSOR_DESCRIPTORS:
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
         O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, out)
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
@@ -222,15 +214,7 @@ if TENSOR_DESCRIPTORS:
         """dQ of one query block of one head (softmax_bwd_dq_kernel's program), K / V through descriptors."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         DO += b * sdob + h * sdoh
         MASK += b * smb + h * smh
@@ -256,8 +240,7 @@ if TENSOR_DESCRIPTORS:
         else:
             dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
-        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+        store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
 
     @triton.jit
     def softmax_dq_select_kernel(
@@ -340,16 +323,8 @@ if TENSOR_DESCRIPTORS:
         last stride, 16-byte aligned base and row strides). K / V are loaded once with plain pointers."""
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         # the resident key block through descriptors as well (zero past Nk and D): a TMA copy lands in
         # shared memory, where the wgmma reads it, instead of two tiles held in registers all along
         k = tl.make_tensor_descriptor(K + b * skb + h_kv * skh, shape=[Nk, D], strides=[skn, 1],
@@ -395,10 +370,8 @@ if TENSOR_DESCRIPTORS:
             dk = scale * dk
         DK += pid_bkv * Nk * D  # contiguous (B, H_kv, N, D)
         DV_OUT += pid_bkv * Nk * DV
-        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+        store_tile(DK, offs_n, offs_d, D, 1, Nk, D, dk)
+        store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
     def softmax_dkdv_select_kernel(

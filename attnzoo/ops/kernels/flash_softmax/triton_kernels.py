@@ -51,8 +51,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (load_rows, load_tile, mm, mma, tile_logits, visible_keys,
-                                visible_queries)
+    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, query_block, store_tile,
+                                tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -206,15 +206,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)  # rows past Nq: any valid address (their output is not stored)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -246,12 +238,9 @@ if HAVE_TRITON:
             # (docs/kernels_softmax_family.md, "Precision"). Stored first, so the fp32 tile is dead by
             # the time the output's pointer tile is live (registers).
             ORES += b * sob + h * soh
-            tl.store(ORES + offs_m[:, None] * som + offs_dv[None, :] * sod,
-                     (out - rounded.to(tl.float32)).to(O.dtype.element_ty),
-                     mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+            store_tile(ORES, offs_m, offs_dv, som, sod, Nq, DV, out - rounded.to(tl.float32))
         O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, rounded,
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, rounded)
         tl.store(LSE + pid_bh * Nq + offs_m, lse2, mask=offs_m < Nq)
 
     @triton.jit
@@ -330,16 +319,8 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)  # keys past Nk: any valid address (their gradients are not stored)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
@@ -385,7 +366,7 @@ if HAVE_TRITON:
             if HAS_T5:
                 B = tl.num_programs(1) // H_kv
                 every = tl.arange(0, BUCKETS)
-                tl.store(DTABLE + ((pid_n * B + b) * BUCKETS + every) * H + h, dtab)
+                tl.store(DTABLE + ((tl.program_id(0) * B + b) * BUCKETS + every) * H + h, dtab)
             colsum += ds_colsum
         if L2:
             dk = 2.0 * scale * (dk - k.to(tl.float32) * colsum[:, None])
@@ -394,10 +375,8 @@ if HAVE_TRITON:
         # gradients are written contiguous (B, H_kv, N, D)
         DK += pid_bkv * Nk * D
         DV_OUT += pid_bkv * Nk * DV
-        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+        store_tile(DK, offs_n, offs_d, D, 1, Nk, D, dk)
+        store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
     def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
@@ -436,15 +415,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -472,8 +443,7 @@ if HAVE_TRITON:
         else:
             dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
-        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+        store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
 
     @triton.jit
     def softmax_bwd_delta_kernel(O, ORES, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,

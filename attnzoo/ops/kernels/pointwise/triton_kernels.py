@@ -36,8 +36,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (causal_end, load_rows, load_tile, mask_tile, mm, mma, tile_logits,
-                                visible_keys, visible_queries)
+    from ...triton_utils import (causal_end, key_block, load_rows, load_tile, mask_tile, mm, mma, query_block,
+                                store_tile, tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -161,15 +161,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -189,8 +181,7 @@ if HAVE_TRITON:
                         Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID, SIGMOID_IMPL,
                         MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True)
         O += b * sob + h * soh
-        tl.store(O + offs_m[:, None] * som + offs_dv[None, :] * sod, acc.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dv[None, :] < DV))
+        store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, acc)
 
     @triton.jit
     def dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h, bias_scalar,
@@ -243,16 +234,8 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1).to(tl.int64)  # b * H_kv + key/value head
         H_kv = H // GROUP
-        b = pid_bkv // H_kv
-        h_kv = pid_bkv % H_kv
-        start_n = pid_n * BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kj_at = tl.minimum(offs_n, Nk - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
@@ -283,10 +266,8 @@ if HAVE_TRITON:
         dk = scale * dk
         DK += pid_bkv * Nk * D  # gradients are written contiguous (B, H_kv, N, D)
         DV_OUT += pid_bkv * Nk * DV
-        tl.store(DK + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_d[None, :] < D))
-        tl.store(DV_OUT + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_dv[None, :] < DV))
+        store_tile(DK, offs_n, offs_d, D, 1, Nk, D, dk)
+        store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
     def dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
@@ -324,15 +305,7 @@ if HAVE_TRITON:
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1).to(tl.int64)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qi_at = tl.minimum(offs_m, Nq - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
+        pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -355,7 +328,6 @@ if HAVE_TRITON:
                              DROPOUT, True)
         dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
-        tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_d[None, :] < D))
+        store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
         if BIAS_MODE == 2:
             tl.store(DBIAS + pid_bh * Nq + offs_m, dbias, mask=offs_m < Nq)
