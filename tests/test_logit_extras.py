@@ -121,6 +121,8 @@ def test_sinks_every_backend_equals_the_formula(name, small_blocks):
             torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10, msg=f"{name} {backend}")
             ran.append(backend)
     assert "reference" in ran
+    if name == "softmax":  # SDPA takes the sink as one more zero key whose mask logit is the sink
+        assert "torch" in ran
     assert (expected(name, q, k, v, allow, add) - want).abs().max() > 1e-2
 
 
@@ -262,7 +264,7 @@ def test_a_backend_named_that_cannot_run_softcap_says_so():
         AF.softmax(q, k, v, softcap=1.0, backend="torch")
     choice = catalog.explain("softmax", q, k, v, softcap=1.0, sinks=torch.zeros(H, dtype=torch.float64))
     assert "softcap" in choice.backend.fn.__code__.co_varnames  # chosen: one that takes both
-    assert "does not implement softcap or sinks" in choice.reasons["torch"]
+    assert "does not implement softcap" in choice.reasons["torch"]  # SDPA takes sinks, not a cap
 
 
 def test_a_fully_masked_row_with_a_sink_is_zero_not_nan():
@@ -330,3 +332,29 @@ def test_explain_says_which_backend_takes_the_window_itself():
     assert native.backend.name == "cpu" and "skips what lies outside the band" in str(native)
     folded = catalog.explain("softmax", q, k, v, window_size=(2, 0), backend="torch")
     assert folded.backend.name == "torch"
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_sdpa_sinks_gradients_equal_the_formula(gqa):
+    """The SDPA route's sinks (one zero key whose mask logit is the sink): forward and every gradient,
+    dsinks included, against the float64 formula, with grouped heads, causal bottom-right (Nq < Nk), a
+    per-query padding mask and a row that keeps no key (zero, no NaN)."""
+    g = torch.Generator().manual_seed(4)
+    heads_kv = 1 if gqa else H
+    q = torch.randn(B, H, 4, D, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, heads_kv, 6, D, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.tensor([0.7, -1.2], dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(B, 1, 4, 6, generator=g) > 0.3
+    mask[0, 0, 1] = False
+    out = AF.softmax(q, k, v, attn_mask=mask, is_causal=True, sinks=sinks, backend="torch", enable_gqa=gqa)
+    kk, vv = (t.repeat_interleave(H // heads_kv, dim=1) for t in (k, v))
+    allow, add = F.allow_and_add(mask, True, B, H, 4, 6)
+    want = expected("softmax", q, kk, vv, allow, add, sinks=sinks)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert out[0, :, 1].abs().max() == 0
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, (q, k, v, sinks), cot)
+    ref = torch.autograd.grad(want, (q, k, v, sinks), cot)
+    for what, a, b in zip("q k v sinks".split(), got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=what)
+    assert got[3].abs().max() > 1e-3  # the sinks do move the answer

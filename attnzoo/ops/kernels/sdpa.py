@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..masking import causal_keep
+from ..masking import causal_keep, split_mask
 
 
 def sdpa_mask(attn_mask, is_causal, nq, nk, device, dtype):
@@ -82,6 +82,27 @@ def sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa=F
     if has_key is not None:
         out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
+
+
+def sdpa_with_sinks(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, sinks):
+    """SDPA with attention sinks (gpt-oss): one more key and value of zeros in front, whose logit
+    (q . 0 = 0) gets the head's sink from a float mask column, so exp(sink) joins every row's normaliser
+    and the sink adds nothing to the output; its gradient reaches ``sinks`` through the mask. Causality
+    (bottom-right aligned) and ``attn_mask`` move into that mask, an (Nq, Nk + 1) float tensor: SDPA's
+    fused kernels still run, without tile skipping (the fused Triton form is issue 29's)."""
+    nq, nk, heads = q.shape[-2], k.shape[-2], q.shape[1]
+    keep, bias = split_mask(attn_mask, is_causal, nq, nk, q.device)
+    rest = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+    if keep is not None:
+        rest = torch.where(keep, rest, torch.full((), -math.inf, dtype=q.dtype, device=q.device))
+    rest = rest.reshape((1,) * (4 - rest.dim()) + tuple(rest.shape))
+    batch = rest.shape[0]
+    rest = rest.expand(batch, heads, nq, nk)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, nq, 1)
+    zeros_k = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    zeros_v = v.new_zeros(*v.shape[:-2], 1, v.shape[-1])
+    return sdpa_attention(q, torch.cat([zeros_k, k], -2), torch.cat([zeros_v, v], -2), torch.cat([sink, rest], -1),
+                          False, scale, dropout_p, enable_gqa)
 
 
 def at_least_fp32(dtype):
@@ -145,11 +166,11 @@ def plain_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0
                                           enable_gqa=enable_gqa)
 
 
-def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, **_):
-    """``plain_sdpa`` for a signature with no mask, a causal pattern SDPA aligns as attnzoo does (Nq ==
-    Nk), and head dims SDPA's fused kernels take as they are; None otherwise (``sdpa_attention`` then
-    builds masks, pads head dims and zeroes empty rows)."""
-    if attn_mask is not None or (is_causal and q.shape[-2] != k.shape[-2]):
+def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, sinks=None, **_):
+    """``plain_sdpa`` for a signature with no mask, no sinks, a causal pattern SDPA aligns as attnzoo
+    does (Nq == Nk), and head dims SDPA's fused kernels take as they are; None otherwise
+    (``sdpa_attention`` then builds masks, pads head dims and zeroes empty rows)."""
+    if attn_mask is not None or sinks is not None or (is_causal and q.shape[-2] != k.shape[-2]):
         return None
     dqk, dv = q.shape[-1], v.shape[-1]
     if dqk != dv or (q.device.type == "cuda" and dqk % 8):
@@ -158,11 +179,12 @@ def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, **_):
 
 
 def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION, gqa: bool = False,
-             specialize=None):
+             specialize=None, extras=()):
     """Register ``fn`` (a variant's form of SDPA) as its "torch" backend. SDPA's fused CPU kernel
     returns a zero row for a query holding NaN, so the dispatcher puts the NaN back on CPU tensors
     (on CUDA that would cost a pass over q and the output per call; benchmarks/gpu_speed.py's
     "nan-query" rows check cuDNN / FlashAttention there)."""
     from ..dispatch import register_backend
     register_backend(variant, "torch", fn, supports=supports, priority=priority, description=description,
-                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa, specialize=specialize)
+                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa, specialize=specialize,
+                     extras=extras)

@@ -18,7 +18,7 @@ from .functional import softmax
 from .backends import softmax_cpu, softmax_cpu_varlen, softmax_torch
 from .reference import softmax_attention
 
-sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain)
+sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain, extras=("sinks",))
 blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
 blockwise_varlen.register("softmax", softmax_cpu_varlen)
 register_triton("softmax", flash.softmax_attention, gqa=True, specialize=flash_bound.specializer(l2=False),

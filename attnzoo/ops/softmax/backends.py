@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
-from ..kernels.sdpa import sdpa_attention
+from ..kernels.sdpa import sdpa_attention, sdpa_with_sinks
 
 
-def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
+def softmax_torch(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False, sinks=None):
+    if sinks is not None:
+        return sdpa_with_sinks(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, sinks)
     return sdpa_attention(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa)
 
 
