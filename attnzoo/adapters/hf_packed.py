@@ -124,9 +124,12 @@ def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross
     """The packed sequences of this call (see the module), or None for an ordinary call. ``window``: the
     model's sliding window (keys j > i - window), which the kernel applies as window_size, so a mask that
     holds it is not taken for padding inside a sequence."""
-    if cross or query.shape[0] != 1 or query.shape[-2] != key.shape[-2] or kwargs.get("position_bias") is not None:
-        return None
     total = query.shape[-2]
+    if (cross or query.shape[0] != 1 or total < 2 or total != key.shape[-2]
+            or kwargs.get("position_bias") is not None):
+        # a cached decoding step (one new token) is never packed: decided from shapes, before any read of
+        # position ids or masks (each a device sync on a GPU, once per generated token otherwise)
+        return None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         if cu_q is None or cu_k is None:
@@ -148,7 +151,7 @@ def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross
                       lambda: _check_mask_keeps(attention_mask, packed, causal, "restarting position_ids", window))
             return packed
     if (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[:2] == (1, 1)
-            and tuple(attention_mask.shape[-2:]) == (total, total) and total > 1):
+            and tuple(attention_mask.shape[-2:]) == (total, total)):
         return _once("mask", attention_mask, ("block", causal, window),
                      lambda: _from_block_mask(attention_mask, causal, window))
     return None
