@@ -60,6 +60,12 @@ if HAVE_TRITON:
         return pid // n_blocks, (pid % n_blocks) * block_rows
 
     @triton.jit
+    def _packed_rows(CU, s):
+        """(first token, length) of sequence s of a packed call."""
+        first = tl.load(CU + s)
+        return first.to(tl.int64), tl.load(CU + s + 1) - first
+
+    @triton.jit
     def _mask_shift(M, NK, stride_mn, BLOCK: tl.constexpr, FP64: tl.constexpr):
         """The largest finite entry of a float mask row (0 when every key is masked)."""
         top = _wide(tl.full((BLOCK,), float("-inf"), tl.float32), FP64)
@@ -174,13 +180,20 @@ if HAVE_TRITON:
                          stride_mb, stride_mh, stride_mn,
                          BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                          NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
-                         FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                         FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                         CU_K=None, GROUP=1, VARLEN: tl.constexpr = False):
         """PART[bh, split] = (S tile rows, z or n, shift) of the keys [split * split_rows, + split_rows).
-        The float mask's shift is stored by split 0 and 0 by the others, so the sum of the splits is it."""
+        The float mask's shift is stored by split 0 and 0 by the others, so the sum of the splits is it.
+        VARLEN: b is sequence b of packed k, v (T_k, H_kv, .), whose head h // GROUP query head h reads."""
         bh, pk, sp = _split_ids(D, n_splits, BK)
         b, h = bh // H, bh % H
-        K += b * stride_kb + h * stride_kh
-        V += b * stride_vb + h * stride_vh
+        if VARLEN:
+            k_pos, NK = _packed_rows(CU_K, b)
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            V += k_pos * stride_vn + (h // GROUP) * stride_vh
+        else:
+            K += b * stride_kb + h * stride_kh
+            V += b * stride_vb + h * stride_vh
         M += b * stride_mb + h * stride_mh
         rk, rv = pk * BK + tl.arange(0, BK), tl.arange(0, BV)
         shift = _scalar(0.0, FP64)
@@ -245,15 +258,24 @@ if HAVE_TRITON:
                        stride_qb, stride_qh, stride_qn,
                        BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
-                       SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                       SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                       CU_Q=None, CU_K=None, TQ=0, VARLEN: tl.constexpr = False):
         """out for ``block_rows`` query rows; RDEN gets r (NORMALISED). SINGLE_K (D <= BK): the state
-        is read once, before the row loop."""
+        is read once, before the row loop. VARLEN: NQ is the longest sequence (the grid's blocks per
+        sequence), b the sequence; out and RDEN are (H, T_q, .)."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, start = _block_ids(NQ, block_rows)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
+        if VARLEN:
+            q_pos, NQ = _packed_rows(CU_Q, b)
+            k_pos, NK = _packed_rows(CU_K, b)
+            Q += q_pos * stride_qn + h * stride_qh
+            q_row = h * TQ + q_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            q_row = bh * NQ
         STATE += bh * width
-        O += bh * NQ * DV
+        O += q_row * DV
         end = tl.minimum(start + block_rows, NQ)
         rv = tl.arange(0, BV)
         shift = _load_shift(STATE, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
@@ -282,7 +304,7 @@ if HAVE_TRITON:
             valid = rows < end
             if NORMALISED:
                 r = 1.0 / (den + eps)
-                tl.store(RDEN + bh * NQ + rows, r, mask=valid)
+                tl.store(RDEN + q_row + rows, r, mask=valid)
                 out = acc * r[:, None]
             else:
                 out = acc * rho
@@ -295,7 +317,7 @@ if HAVE_TRITON:
                              BLOCK_M: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VC: tl.constexpr,
                              FEATURE: tl.constexpr, NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr,
                              COUNT: tl.constexpr, WIDE_ROWS: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr,
-                             PREC: tl.constexpr):
+                             PREC: tl.constexpr, CU_Q=None, CU_K=None, TQ=0, VARLEN: tl.constexpr = False):
         """PART[bh, split] = (dS tile rows, dz) of the queries [split * split_rows, + split_rows), and dq
         (this program's BK columns) of those queries. dO, out: (B, H, NQ, DV) contiguous. WIDE_ROWS
         (fp16): r phi(q) enters the dS product in fp32 (r reaches 1e6 where the normaliser is ~0,
@@ -303,10 +325,17 @@ if HAVE_TRITON:
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, sp = _split_ids(D, n_splits, BK)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
-        DO += bh * NQ * DV
-        O += bh * NQ * DV
-        DQ += bh * NQ * D
+        if VARLEN:   # b: the sequence; dO, out, DQ and RDEN are (H, T_q, .)
+            q_pos, NQ = _packed_rows(CU_Q, b)
+            k_pos, NK = _packed_rows(CU_K, b)
+            Q += q_pos * stride_qn + h * stride_qh
+            q_row = h * TQ + q_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            q_row = bh * NQ
+        DO += q_row * DV
+        O += q_row * DV
+        DQ += q_row * D
         STATE += bh * state_width
         rk, rv = pk * BK + tl.arange(0, BK), tl.arange(0, BV)
         if VC == BV:
@@ -328,7 +357,7 @@ if HAVE_TRITON:
             fq = _features(q, in_cols, scale, FEATURE, FP64)
             g = _load(DO, rows, rv, end, DV, DV)
             if NORMALISED:
-                r = _wide(tl.load(RDEN + bh * NQ + rows, mask=valid, other=0.0), FP64)
+                r = _wide(tl.load(RDEN + q_row + rows, mask=valid, other=0.0), FP64)
                 if VC == BV:
                     dot = tl.sum(_wide(g, FP64) * _wide(_load(O, rows, rv, end, DV, DV), FP64), 1)
                 else:
@@ -390,18 +419,27 @@ if HAVE_TRITON:
                     BLOCK_N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VC: tl.constexpr,
                     FEATURE: tl.constexpr, NORMALISED: tl.constexpr, MASK_KIND: tl.constexpr, COUNT: tl.constexpr,
                     MASK_GRAD: tl.constexpr,
-                    SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                    SINGLE_K: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                    CU_K=None, GROUP=1, TK=0, VARLEN: tl.constexpr = False):
         """dk, dv (B, H, NK, .) and DM (B * H, NK), the float mask's gradient (MASK_GRAD), for
         ``block_rows`` keys from dS, dz (DSTATE; the shift from the forward's STATE). SINGLE_K: dS is read
-        once, before the row loop."""
+        once, before the row loop. VARLEN: NK is the longest sequence, b the sequence; dk, dv are
+        (H, T_k, .), per query head (the host sums a group's)."""
         bh, start = _block_ids(NK, block_rows)
         b, h = bh // H, bh % H
-        K += b * stride_kb + h * stride_kh
-        V += b * stride_vb + h * stride_vh
+        if VARLEN:
+            k_pos, NK = _packed_rows(CU_K, b)
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            V += k_pos * stride_vn + (h // GROUP) * stride_vh
+            k_row = h * TK + k_pos
+        else:
+            K += b * stride_kb + h * stride_kh
+            V += b * stride_vb + h * stride_vh
+            k_row = bh * NK
         M += b * stride_mb + h * stride_mh
         DSTATE += bh * width
-        DK += bh * NK * D
-        DV_OUT += bh * NK * DV
+        DK += k_row * D
+        DV_OUT += k_row * DV
         end = tl.minimum(start + block_rows, NK)
         rv = tl.arange(0, BV)
         shift = _load_shift(STATE + bh * state_width, D, DV, NORMALISED, COUNT, MASK_KIND, FP64)
@@ -437,4 +475,4 @@ if HAVE_TRITON:
             tl.store(DV_OUT + rows[:, None] * DV + rv[None, :], dv_acc.to(DV_OUT.dtype.element_ty),
                      mask=valid[:, None] & (rv[None, :] < DV))
             if MASK_GRAD:
-                tl.store(DM + bh * NK + rows, tl.where(keep, dm, 0.0), mask=valid)
+                tl.store(DM + k_row + rows, tl.where(keep, dm, 0.0), mask=valid)

@@ -77,6 +77,30 @@ if HAVE_TRITON:
         return _wide(tl.maximum(c * CHUNK + prefix_rows, 1), FP64)
 
     @triton.jit
+    def _packed_sequence(CU_Q, CU_K, s, CHUNK: tl.constexpr):
+        """Sequence s of a packed call as the positions p in [0, L) of one causal square (see the module
+        docstring): (token of q at position 0, token of k at position 0, L, q_lo, k_lo, its first state
+        chunk). Tokens before position q_lo (k_lo) are not the sequence's: their rows read as padding."""
+        q0 = tl.load(CU_Q + s).to(tl.int64)
+        nq = tl.load(CU_Q + s + 1).to(tl.int64) - q0
+        k0 = tl.load(CU_K + s).to(tl.int64)
+        nk = tl.load(CU_K + s + 1).to(tl.int64) - k0
+        q_lo = tl.maximum(nk - nq, 0)
+        k_lo = tl.maximum(nq - nk, 0)
+        # chunks [chunk0, chunk0 + cdiv(L, CHUNK)) are this sequence's alone: the next sequence's
+        # (q0 + k0) grows by nq + nk >= L tokens and s by one
+        chunk0 = (q0 + k0) // CHUNK + s
+        return q0 - q_lo, k0 - k_lo, (nq + q_lo).to(tl.int32), q_lo.to(tl.int32), k_lo.to(tl.int32), chunk0
+
+    @triton.jit
+    def _from(rows, lo, N, VARLEN: tl.constexpr):
+        """rows, those below ``lo`` moved to N (out of bounds) in a packed call: positions before a
+        sequence's first query (key) are no rows of q (k)."""
+        if VARLEN:
+            rows = tl.where(rows >= lo, rows, N)
+        return rows
+
+    @triton.jit
     def _load(ptr, rows, cols, n_rows, n_cols, row_stride):
         """(rows, cols) tile of a row-major matrix (unit column stride); zeros out of bounds."""
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -132,15 +156,25 @@ if HAVE_TRITON:
                        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        NORMALISED: tl.constexpr, HAS_S0: tl.constexpr, MEAN_STATE: tl.constexpr,
-                       FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                       FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                       CU_Q=None, CU_K=None, CT=0, GROUP=1, VARLEN: tl.constexpr = False):
         """HS[bh, c] = H_c (the (BK, BV) tile of this program), ZS[bh, c] = z_c: a scan over the chunks.
         MEAN_STATE (fp16 states): H_c / (keys it sums) is stored, which cannot pass fp16's 65504 where
         the sum would (a v with a mean over a long sequence); its readers multiply the count back."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
-        K += b * stride_kb + h * stride_kh
-        V += b * stride_vb + h * stride_vh
+        if VARLEN:   # b: the sequence; k, v (T_k, H_kv, D) shared by GROUP query heads
+            q_pos, k_pos, N, q_lo, k_lo, chunk0 = _packed_sequence(CU_Q, CU_K, b, CHUNK)
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            V += k_pos * stride_vn + (h // GROUP) * stride_vh
+            prefix_rows = -k_lo
+            first = h * CT + chunk0
+        else:
+            K += b * stride_kb + h * stride_kh
+            V += b * stride_vb + h * stride_vh
+            k_lo = 0
+            first = bh * tl.cdiv(N, CHUNK)
         rk, rv, rc = pk * BK + tl.arange(0, BK), pv * BV + tl.arange(0, BV), tl.arange(0, CHUNK)
         state = _wide(tl.zeros((BK, BV), dtype=tl.float32), FP64)
         zsum = _wide(tl.zeros((BK,), dtype=tl.float32), FP64)
@@ -149,8 +183,8 @@ if HAVE_TRITON:
             if NORMALISED:
                 zsum += _wide(tl.load(Z0 + bh * D + rk, mask=rk < D, other=0.0), FP64)
         n_chunks = tl.cdiv(N, CHUNK)
-        HS += bh * n_chunks * D * DV
-        ZS += bh * n_chunks * D
+        HS += first * D * DV
+        ZS += first * D
         state_mask = (rk[:, None] < D) & (rv[None, :] < DV)
         for c in range(0, n_chunks):
             if MEAN_STATE:
@@ -161,7 +195,7 @@ if HAVE_TRITON:
                      mask=state_mask)
             if NORMALISED:   # every column tile carries z; the first one writes it
                 tl.store(ZS + c * D + rk, zsum, mask=(rk < D) & (pv == 0))
-            rows = c * CHUNK + rc
+            rows = _from(c * CHUNK + rc, k_lo, N, VARLEN)
             kt = _load_t(K, rows, rk, N, D, stride_kn)                                # (BK, CHUNK)
             fkt = _features(kt, (rows[None, :] < N) & (rk[:, None] < D), 1.0, FEATURE, FP64)
             v = _load(V, rows, rv, N, DV, stride_vn)                                  # (CHUNK, BV)
@@ -175,7 +209,8 @@ if HAVE_TRITON:
                        stride_vb, stride_vh, stride_vn,
                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                        MODE: tl.constexpr, EPS_PER_HEAD: tl.constexpr, MEAN_STATE: tl.constexpr,
-                       STORE_EXACT: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                       STORE_EXACT: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                       CU_Q=None, CU_K=None, CT=0, GROUP=1, TQ=0, VARLEN: tl.constexpr = False):
         """out for one chunk and one (CHUNK, BV) column tile; RDEN (MODE 2) gets r for the backward.
         EPS_PER_HEAD: the normaliser's 1e-6 comes per batch x head from EPS_BH (a float key mask's
         weights are exp(mask - shift), so its epsilon is 1e-6 exp(-shift)). STORE_EXACT (MODE 2, half
@@ -184,14 +219,29 @@ if HAVE_TRITON:
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
-        K += b * stride_kb + h * stride_kh
-        V += b * stride_vb + h * stride_vh
-        n_chunks = tl.cdiv(N, CHUNK)
-        HS += (bh * n_chunks + c) * D * DV
-        ZS += (bh * n_chunks + c) * D
+        if VARLEN:   # b: the sequence; out, RDEN (H, T_q, .): q_row is position 0's row
+            q_pos, k_pos, N, q_lo, k_lo, chunk0 = _packed_sequence(CU_Q, CU_K, b, CHUNK)
+            if c * CHUNK >= N:   # a chunk past this sequence's end
+                return
+            Q += q_pos * stride_qn + h * stride_qh
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            V += k_pos * stride_vn + (h // GROUP) * stride_vh
+            count_offset = 1 - k_lo
+            prefix_rows = -k_lo
+            at = h * CT + chunk0 + c
+            q_row = h * TQ + q_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            K += b * stride_kb + h * stride_kh
+            V += b * stride_vb + h * stride_vh
+            q_lo, k_lo = 0, 0
+            at = bh * tl.cdiv(N, CHUNK) + c
+            q_row = bh * N
+        HS += at * D * DV
+        ZS += at * D
         rc, rv = tl.arange(0, CHUNK), pv * BV + tl.arange(0, BV)
-        rows = c * CHUNK + rc
+        rows = _from(c * CHUNK + rc, q_lo, N, VARLEN)       # query rows
+        rows_k = _from(c * CHUNK + rc, k_lo, N, VARLEN)     # key rows
         acc = _wide(tl.zeros((CHUNK, BV), dtype=tl.float32), FP64)
         scores = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)
         den = _wide(tl.zeros((CHUNK,), dtype=tl.float32), FP64)
@@ -199,8 +249,8 @@ if HAVE_TRITON:
             rk = d0 + tl.arange(0, BK)
             q = _load(Q, rows, rk, N, D, stride_qn)
             fq = _features(q, (rows[:, None] < N) & (rk[None, :] < D), scale, FEATURE, FP64)
-            kt = _load_t(K, rows, rk, N, D, stride_kn)
-            fkt = _features(kt, (rows[None, :] < N) & (rk[:, None] < D), 1.0, FEATURE, FP64)
+            kt = _load_t(K, rows_k, rk, N, D, stride_kn)
+            fkt = _features(kt, (rows_k[None, :] < N) & (rk[:, None] < D), 1.0, FEATURE, FP64)
             state = _load(HS, rk, rv, D, DV, DV)
             fq_op = fq.to(q.dtype)
             acc += mm(fq_op, state.to(q.dtype), UPCAST, PREC)
@@ -210,7 +260,7 @@ if HAVE_TRITON:
                 den += tl.sum(fq * z[None, :], 1)
         if MEAN_STATE:
             acc = acc * _rows_before(c, CHUNK, prefix_rows, FP64)
-        v = _load(V, rows, rv, N, DV, stride_vn)
+        v = _load(V, rows_k, rv, N, DV, stride_vn)
         # the weights as the tensor cores see them; the normaliser sums the same rounded weights
         weights = tl.where(rc[:, None] >= rc[None, :], scores, 0.0).to(v.dtype)
         acc += mm(weights, v, UPCAST, PREC)
@@ -225,14 +275,14 @@ if HAVE_TRITON:
             # a zero feature slope multiplies it); r = 0 says so, where 1 / eps ~ 1e6 made dA and
             # dphi(k) overflow fp16 on their way to a half tl.dot operand or to dk (inf * 0 = NaN)
             r = tl.where(den == 0.0, 0.0, 1.0 / (den + eps))
-            tl.store(RDEN + bh * N + rows, r, mask=(rows < N) & (pv == 0))
+            tl.store(RDEN + q_row + rows, r, mask=(rows < N) & (pv == 0))
         else:
             r = _row_scale(RDEN, rows, N, count_offset, MODE, FP64)
         out = acc * r[:, None]
-        tl.store(O + bh * N * DV + rows[:, None] * DV + rv[None, :], out.to(O.dtype.element_ty),
+        tl.store(O + q_row * DV + rows[:, None] * DV + rv[None, :], out.to(O.dtype.element_ty),
                  mask=(rows[:, None] < N) & (rv[None, :] < DV))
         if STORE_EXACT:
-            tl.store(O32 + bh * N * DV + rows[:, None] * DV + rv[None, :], out,
+            tl.store(O32 + q_row * DV + rows[:, None] * DV + rv[None, :], out,
                      mask=(rows[:, None] < N) & (rv[None, :] < DV))
 
     @triton.jit
@@ -260,20 +310,31 @@ if HAVE_TRITON:
                                stride_qb, stride_qh, stride_qn,
                                CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                                MODE: tl.constexpr, HAS_S0: tl.constexpr, FP64: tl.constexpr,
-                               UPCAST: tl.constexpr, PREC: tl.constexpr):
+                               UPCAST: tl.constexpr, PREC: tl.constexpr,
+                               CU_Q=None, CU_K=None, CT=0, TQ=0, VARLEN: tl.constexpr = False):
         """DHS[bh, c] = dH_c, DZS[bh, c] = dz_c (sums over the chunks after c): a scan from the last chunk;
         DS0 / DZ0 get the sums over every chunk (the gradient of the initial state)."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, pv = _scan_ids(D, DV, BK, BV)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
-        DO += bh * N * DV
+        if VARLEN:
+            q_pos, k_pos, N, q_lo, k_lo, chunk0 = _packed_sequence(CU_Q, CU_K, b, CHUNK)
+            Q += q_pos * stride_qn + h * stride_qh
+            count_offset = 1 - k_lo
+            first = h * CT + chunk0
+            q_row = h * TQ + q_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            q_lo = 0
+            first = bh * tl.cdiv(N, CHUNK)
+            q_row = bh * N
+        DO += q_row * DV
         rk, rv, rc = pk * BK + tl.arange(0, BK), pv * BV + tl.arange(0, BV), tl.arange(0, CHUNK)
         dstate = _wide(tl.zeros((BK, BV), dtype=tl.float32), FP64)
         dz = _wide(tl.zeros((BK,), dtype=tl.float32), FP64)
         n_chunks = tl.cdiv(N, CHUNK)
-        DHS += bh * n_chunks * D * DV
-        DZS += bh * n_chunks * D
+        DHS += first * D * DV
+        DZS += first * D
         state_mask = (rk[:, None] < D) & (rv[None, :] < DV)
         for i in range(0, n_chunks):
             c = n_chunks - 1 - i
@@ -281,14 +342,14 @@ if HAVE_TRITON:
                      mask=state_mask)
             if MODE == 2:
                 tl.store(DZS + c * D + rk, dz, mask=(rk < D) & (pv == 0))
-            rows = c * CHUNK + rc
+            rows = _from(c * CHUNK + rc, q_lo, N, VARLEN)
             qt = _load_t(Q, rows, rk, N, D, stride_qn)                                # (BK, CHUNK)
             fqt = _features(qt, (rows[None, :] < N) & (rk[:, None] < D), scale, FEATURE, FP64)
-            r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
+            r = _row_scale(RDEN + q_row, rows, N, count_offset, MODE, FP64)
             do = _load(DO, rows, rv, N, DV, DV)
             dstate += mm((fqt * r[None, :]).to(do.dtype), do, UPCAST, PREC)
             if MODE == 2:
-                cg = _wide(tl.load(CG + bh * N + rows, mask=rows < N, other=0.0), FP64)
+                cg = _wide(tl.load(CG + q_row + rows, mask=rows < N, other=0.0), FP64)
                 dz += tl.sum(fqt * cg[None, :], 1)
         if HAS_S0:
             tl.store(DS0 + bh * D * DV + rk[:, None] * DV + rv[None, :], dstate, mask=state_mask)
@@ -299,34 +360,49 @@ if HAVE_TRITON:
     def _dv_kernel(Q, K, DO, DHS, RDEN, DV_OUT, N, D, DV, H, scale, count_offset,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
-                   MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-        """dv for one chunk and one column tile: (r-scaled causal weights)^T dO + phi(k) dH_c."""
+                   MODE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                   CU_Q=None, CU_K=None, CT=0, GROUP=1, TQ=0, TK=0, VARLEN: tl.constexpr = False):
+        """dv for one chunk and one column tile: (r-scaled causal weights)^T dO + phi(k) dH_c. A packed
+        call's DV_OUT is (H, T_k, Dv): per query head (the host sums a group's)."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pv, c = _chunk_ids(DV, BV)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
-        K += b * stride_kb + h * stride_kh
-        n_chunks = tl.cdiv(N, CHUNK)
-        DHS += (bh * n_chunks + c) * D * DV
+        if VARLEN:
+            q_pos, k_pos, N, q_lo, k_lo, chunk0 = _packed_sequence(CU_Q, CU_K, b, CHUNK)
+            if c * CHUNK >= N:
+                return
+            Q += q_pos * stride_qn + h * stride_qh
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            count_offset = 1 - k_lo
+            at = h * CT + chunk0 + c
+            q_row, k_row = h * TQ + q_pos, h * TK + k_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            K += b * stride_kb + h * stride_kh
+            q_lo, k_lo = 0, 0
+            at = bh * tl.cdiv(N, CHUNK) + c
+            q_row, k_row = bh * N, bh * N
+        DHS += at * D * DV
         rc, rv = tl.arange(0, CHUNK), pv * BV + tl.arange(0, BV)
-        rows = c * CHUNK + rc
+        rows = _from(c * CHUNK + rc, q_lo, N, VARLEN)       # query rows
+        rows_k = _from(c * CHUNK + rc, k_lo, N, VARLEN)     # key rows
         acc = _wide(tl.zeros((CHUNK, BV), dtype=tl.float32), FP64)
         scores_t = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)   # [j, i] = phi(k_j) . phi(q_i)
         for d0 in range(0, D, BK):
             rk = d0 + tl.arange(0, BK)
-            k = _load(K, rows, rk, N, D, stride_kn)
-            fk = _features(k, (rows[:, None] < N) & (rk[None, :] < D), 1.0, FEATURE, FP64).to(k.dtype)
+            k = _load(K, rows_k, rk, N, D, stride_kn)
+            fk = _features(k, (rows_k[:, None] < N) & (rk[None, :] < D), 1.0, FEATURE, FP64).to(k.dtype)
             qt = _load_t(Q, rows, rk, N, D, stride_qn)
             fqt = _features(qt, (rows[None, :] < N) & (rk[:, None] < D), scale, FEATURE, FP64)
             dstate = _load(DHS, rk, rv, D, DV, DV)
             acc += mm(fk, dstate.to(k.dtype), UPCAST, PREC)
             scores_t += mm(fk, fqt.to(k.dtype), UPCAST, PREC)
-        r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
-        do = _load(DO + bh * N * DV, rows, rv, N, DV, DV)
+        r = _row_scale(RDEN + q_row, rows, N, count_offset, MODE, FP64)
+        do = _load(DO + q_row * DV, rows, rv, N, DV, DV)
         weights_t = tl.where(rc[None, :] >= rc[:, None], scores_t * r[None, :], 0.0)
         acc += mm(weights_t.to(do.dtype), do, UPCAST, PREC)
-        tl.store(DV_OUT + bh * N * DV + rows[:, None] * DV + rv[None, :], acc.to(DV_OUT.dtype.element_ty),
-                 mask=(rows[:, None] < N) & (rv[None, :] < DV))
+        tl.store(DV_OUT + k_row * DV + rows_k[:, None] * DV + rv[None, :], acc.to(DV_OUT.dtype.element_ty),
+                 mask=(rows_k[:, None] < N) & (rv[None, :] < DV))
 
     @triton.jit
     def _dqk_kernel(Q, K, V, DO, HS, ZS, DHS, DZS, RDEN, CG, DQ, DK, N, D, DV, H, scale, count_offset, prefix_rows,
@@ -334,27 +410,44 @@ if HAVE_TRITON:
                     stride_vb, stride_vh, stride_vn,
                     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FEATURE: tl.constexpr,
                     MODE: tl.constexpr, MEAN_STATE: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr,
-                    PREC: tl.constexpr):
-        """dq and dk for one chunk and one (CHUNK, BK) head-dim tile."""
+                    PREC: tl.constexpr,
+                    CU_Q=None, CU_K=None, CT=0, GROUP=1, TQ=0, TK=0, VARLEN: tl.constexpr = False):
+        """dq and dk for one chunk and one (CHUNK, BK) head-dim tile. A packed call's DQ is (H, T_q, D),
+        its DK (H, T_k, D): per query head (the host sums a group's)."""
         scale = _scalar(scale, FP64)  # inductor hands Python floats over as fp64 scalars
         bh, pk, c = _chunk_ids(D, BK)
         b, h = bh // H, bh % H
-        Q += b * stride_qb + h * stride_qh
-        K += b * stride_kb + h * stride_kh
-        V += b * stride_vb + h * stride_vh
-        DO += bh * N * DV
-        n_chunks = tl.cdiv(N, CHUNK)
-        HS += (bh * n_chunks + c) * D * DV
-        DHS += (bh * n_chunks + c) * D * DV
+        if VARLEN:
+            q_pos, k_pos, N, q_lo, k_lo, chunk0 = _packed_sequence(CU_Q, CU_K, b, CHUNK)
+            if c * CHUNK >= N:
+                return
+            Q += q_pos * stride_qn + h * stride_qh
+            K += k_pos * stride_kn + (h // GROUP) * stride_kh
+            V += k_pos * stride_vn + (h // GROUP) * stride_vh
+            count_offset = 1 - k_lo
+            prefix_rows = -k_lo
+            at = h * CT + chunk0 + c
+            q_row, k_row = h * TQ + q_pos, h * TK + k_pos
+        else:
+            Q += b * stride_qb + h * stride_qh
+            K += b * stride_kb + h * stride_kh
+            V += b * stride_vb + h * stride_vh
+            q_lo, k_lo = 0, 0
+            at = bh * tl.cdiv(N, CHUNK) + c
+            q_row, k_row = bh * N, bh * N
+        DO += q_row * DV
+        HS += at * D * DV
+        DHS += at * D * DV
         rc, rk = tl.arange(0, CHUNK), pk * BK + tl.arange(0, BK)
-        rows = c * CHUNK + rc
+        rows = _from(c * CHUNK + rc, q_lo, N, VARLEN)       # query rows
+        rows_k = _from(c * CHUNK + rc, k_lo, N, VARLEN)     # key rows
         dfq = _wide(tl.zeros((CHUNK, BK), dtype=tl.float32), FP64)
         dfk = _wide(tl.zeros((CHUNK, BK), dtype=tl.float32), FP64)
         dscores = _wide(tl.zeros((CHUNK, CHUNK), dtype=tl.float32), FP64)   # [i, j] = dO_i . v_j
         for v0 in range(0, DV, BV):
             rv = v0 + tl.arange(0, BV)
             do = _load(DO, rows, rv, N, DV, DV)
-            v = _load(V, rows, rv, N, DV, stride_vn)
+            v = _load(V, rows_k, rv, N, DV, stride_vn)
             state_t = _load_t(HS, rk, rv, D, DV, DV)                             # (BV, BK) = H_c^T
             dstate_t = _load_t(DHS, rk, rv, D, DV, DV)
             dscores += mm(do, tl.trans(v).to(do.dtype), UPCAST, PREC)
@@ -362,27 +455,27 @@ if HAVE_TRITON:
             dfk += mm(v.to(do.dtype), dstate_t.to(do.dtype), UPCAST, PREC)
         if MEAN_STATE:
             dfq = dfq * _rows_before(c, CHUNK, prefix_rows, FP64)
-        r = _row_scale(RDEN + bh * N, rows, N, count_offset, MODE, FP64)
+        r = _row_scale(RDEN + q_row, rows, N, count_offset, MODE, FP64)
         dscores = dscores * r[:, None]
         dfq = dfq * r[:, None]
         if MODE == 2:
-            cg = _wide(tl.load(CG + bh * N + rows, mask=rows < N, other=0.0), FP64)
+            cg = _wide(tl.load(CG + q_row + rows, mask=rows < N, other=0.0), FP64)
             dscores += cg[:, None]
-            z = _wide(tl.load(ZS + (bh * n_chunks + c) * D + rk, mask=rk < D, other=0.0), FP64)
-            dz = _wide(tl.load(DZS + (bh * n_chunks + c) * D + rk, mask=rk < D, other=0.0), FP64)
+            z = _wide(tl.load(ZS + at * D + rk, mask=rk < D, other=0.0), FP64)
+            dz = _wide(tl.load(DZS + at * D + rk, mask=rk < D, other=0.0), FP64)
             dfq += cg[:, None] * z[None, :]
             dfk += dz[None, :]
         dscores = tl.where((rc[:, None] >= rc[None, :]) & (rows[:, None] < N), dscores, 0.0)
         valid = (rows[:, None] < N) & (rk[None, :] < D)
+        valid_k = (rows_k[:, None] < N) & (rk[None, :] < D)
         q = _load(Q, rows, rk, N, D, stride_qn)
-        k = _load(K, rows, rk, N, D, stride_kn)
+        k = _load(K, rows_k, rk, N, D, stride_kn)
         fq = _features(q, valid, scale, FEATURE, FP64).to(q.dtype)
-        fk = _features(k, valid, 1.0, FEATURE, FP64).to(k.dtype)
+        fk = _features(k, valid_k, 1.0, FEATURE, FP64).to(k.dtype)
         ds_op = dscores.to(q.dtype)
         dfq += mm(ds_op, fk, UPCAST, PREC)
         dfk += mm(tl.trans(ds_op), fq, UPCAST, PREC)
         dq = dfq * _feature_slope(q, scale, FEATURE, FP64)
         dk = dfk * _feature_slope(k, 1.0, FEATURE, FP64)
-        offs = bh * N * D + rows[:, None] * D + rk[None, :]
-        tl.store(DQ + offs, dq.to(DQ.dtype.element_ty), mask=valid)
-        tl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=valid)
+        tl.store(DQ + q_row * D + rows[:, None] * D + rk[None, :], dq.to(DQ.dtype.element_ty), mask=valid)
+        tl.store(DK + k_row * D + rows_k[:, None] * D + rk[None, :], dk.to(DK.dtype.element_ty), mask=valid_k)
