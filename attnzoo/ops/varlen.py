@@ -14,7 +14,9 @@ Two exact routes, chosen once per call by how the call runs:
 
 * eager: the offsets are read once on the host. On CPU, a variant with a blockwise form (softmax, l2,
   fenchel, sigmoid, relu) runs all sequences in one blockwise call that visits only the (query block,
-  key block) pairs inside a sequence (``varlen_blockwise``, which says when); otherwise the sequences
+  key block) pairs inside a sequence (``varlen_blockwise``, which says when); linear attention on
+  "triton" (auto: CUDA) runs its kernels on all sequences in one call, the offsets read by the kernels
+  (``varlen_variant_triton``, ``linear/varlen.py``); otherwise the sequences
   of equal (n_q, n_k) are stacked into one batch and handed to the variant's own function (so every
   backend of every variant runs packed calls). Either way the work is the sum over sequences of
   n_q n_k, never T_q T_k;
@@ -35,6 +37,7 @@ from . import logit_extras
 from . import validate as V
 from . import variant as catalog
 from . import varlen_blockwise
+from . import varlen_variant_triton
 
 
 def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, read_values: bool) -> list[int] | None:
@@ -173,6 +176,8 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
         return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
                                             dict(is_causal=is_causal, **kwargs))
     out = varlen_blockwise.run(name, q, k, v, offsets_q, offsets_k, is_causal, kwargs)   # CPU: one blockwise call
+    if out is None:   # a variant's own packed Triton kernels (linear): one call, offsets read in the kernels
+        out = varlen_variant_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)
     if out is not None:
         return out
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))

@@ -5,10 +5,12 @@ Backends: "reference"; "cpu", chunked causal linear attention / two matmuls (cpu
 custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as the reference at
 every size measured, far less memory); "triton", the chunked parallel form for causal calls (triton.py,
 triton_kernels.py) and a key-state reduction for non-causal ones (noncausal.py,
-noncausal_kernels.py), priority 20, auto on CUDA only.
+noncausal_kernels.py), priority 20, auto on CUDA only; packed calls reach the same kernels through
+varlen.py (ops/varlen_variant_triton.py).
 """
 from __future__ import annotations
 
+from .. import varlen_variant_triton
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
@@ -20,6 +22,7 @@ from .cpu import linear_attention_cpu, supports_linear_fused
 from .functional import check, linear
 from .reference import linear_attention
 from .triton import dtype_reason, linear_attention_triton
+from .varlen import route as packed_route
 
 
 def _triton_device(q, k, v, **kw):
@@ -33,6 +36,9 @@ register_triton("linear", linear_attention_triton,
                 description="Triton linear attention: causal in the chunked parallel form (tensor-core chunks, "
                             "fp32 state scan), non-causal as a split key-state reduction and a query pass; "
                             "forward and backward")
+
+# packed (varlen) calls on "triton" (auto: CUDA) run the kernels above on all sequences at once
+varlen_variant_triton.register("linear", packed_route)
 
 register_flavour("linear", lambda kw: [kw["feature_map"]] if kw.get("feature_map", "elu") != "elu" else [])
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch, logit_extras
+from .. import validate as V
 from ..first_order import first_order_only
 from ..triton_utils import HAVE_TRITON, INTERPRETED, MASK_NONE, stand_in
 from . import triton_kernels as ck
@@ -243,9 +245,9 @@ def supports(q, backend: str, dropout_p, options: dict):
     per length through the variant's own function, which checks and explains the rest)."""
     if not HAVE_TRITON:
         return "triton is not installed"
-    if backend not in ("triton", "auto"):
+    if backend not in ("triton", dispatch.AUTO):
         return f"backend {backend!r} asked for"
-    if backend == "auto" and not q.is_cuda:
+    if backend == dispatch.AUTO and not q.is_cuda:
         return "auto takes the Triton kernels on CUDA tensors only"
     if not q.is_cuda and not INTERPRETED:
         return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1"
@@ -256,3 +258,25 @@ def supports(q, backend: str, dropout_p, options: dict):
     if set(options) - {"feature_map"} or options.get("feature_map", "elu") not in FEATURES:
         return "options other than a known feature_map"
     return None
+
+
+def route(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs: dict):
+    """The packed route (ops/varlen_variant_triton.py): the kernels above when ``supports`` accepts the
+    call, else None. The shared arguments are checked here as the variant's function would check them."""
+    options = dict(kwargs)
+    backend = options.pop("backend", None) or dispatch.default_backend()
+    dropout_p = options.pop("dropout_p", 0.0)
+    scale, enable_gqa = options.pop("scale", None), options.pop("enable_gqa", False)
+    for name, absent in (("softcap", logit_extras.check_softcap), ("window_size", logit_extras.check_window_size)):
+        if name in options and absent(options[name]) is None:   # the default: nothing to compute
+            del options[name]
+    if options.get("sinks", 0) is None:
+        del options["sinks"]
+    if supports(q, backend, dropout_p, options) is not None:
+        return None
+    q4, k4, v4 = (_heads_first(t) for t in (q, k, v))
+    V.check_qkv(q4, k4, v4, V.check_flag("enable_gqa", enable_gqa))
+    return linear_varlen_triton(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
+                                is_causal=V.check_flag("is_causal", is_causal),
+                                scale=V.resolve_scale(scale, q4, default=1.0),
+                                feature_map=options.get("feature_map", "elu"))
