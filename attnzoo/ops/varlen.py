@@ -10,13 +10,14 @@ preference, linear attention's sums and causal prefixes. ``is_causal`` is bottom
 each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnzoo, and so is a
 ``window_size`` band; ``softcap`` and ``sinks`` apply to every sequence's rows.
 
-Two exact routes, chosen once per call by how the call runs:
+First, a variant's own packed Triton kernels, when it registered them and the call takes them
+(``varlen_variant_triton``; linear attention on "triton", auto: CUDA): one call for all sequences, the
+offsets read by the kernels, in eager mode and under torch.compile alike. Otherwise two exact routes,
+chosen once per call by how the call runs:
 
 * eager: the offsets are read once on the host. On CPU, a variant with a blockwise form (softmax, l2,
   fenchel, sigmoid, relu) runs all sequences in one blockwise call that visits only the (query block,
-  key block) pairs inside a sequence (``varlen_blockwise``, which says when); linear attention on
-  "triton" (auto: CUDA) runs its kernels on all sequences in one call, the offsets read by the kernels
-  (``varlen_variant_triton``, ``linear/varlen.py``); otherwise the sequences
+  key block) pairs inside a sequence (``varlen_blockwise``, which says when); otherwise the sequences
   of equal (n_q, n_k) are stacked into one batch and handed to the variant's own function (so every
   backend of every variant runs packed calls). Either way the work is the sum over sequences of
   n_q n_k, never T_q T_k;
@@ -169,6 +170,9 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     record = catalog.get(name)
     cu_seq_k, max_k, offsets_q, offsets_k = check(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
     kwargs = dict(scale=scale, dropout_p=dropout_p, backend=backend, enable_gqa=enable_gqa, **options)
+    out = varlen_variant_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)
+    if out is not None:   # a variant's own packed Triton kernels (linear): the offsets read in the kernels
+        return out
     if offsets_q is None and not record.couples_queries:               # torch.compile is tracing
         return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
                       V.check_flag("is_causal", is_causal), kwargs)
@@ -176,8 +180,6 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
         return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
                                             dict(is_causal=is_causal, **kwargs))
     out = varlen_blockwise.run(name, q, k, v, offsets_q, offsets_k, is_causal, kwargs)   # CPU: one blockwise call
-    if out is None:   # a variant's own packed Triton kernels (linear): one call, offsets read in the kernels
-        out = varlen_variant_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)
     if out is not None:
         return out
     return per_sequence(record.functional, q, k, v, offsets_q, offsets_k, dict(is_causal=is_causal, **kwargs))

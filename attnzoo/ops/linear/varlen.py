@@ -19,19 +19,20 @@ and v's head is h // (H / H_kv) (grouped heads are read, not copied), and the bu
   first tokens, s its index: disjoint ranges without a host read of the lengths). The grid's chunk
   axis covers the longest sequence; programs past a sequence's end return at once.
 
-The feature maps, the scale, the 1e-6 and the identity map's 1 / n are the dense kernels' own. The
-backward is this module's ``torch.autograd.Function`` (first order only, as the dense ops).
+The feature maps, the scale, the 1e-6 and the identity map's 1 / n are the dense kernels' own. Forward
+and backward are the custom ops ``attnzoo::linear_varlen_fwd`` / ``_bwd`` (first order only, as the dense
+ones).
 """
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .. import dispatch, logit_extras
 from .. import validate as V
-from ..first_order import first_order_only
-from ..triton_utils import HAVE_TRITON, INTERPRETED, MASK_NONE, stand_in
+from ..triton_utils import HAVE_TRITON, INTERPRETED, MASK_NONE, kernel_op, launcher, stand_in, tracing_only
 from . import triton_kernels as ck
-from .launch import FEATURES, KERNEL_DTYPES, accumulator_dtype, flags
+from .launch import FEATURES, KERNEL_DTYPES, accumulator_dtype, device_index, flags
 
 if HAVE_TRITON:
     import triton
@@ -88,10 +89,10 @@ def _causal_states(L: _Layout, k4, v4, cfg, chunk_total):
     zs = torch.empty(L.H, chunk_total, L.D if L.normalised else 0, dtype=L.acc, device=L.device)
     absent = stand_in(k4, L.acc)
     grid = (L.n_seq * L.H * triton.cdiv(L.D, c["BK"]) * triton.cdiv(L.DV, c["BV"]),)
-    ck._states_kernel[grid](k4, v4, absent, absent, hs, zs, 0, L.D, L.DV, L.H, L.scale, 0,
-                            *_strides(k4), *_strides(v4), FEATURE=L.feature, NORMALISED=L.normalised,
-                            HAS_S0=False, MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES, **L.flags, **c,
-                            CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, GROUP=L.group, VARLEN=True)
+    launcher(ck._states_kernel)[grid](
+        k4, v4, absent, absent, hs, zs, 0, L.D, L.DV, L.H, L.scale, 0, *_strides(k4), *_strides(v4),
+        FEATURE=L.feature, NORMALISED=L.normalised, HAS_S0=False, MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES,
+        **L.flags, **c, CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, GROUP=L.group, VARLEN=True)
     return hs, zs
 
 
@@ -110,12 +111,12 @@ def _causal_forward(L: _Layout, q4, k4, v4):
     hs, zs = _causal_states(L, k4, v4, cfg, chunk_total)
     c = cfg["output"]
     grid = (L.n_seq * L.H * triton.cdiv(L.DV, c["BV"]), _chunks(L, chunk))
-    ck._output_kernel[grid](q4, k4, v4, hs, zs, out, exact if store_exact else out, rden, rden, 0, L.D, L.DV,
-                            L.H, L.scale, 0, 0, *_strides(q4), *_strides(k4), *_strides(v4), FEATURE=L.feature,
-                            MODE=mode, EPS_PER_HEAD=False, MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES,
-                            STORE_EXACT=store_exact, **L.flags, **c, CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total,
-                            GROUP=L.group, TQ=L.T_q, VARLEN=True)
-    return out, rden, (exact if store_exact else out)
+    launcher(ck._output_kernel)[grid](
+        q4, k4, v4, hs, zs, out, exact if store_exact else out, rden, rden, 0, L.D, L.DV, L.H, L.scale, 0, 0,
+        *_strides(q4), *_strides(k4), *_strides(v4), FEATURE=L.feature, MODE=mode, EPS_PER_HEAD=False,
+        MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES, STORE_EXACT=store_exact, **L.flags, **c,
+        CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, GROUP=L.group, TQ=L.T_q, VARLEN=True)
+    return out, rden, exact
 
 
 def _causal_backward(L: _Layout, q4, k4, v4, do, out, rden):
@@ -126,28 +127,31 @@ def _causal_backward(L: _Layout, q4, k4, v4, do, out, rden):
     cg = torch.empty(L.H, L.T_q if L.normalised else 0, dtype=L.acc, device=L.device)
     if L.normalised:   # c_i = -r_i dO_i . out_i is per row: the packed rows as one (H, T_q) problem
         c = cfg["grad"]
-        ck._normaliser_grad_kernel[(L.H, triton.cdiv(L.T_q, c["CHUNK"]))](
+        launcher(ck._normaliser_grad_kernel)[(L.H, triton.cdiv(L.T_q, c["CHUNK"]))](
             do, out, rden, cg, L.T_q, L.DV, FP64=L.flags["FP64"], **c)
     dhs, dzs = torch.empty_like(hs), torch.empty_like(zs)
     absent = stand_in(q4, L.acc)
     c = cfg["reverse"]
     grid = (L.n_seq * L.H * triton.cdiv(L.D, c["BK"]) * triton.cdiv(L.DV, c["BV"]),)
-    ck._reverse_states_kernel[grid](q4, do, rden, cg, dhs, dzs, absent, absent, 0, L.D, L.DV, L.H, L.scale, 0,
-                                    *_strides(q4), FEATURE=L.feature, MODE=mode, HAS_S0=False, **L.flags, **c,
-                                    CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, TQ=L.T_q, VARLEN=True)
+    launcher(ck._reverse_states_kernel)[grid](
+        q4, do, rden, cg, dhs, dzs, absent, absent, 0, L.D, L.DV, L.H, L.scale, 0, *_strides(q4),
+        FEATURE=L.feature, MODE=mode, HAS_S0=False, **L.flags, **c,
+        CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, TQ=L.T_q, VARLEN=True)
     dq = torch.empty(L.H, L.T_q, L.D, dtype=L.dtype, device=L.device)
     dk = torch.empty(L.H, L.T_k, L.D, dtype=L.dtype, device=L.device)
     dv = torch.empty(L.H, L.T_k, L.DV, dtype=L.dtype, device=L.device)
     packed = dict(CU_Q=L.cu_q, CU_K=L.cu_k, CT=chunk_total, GROUP=L.group, TQ=L.T_q, TK=L.T_k, VARLEN=True)
     c = cfg["dv"]
     grid = (L.n_seq * L.H * triton.cdiv(L.DV, c["BV"]), _chunks(L, chunk))
-    ck._dv_kernel[grid](q4, k4, do, dhs, rden, dv, 0, L.D, L.DV, L.H, L.scale, 0, *_strides(q4), *_strides(k4),
-                        FEATURE=L.feature, MODE=mode, **L.flags, **c, **packed)
+    launcher(ck._dv_kernel)[grid](
+        q4, k4, do, dhs, rden, dv, 0, L.D, L.DV, L.H, L.scale, 0, *_strides(q4), *_strides(k4),
+        FEATURE=L.feature, MODE=mode, **L.flags, **c, **packed)
     c = cfg["dqk"]
     grid = (L.n_seq * L.H * triton.cdiv(L.D, c["BK"]), _chunks(L, chunk))
-    ck._dqk_kernel[grid](q4, k4, v4, do, hs, zs, dhs, dzs, rden, cg, dq, dk, 0, L.D, L.DV, L.H, L.scale, 0, 0,
-                         *_strides(q4), *_strides(k4), *_strides(v4), FEATURE=L.feature, MODE=mode,
-                         MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES, **L.flags, **c, **packed)
+    launcher(ck._dqk_kernel)[grid](
+        q4, k4, v4, do, hs, zs, dhs, dzs, rden, cg, dq, dk, 0, L.D, L.DV, L.H, L.scale, 0, 0,
+        *_strides(q4), *_strides(k4), *_strides(v4), FEATURE=L.feature, MODE=mode,
+        MEAN_STATE=L.dtype in lt.MEAN_STATE_DTYPES, **L.flags, **c, **packed)
     return dq, dk, dv
 
 
@@ -158,7 +162,7 @@ def _noncausal_forward(L: _Layout, q4, k4, v4):
     none = stand_in(q4, torch.uint8)
     state = torch.empty(L.n_seq * L.H, width, dtype=L.acc, device=L.device)
     c = cfg["state"]
-    nk._keys_state_kernel[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
+    launcher(nk._keys_state_kernel)[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
         k4, v4, none, state, L.max_k, L.D, L.DV, L.H, 1, L.max_k, width, *_strides(k4), *_strides(v4), 0, 0, 0,
         FEATURE=L.feature, NORMALISED=L.normalised, MASK_KIND=MASK_NONE, COUNT=False, **L.flags, **c,
         CU_K=L.cu_k, GROUP=L.group, VARLEN=True)
@@ -167,7 +171,7 @@ def _noncausal_forward(L: _Layout, q4, k4, v4):
     c = cfg["output"]
     single_k = L.D <= c["BK"]
     block_rows = nc._block_rows(L.max_q, L.n_seq * L.H, c["BLOCK_M"], single_k)
-    nk._queries_output_kernel[(L.n_seq * L.H * triton.cdiv(L.max_q, block_rows),)](
+    launcher(nk._queries_output_kernel)[(L.n_seq * L.H * triton.cdiv(L.max_q, block_rows),)](
         q4, state, out, rden if L.normalised else none, L.max_q, L.max_k, L.D, L.DV, L.H, L.scale, block_rows,
         width, *_strides(q4), FEATURE=L.feature, NORMALISED=L.normalised, MASK_KIND=MASK_NONE, COUNT=False,
         SINGLE_K=single_k, **L.flags, **c, CU_Q=L.cu_q, CU_K=L.cu_k, TQ=L.T_q, VARLEN=True)
@@ -183,7 +187,7 @@ def _noncausal_backward(L: _Layout, q4, k4, v4, do, out, rden, state):
     dv = torch.empty(L.H, L.T_k, L.DV, dtype=L.dtype, device=L.device)
     dstate = torch.empty(L.n_seq * L.H, width, dtype=L.acc, device=L.device)
     c = cfg["dstate"]
-    nk._queries_grad_kernel[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
+    launcher(nk._queries_grad_kernel)[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
         q4, do, out if L.normalised else do, rden if L.normalised else none, state, dstate, dq, L.max_q, L.max_k,
         L.D, L.DV, L.H, L.scale, width, 1, L.max_q, width, *_strides(q4), FEATURE=L.feature,
         NORMALISED=L.normalised, MASK_KIND=MASK_NONE, COUNT=False, WIDE_ROWS=L.dtype == torch.float16,
@@ -191,7 +195,7 @@ def _noncausal_backward(L: _Layout, q4, k4, v4, do, out, rden, state):
     c = cfg["dkv"]
     single_k = L.D <= c["BK"]
     block_rows = nc._block_rows(L.max_k, L.n_seq * L.H, c["BLOCK_N"], single_k)
-    nk._keys_grad_kernel[(L.n_seq * L.H * triton.cdiv(L.max_k, block_rows),)](
+    launcher(nk._keys_grad_kernel)[(L.n_seq * L.H * triton.cdiv(L.max_k, block_rows),)](
         k4, v4, none, state, dstate, dk, dv, none, L.max_k, L.D, L.DV, L.H, block_rows, width, width,
         *_strides(k4), *_strides(v4), 0, 0, 0, FEATURE=L.feature, NORMALISED=L.normalised, MASK_KIND=MASK_NONE,
         COUNT=False, MASK_GRAD=False, SINGLE_K=single_k, **L.flags, **c, CU_K=L.cu_k, GROUP=L.group, TK=L.T_k,
@@ -199,34 +203,63 @@ def _noncausal_backward(L: _Layout, q4, k4, v4, do, out, rden, state):
     return dq, dk, dv
 
 
-class _PackedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout):
+# The packed form as two torch custom ops tied by register_autograd (triton_utils.kernel_op, as the dense
+# ops in triton.py / noncausal.py): on a GPU torch.compile records their launches (the offsets stay
+# tensors, max_q / max_k are Python ints), under the interpreter they are opaque ops; eager calls skip
+# the dispatcher. q, k, v: (T, H, D) with unit column stride; cu_q, cu_k: (N + 1,) offsets.
+if HAVE_TRITON:
+    @kernel_op("attnzoo::linear_varlen_fwd", mutates_args=())
+    def linear_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                          scale: float, feature: int, causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(out (H, T_q, Dv) in q's dtype, r (H, T_q) (normalised maps, else (H, 0)), exact (causal, half
+        inputs: out unrounded for the backward's normaliser gradient, else (0,)), state (non-causal:
+        (N * H, width), each sequence's S and z; else (0,)))."""
+        L = _Layout(q, k, v, cu_q, cu_k, max_q, max_k, scale, feature, causal)
+        if tracing_only(q):
+            exact = causal and L.normalised and L.dtype in lt.EXACT_OUT_DTYPES
+            width = nc._width(L.D, L.DV, L.normalised, False, False)
+            return (q.new_empty(L.H, L.T_q, L.DV), q.new_empty(L.H, L.T_q if L.normalised else 0, dtype=L.acc),
+                    q.new_empty((L.H, L.T_q, L.DV) if exact else (0,), dtype=L.acc),
+                    q.new_empty((0,) if causal else (L.n_seq * L.H, width), dtype=L.acc))
         q4, k4, v4 = (_heads_first(t) for t in (q, k, v))
-        with torch.cuda.device(q.device.index if q.is_cuda else -1):   # launch on q's GPU
-            if layout.causal:
-                out, rden, saved = _causal_forward(layout, q4, k4, v4)
-                state = None
-            else:
-                out, rden, state = _noncausal_forward(layout, q4, k4, v4)
-                saved = out
-        ctx.layout = layout
-        ctx.save_for_backward(q, k, v, saved, rden, state)
-        return out.transpose(0, 1)                                      # (T_q, H, Dv)
+        with torch.cuda.device(device_index(q)):   # launch on q's GPU, not the current one
+            if causal:
+                out, rden, exact = _causal_forward(L, q4, k4, v4)
+                return out, rden, exact, q.new_empty(0, dtype=L.acc)
+            out, rden, state = _noncausal_forward(L, q4, k4, v4)
+            return out, rden, q.new_empty(0, dtype=L.acc), state
 
-    def _backward(ctx, dout):
-        q, k, v, out, rden, state = ctx.saved_tensors
-        L = ctx.layout
-        do = dout.to(L.dtype).transpose(0, 1).contiguous()             # (H, T_q, Dv), the kernels' rows
+    @kernel_op("attnzoo::linear_varlen_bwd", mutates_args=())
+    def linear_varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor,
+                          rden: Tensor, state: Tensor, max_q: int, max_k: int, scale: float, feature: int,
+                          causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq (H, T_q, D), dk (H, T_k, D), dv (H, T_k, Dv)), per query head, for ``do`` (H, T_q, Dv)
+        contiguous in q's dtype; ``out`` the forward's (unrounded where it kept it)."""
+        L = _Layout(q, k, v, cu_q, cu_k, max_q, max_k, scale, feature, causal)
+        if tracing_only(q):
+            return q.new_empty(L.H, L.T_q, L.D), q.new_empty(L.H, L.T_k, L.D), q.new_empty(L.H, L.T_k, L.DV)
         q4, k4, v4 = (_heads_first(t) for t in (q, k, v))
-        with torch.cuda.device(q.device.index if q.is_cuda else -1):
-            if L.causal:
-                dq, dk, dv = _causal_backward(L, q4, k4, v4, do, out, rden)
-            else:
-                dq, dk, dv = _noncausal_backward(L, q4, k4, v4, do, out, rden, state)
-        return dq.transpose(0, 1), _sum_groups(dk, L.H_kv), _sum_groups(dv, L.H_kv), None
+        with torch.cuda.device(device_index(q)):
+            if causal:
+                return _causal_backward(L, q4, k4, v4, do, out, rden)
+            return _noncausal_backward(L, q4, k4, v4, do, out, rden, state)
 
-    backward = staticmethod(first_order_only(_backward, "the backward of packed Triton linear attention"))
+    def _setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, feature, causal = inputs
+        out, rden, exact, state = output
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, exact if exact.numel() else out, rden, state)
+        ctx.args = (max_q, max_k, scale, feature, causal)
+
+    def _backward(ctx, dout, _drden, _dexact, _dstate):
+        q, k, v, cu_q, cu_k, out, rden, state = ctx.saved_tensors
+        if dout.dtype != q.dtype:
+            dout = dout.to(q.dtype)
+        dq, dk, dv = linear_varlen_bwd(dout.contiguous(), q, k, v, cu_q, cu_k, out, rden, state, *ctx.args)
+        h_kv = k.shape[1]
+        return (dq.transpose(0, 1), _sum_groups(dk, h_kv), _sum_groups(dv, h_kv),
+                None, None, None, None, None, None, None)
+
+    linear_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_varlen_triton(q, k, v, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, is_causal: bool, scale: float,
@@ -236,8 +269,9 @@ def linear_varlen_triton(q, k, v, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *,
     if q.dtype == torch.float64 and scale != 1.0:
         q, scale = q * scale, 1.0          # the kernels take scale as an fp32 scalar (as triton.py)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    layout = _Layout(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, float(scale), FEATURES[feature_map], is_causal)
-    return _PackedLinear.apply(q, k, v, layout)
+    out, *_ = linear_varlen_fwd(q, k, v, cu_seq_q, cu_seq_k, int(max_q), int(max_k), float(scale),
+                                FEATURES[feature_map], bool(is_causal))
+    return out.transpose(0, 1)                                          # (T_q, H, Dv)
 
 
 def supports(q, backend: str, dropout_p, options: dict):
