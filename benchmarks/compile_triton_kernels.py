@@ -54,6 +54,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from attnzoo.ops import triton_dropout as dropout  # noqa: E402
 from attnzoo.ops.linear import triton as linear_triton  # noqa: E402
+from attnzoo.ops.linear import varlen as linear_varlen  # noqa: E402
 from attnzoo.ops.ot import triton as ot_triton  # noqa: E402
 from attnzoo.ops.kernels.pointwise import triton as pointwise_host  # noqa: E402
 from attnzoo.ops.sinkhorn import triton as sinkhorn_triton  # noqa: E402
@@ -355,6 +356,19 @@ def linear_calls(dtype_name):
             label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} Nq={nq} Nk={nk} mask={mask} full"
             yield label, lambda: forward_backward(linear_triton.linear_attention_triton, q, k, v, is_causal=False,
                                                   feature_map=feature_map, attn_mask=key_mask(mask, dtype, nk))
+        # packed sequences (ops/linear/varlen.py): the kernels' VARLEN branch, grouped heads, n_q != n_k
+        for feature_map, causal in (("elu", True), ("identity", True), ("relu", False), ("identity", False)):
+            label = f"linear {dtype_name} D={d} Dv={dv} {feature_map} packed {'causal' if causal else 'full'}"
+            yield label, lambda: packed_forward_backward(dtype, d, dv, causal, feature_map)
+
+
+def packed_forward_backward(dtype, d, dv, causal, feature_map, len_q=(48, 80, 1), len_k=(80, 48, 3)):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(len_q), 4, d, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(sum(len_k), 2, width, generator=gen).to(dtype).requires_grad_() for width in (d, dv))
+    cu_q, cu_k = (torch.tensor((0,) + tuple(itertools.accumulate(n)), dtype=torch.int32) for n in (len_q, len_k))
+    linear_varlen.linear_varlen_triton(q, k, v, cu_q, cu_k, max(len_q), max(len_k), is_causal=causal, scale=1.0,
+                                       feature_map=feature_map).float().sum().backward()
 
 
 OT_HEAD_DIMS = (64, 128, 256)  # D shapes the logit tiles of _exp_kernel and the fallback, Dv the out / dC tiles
