@@ -24,8 +24,8 @@ SCALE = 0.8
 EPS = 1e-6
 
 
-def offsets(lengths, device):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+def offsets(lengths, device, dtype=torch.int32):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=dtype, device=device)
 
 
 def phi(x, feature_map):
@@ -73,11 +73,12 @@ def inputs(dtype, seed=0):
     return [w.to(dtype)[..., 2:].requires_grad_() for w in wide]
 
 
-def check(causal, feature_map, dtype, monkeypatch):
+def check(causal, feature_map, dtype, monkeypatch, offsets_dtype=torch.int32):
     monkeypatch.setattr(varlen, "per_sequence", lambda *a, **k: pytest.fail("the packed kernels were not taken"))
     q, k, v = inputs(dtype)
     dev = KERNEL_DEVICE
-    out = AF.varlen("linear", q.to(dev), k.to(dev), v.to(dev), offsets(LEN_Q, dev), offsets(LEN_K, dev),
+    cu_q, cu_k = offsets(LEN_Q, dev, offsets_dtype), offsets(LEN_K, dev, offsets_dtype)
+    out = AF.varlen("linear", q.to(dev), k.to(dev), v.to(dev), cu_q, cu_k,
                     max(LEN_Q), max(LEN_K), is_causal=causal, scale=SCALE, feature_map=feature_map,
                     enable_gqa=True, backend="triton").cpu()
     assert out.shape == (sum(LEN_Q), H, DV) and out.dtype == dtype
@@ -105,7 +106,8 @@ def test_packed_equals_each_sequence_alone(causal, feature_map, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("causal,dtype", [(False, torch.bfloat16), (True, torch.float16)], ids=str)
 def test_packed_half_meets_the_flash_rule(causal, dtype, monkeypatch):
-    check(causal, "elu", dtype, monkeypatch)
+    """(int64 offsets here: varlen accepts them beside varlen_attn's int32.)"""
+    check(causal, "elu", dtype, monkeypatch, offsets_dtype=torch.int64)
 
 
 @needs_kernels

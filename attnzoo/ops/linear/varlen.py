@@ -269,6 +269,8 @@ def linear_varlen_triton(q, k, v, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *,
     if q.dtype == torch.float64 and scale != 1.0:
         q, scale = q * scale, 1.0          # the kernels take scale as an fp32 scalar (as triton.py)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # the kernels read offset s at cu + s: a strided view of offsets (cu[::2]) is copied
+    cu_seq_q, cu_seq_k = (c if c.is_contiguous() else c.contiguous() for c in (cu_seq_q, cu_seq_k))
     out, *_ = linear_varlen_fwd(q, k, v, cu_seq_q, cu_seq_k, int(max_q), int(max_k), float(scale),
                                 FEATURES[feature_map], bool(is_causal))
     return out.transpose(0, 1)                                          # (T_q, H, Dv)
