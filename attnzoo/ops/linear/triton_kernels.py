@@ -19,6 +19,14 @@ weights is dA_ij = r_i dO_i . v_j + c_i for j <= i, and
     dphi(q)_c = dA phi(k)_c + r (dO H_c^T) + c z_c^T,     dphi(k)_c = dA^T phi(q)_c + v dH_c^T + 1 dz_c^T,
     dv_c = (r-scaled tril(phi(q) phi(k)^T))^T dO + phi(k) dH_c.
 
+Packed sequences (VARLEN, host code: varlen.py): the batch index of a program is a sequence of packed
+q (T_q, H, D), k, v (T_k, H_kv, .), whose first tokens and lengths it loads from CU_Q / CU_K at its
+entry. Sequence s is one causal square of L = max(n_q, n_k) positions, bottom-right aligned: query i at
+position i + max(n_k - n_q, 0), key j at j + max(n_q - n_k, 0), so a position sees the positions up to
+its own; rows before a sequence's first query (key) are no rows of q (k) and read as padding
+(``_from``). Its states take chunks [(q_0 + k_0) // CHUNK + s, + cdiv(L, CHUNK)) of an (H, CT, D, Dv)
+buffer; the per-token buffers (out, r, dq, dk, dv) are (H, T, .); k and v's head is h // GROUP.
+
 Precision: operands go to tl.dot in the input dtype (bf16/fp16 on the tensor cores), every
 accumulator and carried state is fp32 (fp64 for fp64 inputs, FP64), built from explicit dtypes and
 never from a pointer's element type (bf16 pointers under autocast must not make bf16 loop variables).
