@@ -4,7 +4,8 @@ sequence alone, written here from the definition (phi, the 1e-6, causal prefix s
 sequence's start), in float64; FlashAttention's rule (tests/flash_rule.py) against the same formula in
 fp32 for fp32, bf16 and fp16 inputs. Grouped heads (4 query heads on 2 key heads), causal and not,
 n_q != n_k both ways, a length-1 sequence, sequences longer than the interpreter's 16-row chunks and
-16-row query tiles, q, k, v read in place from wider rows."""
+16-row query tiles, head dims across its 16-wide tiles, q, k, v read in place from wider rows, and
+torch.compile(fullgraph=True)."""
 from __future__ import annotations
 
 import pytest
@@ -65,23 +66,23 @@ def formula(q, k, v, causal, feature_map, len_q=LEN_Q, len_k=LEN_K):
     return torch.cat(out)
 
 
-def inputs(dtype, seed=0):
+def inputs(dtype, seed=0, d=D, dv=DV):
     """q, k, v as CPU leaves of ``dtype``; each is a column slice of a wider tensor, so rows are strided."""
     g = torch.Generator().manual_seed(seed)
-    wide = [torch.randn(sum(n), h, d + 2, generator=g, dtype=torch.float64)
-            for n, h, d in ((LEN_Q, H, D), (LEN_K, H_KV, D), (LEN_K, H_KV, DV))]
+    wide = [torch.randn(sum(n), h, width + 2, generator=g, dtype=torch.float64)
+            for n, h, width in ((LEN_Q, H, d), (LEN_K, H_KV, d), (LEN_K, H_KV, dv))]
     return [w.to(dtype)[..., 2:].requires_grad_() for w in wide]
 
 
-def check(causal, feature_map, dtype, monkeypatch, offsets_dtype=torch.int32):
+def check(causal, feature_map, dtype, monkeypatch, offsets_dtype=torch.int32, d=D, dv=DV):
     monkeypatch.setattr(varlen, "per_sequence", lambda *a, **k: pytest.fail("the packed kernels were not taken"))
-    q, k, v = inputs(dtype)
+    q, k, v = inputs(dtype, d=d, dv=dv)
     dev = KERNEL_DEVICE
     cu_q, cu_k = offsets(LEN_Q, dev, offsets_dtype), offsets(LEN_K, dev, offsets_dtype)
     out = AF.varlen("linear", q.to(dev), k.to(dev), v.to(dev), cu_q, cu_k,
                     max(LEN_Q), max(LEN_K), is_causal=causal, scale=SCALE, feature_map=feature_map,
                     enable_gqa=True, backend="triton").cpu()
-    assert out.shape == (sum(LEN_Q), H, DV) and out.dtype == dtype
+    assert out.shape == (sum(LEN_Q), H, dv) and out.dtype == dtype
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got_g = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
     wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -97,8 +98,8 @@ def check(causal, feature_map, dtype, monkeypatch, offsets_dtype=torch.int32):
 
 
 @needs_kernels
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal,feature_map", [(False, "elu"), (False, "identity"), (True, "elu"), (True, "relu"),
+                                                (True, "identity")])
 def test_packed_equals_each_sequence_alone(causal, feature_map, monkeypatch):
     check(causal, feature_map, torch.float32, monkeypatch)
 
@@ -108,6 +109,14 @@ def test_packed_equals_each_sequence_alone(causal, feature_map, monkeypatch):
 def test_packed_half_meets_the_flash_rule(causal, dtype, monkeypatch):
     """(int64 offsets here: varlen accepts them beside varlen_attn's int32.)"""
     check(causal, "elu", dtype, monkeypatch, offsets_dtype=torch.int64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal,feature_map", [(True, "identity"), (False, "relu")])
+def test_head_dims_across_tiles(causal, feature_map, monkeypatch):
+    """D = 20, Dv = 18: several 16-wide head-dim tiles under the interpreter (state tiles, the dq / dk
+    tiles of the causal backward, the non-causal reductions' row tiles)."""
+    check(causal, feature_map, torch.float32, monkeypatch, d=20, dv=18)
 
 
 @needs_kernels
