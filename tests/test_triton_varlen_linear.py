@@ -120,6 +120,18 @@ def test_head_dims_across_tiles(causal, feature_map, monkeypatch):
 
 
 @needs_kernels
+def test_noncausal_key_ranges_split_per_sequence(monkeypatch):
+    """The non-causal reductions split into 16-row ranges of max_k / max_q (a GPU splits when sequences x
+    heads leave it idle): the 19-row sequence takes two ranges, the shorter ones one and an empty one."""
+    from attnzoo.ops.linear import noncausal
+    splits = []
+    monkeypatch.setattr(noncausal, "_splits", lambda n_rows, programs, rows: splits.append(-(-n_rows // 16)) or
+                        (splits[-1], 16))
+    check(False, "elu", torch.float32, monkeypatch)
+    assert splits == [2, 2]             # the keys' reduction (max_k 19), the backward's over queries (max_q 19)
+
+
+@needs_kernels
 def test_the_rule_sees_a_sequence_that_leaks_into_the_next():
     """The test's own power: the formula with the second and third sequences merged (their sums not
     restarted) differs from the packed kernels' answer by far more than the rule allows."""

@@ -31,9 +31,9 @@ Kernels, each a 1-D grid over batch x head x (tiles):
 - ``_keys_grad_kernel``: dk, dv (and the float mask's gradient) per key chunk from dS and dz.
 
 Packed sequences (VARLEN, host code: varlen.py): a program's batch index is a sequence of packed q
-(T_q, H, D), k, v (T_k, H_kv, .), its first token and length loaded from CU_Q / CU_K; the reductions
-take a sequence's rows whole (one split), the row grids cover the longest sequence (a program past its
-sequence's end loops zero times), the per-token buffers are (H, T, .) and k and v's head is h // GROUP.
+(T_q, H, D), k, v (T_k, H_kv, .), its first token and length loaded from CU_Q / CU_K; the reductions'
+splits and the row grids cover the longest sequence (a split or program past its sequence's end loops
+zero times), the per-token buffers are (H, T, .) and k and v's head is h // GROUP.
 
 Masked keys take part in nothing: their fk and v are zeroed with where (not multiplied), so a NaN in a
 masked key's k or v stays out of the sums, as in the reference's masked_fill. Accumulators are fp32

@@ -9,9 +9,10 @@ the sum over sequences of n_i (D Dv), never a padded N x max block. The kernels 
 and v's head is h // (H / H_kv) (grouped heads are read, not copied), and the buffers one row per token
 (out, r_i, dq, dk, dv) are head-major (H, T, .):
 
-- non-causal: one program per (sequence, head, head-dim tile) reduces the sequence's keys into its
-  S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) (no split of a sequence's keys), then the query
-  blocks of every sequence read their own state; the backward mirrors it;
+- non-causal: programs per (sequence, head, head-dim tile, key range) reduce the sequence's keys into
+  its S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) (ranges of max_k split as the dense path splits
+  when sequences x heads leave the GPU idle, their partial states summed), then the query blocks of
+  every sequence read their own state; the backward mirrors it;
 - causal: a sequence of n_q queries and n_k keys is the causal square of L = max(n_q, n_k) positions
   (bottom-right aligned: key j at position j + max(n_q - n_k, 0), query i at i + max(n_k - n_q, 0), so
   query i sees key j iff j <= i + n_k - n_q), cut into chunks; its states occupy chunks
@@ -160,12 +161,13 @@ def _noncausal_forward(L: _Layout, q4, k4, v4):
     cfg = nc.launch_config(L.D, L.DV, L.dtype)
     width = nc._width(L.D, L.DV, L.normalised, False, False)
     none = stand_in(q4, torch.uint8)
-    state = torch.empty(L.n_seq * L.H, width, dtype=L.acc, device=L.device)
-    c = cfg["state"]
-    launcher(nk._keys_state_kernel)[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
-        k4, v4, none, state, L.max_k, L.D, L.DV, L.H, 1, L.max_k, width, *_strides(k4), *_strides(v4), 0, 0, 0,
-        FEATURE=L.feature, NORMALISED=L.normalised, MASK_KIND=MASK_NONE, COUNT=False, **L.flags, **c,
-        CU_K=L.cu_k, GROUP=L.group, VARLEN=True)
+    # split into key ranges of every sequence (noncausal._splits, on max_k) when sequences x heads alone
+    # leave the GPU idle; a range past a sequence's end adds a zero partial state
+    state = nc._reduce(nk._keys_state_kernel, lambda part: (k4, v4, none, part, L.max_k, L.D, L.DV, L.H),
+                       (*_strides(k4), *_strides(v4), 0, 0, 0), L.n_seq * L.H, L.D, width, L.max_k, {
+                           **cfg["state"], "FEATURE": L.feature, "NORMALISED": L.normalised, "MASK_KIND": MASK_NONE,
+                           "COUNT": False, **L.flags, "CU_K": L.cu_k, "GROUP": L.group, "VARLEN": True},
+                       L.acc, L.device)
     out = torch.empty(L.H, L.T_q, L.DV, dtype=L.dtype, device=L.device)
     rden = torch.empty(L.H, L.T_q if L.normalised else 0, dtype=L.acc, device=L.device)
     c = cfg["output"]
@@ -185,13 +187,14 @@ def _noncausal_backward(L: _Layout, q4, k4, v4, do, out, rden, state):
     dq = torch.empty(L.H, L.T_q, L.D, dtype=L.dtype, device=L.device)
     dk = torch.empty(L.H, L.T_k, L.D, dtype=L.dtype, device=L.device)
     dv = torch.empty(L.H, L.T_k, L.DV, dtype=L.dtype, device=L.device)
-    dstate = torch.empty(L.n_seq * L.H, width, dtype=L.acc, device=L.device)
-    c = cfg["dstate"]
-    launcher(nk._queries_grad_kernel)[(L.n_seq * L.H * triton.cdiv(L.D, c["BK"]),)](
-        q4, do, out if L.normalised else do, rden if L.normalised else none, state, dstate, dq, L.max_q, L.max_k,
-        L.D, L.DV, L.H, L.scale, width, 1, L.max_q, width, *_strides(q4), FEATURE=L.feature,
-        NORMALISED=L.normalised, MASK_KIND=MASK_NONE, COUNT=False, WIDE_ROWS=L.dtype == torch.float16,
-        **L.flags, **c, CU_Q=L.cu_q, CU_K=L.cu_k, TQ=L.T_q, VARLEN=True)
+    dstate = nc._reduce(nk._queries_grad_kernel,
+                        lambda part: (q4, do, out if L.normalised else do, rden if L.normalised else none, state,
+                                      part, dq, L.max_q, L.max_k, L.D, L.DV, L.H, L.scale, width),
+                        _strides(q4), L.n_seq * L.H, L.D, width, L.max_q, {
+                            **cfg["dstate"], "FEATURE": L.feature, "NORMALISED": L.normalised,
+                            "MASK_KIND": MASK_NONE, "COUNT": False, "WIDE_ROWS": L.dtype == torch.float16,
+                            **L.flags, "CU_Q": L.cu_q, "CU_K": L.cu_k, "TQ": L.T_q, "VARLEN": True},
+                        L.acc, L.device)
     c = cfg["dkv"]
     single_k = L.D <= c["BK"]
     block_rows = nc._block_rows(L.max_k, L.n_seq * L.H, c["BLOCK_N"], single_k)
