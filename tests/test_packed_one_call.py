@@ -27,6 +27,15 @@ BLOCKWISE = ["softmax", "l2", "l2(tie_qk=True)", "relu", "sigmoid", "sigmoid(bia
              "fenchel", "fenchel(preference='context')", "softmax(sinks=True, softcap=5.0)", "masked(kind='relu')"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: one thread is faster than two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def varlen_calls(monkeypatch):
     calls = []
@@ -133,7 +142,7 @@ def llama_packed_vs_alone(spec, backend):
     return packed, torch.cat(alone)
 
 
-@pytest.mark.parametrize("spec", ["softmax", "sinkhorn", "sigmoid", "linear", "ot", "fenchel(preference='context')",
+@pytest.mark.parametrize("spec", ["softmax", "sinkhorn", "fenchel(preference='context')",
                                   "sigmoid(learnable_bias=True)"])
 def test_hf_packed_route_takes_one_varlen_call_per_layer(spec, varlen_calls):
     packed, alone = llama_packed_vs_alone(spec, "reference")
@@ -141,7 +150,7 @@ def test_hf_packed_route_takes_one_varlen_call_per_layer(spec, varlen_calls):
     assert len(varlen_calls) == (0 if spec in PER_LENGTH else LAYERS)
 
 
-@pytest.mark.parametrize("spec", ["softmax", "l2(tie_qk=True)", "fenchel(preference='context')", "relu"])
+@pytest.mark.parametrize("spec", ["l2(tie_qk=True)", "fenchel(preference='context')"])
 def test_hf_packed_route_runs_the_blockwise_path_in_one_call(spec, no_per_length):
     """Grouped heads (4 query heads on 2 key heads); the unpacked runs take the ordinary blockwise backend."""
     packed, alone = llama_packed_vs_alone(spec, "cpu")
