@@ -1,7 +1,8 @@
 """Cached decoding and the packed route (issue 30: "cached decoding is unchanged").
 
 A cached decoding step never takes the packed route, after an ordinary prefill (``generate``) or after
-a packed one. After a packed prefill the cache holds every sequence's keys back to back and the new
+a packed one. Sinkhorn and Fenchel's context preference, which read more than the cache about the
+earlier positions, refuse a cached step after a packed prefill, naming it. After a packed prefill the cache holds every sequence's keys back to back and the new
 token attends to all of them: what transformers' flash path does (a one-position step is never read as
 packed; ``modeling_flash_attention_utils._is_packed_sequence``), checked against transformers' own
 SDPA attention on a one-layer Llama, whose cache does not depend on the prefill's attention (the
@@ -78,3 +79,17 @@ def test_a_cached_step_after_a_packed_prefill_attends_to_every_cached_token(pack
         moved = ours(step, position_ids=step_position, use_cache=True,
                      cache=ours(other, position_ids=positions, use_cache=True).past_key_values).logits[0, -1]
     assert (moved - logits["attnzoo"]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("spec", ["sinkhorn", "fenchel(preference='context')"])
+def test_a_cached_step_after_a_packed_prefill_is_refused_where_the_kernel_needs_more_than_the_cache(spec):
+    """Sinkhorn reads the earlier positions' queries, Fenchel's context their tokens: a packed prefill
+    keeps neither per sequence, so the step says so instead of answering otherwise."""
+    model = attnzoo.swap(llama(1), spec)
+    ids = torch.tensor([[3, 8, 11, 7, 1, 4, 12, 6, 9]])
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    with torch.no_grad():
+        prefill = model(ids, position_ids=positions, use_cache=True)
+        with pytest.raises(ValueError, match="packed row of several sequences"):
+            model(torch.tensor([[5]]), position_ids=torch.tensor([[LENGTHS[-1]]]), cache=prefill.past_key_values,
+                  use_cache=True)
