@@ -1,7 +1,8 @@
 """Packed sequences in a Hugging Face model (padding-free fine-tuning: transformers'
 ``DataCollatorWithFlattening``, TRL's ``padding_free=True``): several sequences in one row of a batch of
 one, each attending only to itself, each its own attention problem for every variant (Sinkhorn's
-marginals, relu's 1/n, ... per sequence), computed per sequence (``ops/varlen.py``: the work is the
+marginals, relu's 1/n, ... per sequence), all of a layer's sequences in one ``ops.varlen.attend_varlen``
+call when the kernel's per-call values allow it (``layers/packed_attend.py`` says when; the work is the
 sum over sequences of n_i^2, not T^2).
 
 The attention function finds the sequences in the first of these that it is handed (as transformers'
@@ -16,7 +17,8 @@ flash path does):
 3. a block-diagonal mask (causal inside each block for a causal module) of a batch of one, e.g. the one
    transformers builds from restarting position ids, or one a user passes as a 4-D mask.
 
-Only self-attention with no earlier (cached) positions is packed: a cached decoding step is unchanged.
+Only self-attention with no earlier (cached) positions is packed: a cached decoding step is unchanged
+(after a packed prefill it attends to every cached token, as transformers' flash path does).
 A mask handed with routes 1 and 2 must keep every pair the packed sequences keep (it may keep more: the
 plain causal mask); one that also masks inside a sequence (padding in a packed row) is an error, not a
 silently dropped mask.
