@@ -107,3 +107,21 @@ def test_a_per_key_log_u_with_nan_or_plus_inf_is_an_error_on_the_one_call_route(
     with pytest.raises(ValueError, match="log_u holds"):
         AF.varlen("fenchel", q, k, v, offsets(LQ), offsets(LK), max(LQ), max(LK), enable_gqa=True, backend="cpu",
                   log_u=PerKey(log_u))
+
+
+def test_offsets_are_read_once_for_every_layer_of_a_forward(monkeypatch):
+    """Each layer of a packed forward hands attend_varlen the same offsets tensors: read once (a host sync
+    per layer on a GPU otherwise), read again after an in-place change."""
+    q, k, v = (t.detach() for t in packed_inputs(torch.float64, LQ, LK))
+    cu_q, cu_k = offsets(LQ), offsets(LK)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or real(t))
+    for _ in range(3):
+        varlen.check(q, k, v, cu_q, cu_k, max(LQ), max(LK))
+    assert len(reads) == 2
+    cu_k[1:] += 0                       # a new version of the same tensor
+    varlen.check(q, k, v, cu_q, cu_k, max(LQ), max(LK))
+    assert len(reads) == 3
+    with pytest.raises(ValueError, match="max_k=6 is shorter than the longest sequence in cu_seq_k"):
+        varlen.check(q, k, v, cu_q, cu_k, max(LQ), 6)

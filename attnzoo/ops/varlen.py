@@ -28,6 +28,7 @@ Two exact routes, chosen once per call by how the call runs:
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import torch
 
@@ -36,6 +37,12 @@ from . import validate as V
 from . import variant as catalog
 from . import varlen_blockwise
 from .varlen_options import per_key_options
+
+
+# per argument, the offsets read last: (weak reference to the tensor, its version, total, max, offsets).
+# Every layer of a packed forward gets the same offsets tensor: read (a host sync on a GPU) and checked
+# once, not once per layer; an in-place change of the tensor bumps its version and reads it again.
+_LAST_READ: dict = {}
 
 
 def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, read_values: bool) -> list[int] | None:
@@ -53,6 +60,9 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
         raise ValueError(f"{max_name} must be a Python int >= 1 (the longest sequence), got {max_len!r}")
     if not read_values:
         return None
+    last = _LAST_READ.get(name)
+    if last is not None and last[0]() is cu and last[1:4] == (cu._version, total, max_len):
+        return last[4]
     offsets = cu.tolist()
     if offsets[0] != 0 or offsets[-1] != total or any(not 0 <= o <= total for o in offsets):
         raise ValueError(f"{name} must run from 0 to the packed length {total} within [0, {total}], got {offsets}")
@@ -64,6 +74,7 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
                          "sequence needs at least one token")
     if max(lengths) > max_len:
         raise ValueError(f"{max_name}={max_len} is shorter than the longest sequence in {name} ({max(lengths)})")
+    _LAST_READ[name] = (weakref.ref(cu), cu._version, total, max_len, offsets)
     return offsets
 
 
