@@ -22,9 +22,9 @@ ONE_CALL = [s for s in attnzoo.available() if s != "multihead"] + [
     "sigmoid(bias=-1.0, learnable_bias=True)", "softmax(sinks=True, softcap=5.0)", "masked(kind='sinkhorn')"]
 # a learned shift on the default bias -log n_i is a value per row of each sequence
 PER_LENGTH = ["sigmoid(learnable_bias=True)"]
-# the variants with a blockwise packed form, as layers
-BLOCKWISE = ["softmax", "l2", "l2(tie_qk=True)", "relu", "sigmoid", "sigmoid(bias=-1.0, learnable_bias=True)",
-             "fenchel", "fenchel(preference='context')", "softmax(sinks=True, softcap=5.0)", "masked(kind='relu')"]
+# layers of the variants with a blockwise packed form (their plain forms: tests/test_varlen_blockwise.py)
+BLOCKWISE = ["l2(tie_qk=True)", "relu", "sigmoid", "sigmoid(bias=-1.0, learnable_bias=True)",
+             "fenchel(preference='context')", "softmax(sinks=True, softcap=5.0)", "masked(kind='relu')"]
 
 
 @pytest.fixture(autouse=True)
@@ -155,3 +155,16 @@ def test_hf_packed_route_runs_the_blockwise_path_in_one_call(spec, no_per_length
     """Grouped heads (4 query heads on 2 key heads); the unpacked runs take the ordinary blockwise backend."""
     packed, alone = llama_packed_vs_alone(spec, "cpu")
     torch.testing.assert_close(packed, alone, atol=TOL, rtol=TOL)
+
+
+def test_a_packed_layer_compiles_to_one_graph():
+    """Under torch.compile the one varlen call takes its padded route (offsets as tensors, no host read),
+    the context preference's per-key log u padded per sequence with it: fullgraph=True holds."""
+    layer, xs = layer_and_tokens("fenchel(preference='context')")
+
+    def forward(x, cu):
+        return layer(x, cu_seqlens=cu, max_seqlen=max(LENGTHS), is_causal=True)
+
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(torch.cat(xs), CU), torch.cat([layer(x[None], is_causal=True)[0] for x in xs]),
+                               atol=TOL, rtol=TOL)
