@@ -142,7 +142,7 @@ def llama_packed_vs_alone(spec, backend):
     return packed, torch.cat(alone)
 
 
-@pytest.mark.parametrize("spec", ["softmax", "sinkhorn", "fenchel(preference='context')",
+@pytest.mark.parametrize("spec", ["softmax", "sinkhorn", "fenchel(preference='context')", "fenchel(preference='t5')",
                                   "sigmoid(learnable_bias=True)"])
 def test_hf_packed_route_takes_one_varlen_call_per_layer(spec, varlen_calls):
     packed, alone = llama_packed_vs_alone(spec, "reference")
