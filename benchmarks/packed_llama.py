@@ -14,6 +14,12 @@ memory: peak resident memory (fresh process each) of one packed attention call, 
     PYTHONPATH=$PWD python benchmarks/packed_llama.py memory
     PYTHONPATH=$PWD python benchmarks/packed_llama.py routes
 
+growth: the same memory measurement as T grows with the number of sequences at a fixed length (T = 4096 of
+        8 and 8192 of 16): packed against the dense block-diagonal mask, backends "cpu" (the packed
+        blockwise call) and "reference" (the stacked per-length batch).
+
+    PYTHONPATH=$PWD python benchmarks/packed_llama.py growth --out benchmarks/results/cpu/packed_memory_growth.json
+
 routes: one causal softmax attention call (forward + backward, backend "cpu", one thread, fresh process
         each) at T = 8192 of 16 sequences, mixed lengths and equal ones: the packed blockwise call, one
         call per distinct length, and the dense block-diagonal mask. Seconds and peak resident memory.
@@ -159,6 +165,25 @@ def memory(args) -> dict:
     return {"total": args.total, "heads": args.heads, "head_dim": args.head_dim, "rows": rows}
 
 
+def growth(args) -> dict:
+    """Peak memory of one causal packed attention call (forward + backward) as T grows with the number of
+    sequences, n_i fixed (T = 4096 of 8 and T = 8192 of 16 by default: sum n_i^2 doubles, T^2 quadruples),
+    against the dense (T, T) block-diagonal mask on the same tokens; each call in a fresh process, its
+    peak resident memory above the process's after the imports (ru_maxrss delta, one thread)."""
+    rows = []
+    for backend in args.backends:
+        for total, n_seq in zip(args.totals, args.n_seqs):
+            n = total // n_seq
+            for how in ("packed", "mask"):
+                seconds, mib = measured_call(how, total, n_seq, args.heads, args.head_dim, backend)
+                row = {"backend": backend, "route": how, "total": total, "n_seq": n_seq, "n": n,
+                       "sum_n_sq": n_seq * n * n, "t_sq": total * total, "seconds": seconds, "peak_added_mib": mib}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"heads": args.heads, "head_dim": args.head_dim, "dtype": "float32", "threads": 1, "fwd_bwd": True,
+            "causal": True, "measure": "ru_maxrss delta after imports, fresh process per row", "rows": rows}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="part", required=True)
@@ -178,10 +203,16 @@ def main():
     r.add_argument("--n-seq", type=int, default=16)
     r.add_argument("--heads", type=int, default=4)
     r.add_argument("--head-dim", type=int, default=64)
-    for p in (s, m, r):
+    g = sub.add_parser("growth")
+    g.add_argument("--totals", type=int, nargs="+", default=[4096, 8192])
+    g.add_argument("--n-seqs", type=int, nargs="+", default=[8, 16])
+    g.add_argument("--heads", type=int, default=1)
+    g.add_argument("--head-dim", type=int, default=64)
+    g.add_argument("--backends", nargs="+", default=["cpu", "reference"])
+    for p in (s, m, r, g):
         p.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
-    result = {"speed": speed, "memory": memory, "routes": routes}[args.part](args)
+    result = {"speed": speed, "memory": memory, "routes": routes, "growth": growth}[args.part](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

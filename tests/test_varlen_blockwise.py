@@ -113,7 +113,7 @@ def test_auto_takes_it_from_the_measured_size_on(monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("variant,kw", [("softmax", {"dropout_p": 0.5}), ("sigmoid", {"bias": torch.zeros(1)}),
+@pytest.mark.parametrize("variant,kw", [("softmax", {"dropout_p": 0.5}), ("sigmoid", {"bias": torch.zeros(2, 1)}),
                                         ("softmax", {"backend": "reference"}), ("sinkhorn", {})])
 def test_calls_it_cannot_take_run_per_length(variant, kw, monkeypatch):
     ran = []

@@ -127,7 +127,8 @@ def _kept_prefix(state: Optional[PrefixState], ident: torch.Tensor, keep: Option
     if state is None:
         reason = ("nothing is kept for them: the sequence did not start through this layer in this mode "
                   "(its first call ran in training mode with gradients on, or with a mask that is not "
-                  "causal + padding (+ the host's sliding window), e.g. a position bias or a static cache)")
+                  "causal + padding (+ the host's sliding window), e.g. a position bias or a static cache, or "
+                  "it was a packed row of several sequences, whose per-sequence state nothing keeps)")
     elif state.length < past:
         reason = f"only {state.length} are kept (the cache holds more positions than went through this layer)"
     else:

@@ -1,7 +1,8 @@
 """Packed sequences in a Hugging Face model (padding-free fine-tuning: transformers'
 ``DataCollatorWithFlattening``, TRL's ``padding_free=True``): several sequences in one row of a batch of
 one, each attending only to itself, each its own attention problem for every variant (Sinkhorn's
-marginals, relu's 1/n, ... per sequence), computed per sequence (``ops/varlen.py``: the work is the
+marginals, relu's 1/n, ... per sequence), all of a layer's sequences in one ``ops.varlen.attend_varlen``
+call when the kernel's per-call values allow it (``layers/packed_attend.py`` says when; the work is the
 sum over sequences of n_i^2, not T^2).
 
 The attention function finds the sequences in the first of these that it is handed (as transformers'
@@ -16,7 +17,8 @@ flash path does):
 3. a block-diagonal mask (causal inside each block for a causal module) of a batch of one, e.g. the one
    transformers builds from restarting position ids, or one a user passes as a 4-D mask.
 
-Only self-attention with no earlier (cached) positions is packed: a cached decoding step is unchanged.
+Only self-attention with no earlier (cached) positions is packed: a cached decoding step is unchanged
+(after a packed prefill it attends to every cached token, as transformers' flash path does).
 A mask handed with routes 1 and 2 must keep every pair the packed sequences keep (it may keep more: the
 plain causal mask); one that also masks inside a sequence (padding in a packed row) is an error, not a
 silently dropped mask.
@@ -29,8 +31,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..layers import packed_attend
 from ..ops import varlen
-from .kernel import run_kernel
+from .kernel import check_key_tokens, host_scale, keys_and_values
 
 
 class Packed(NamedTuple):
@@ -159,19 +162,18 @@ def find(query, key, attention_mask: Optional[torch.Tensor], causal: bool, cross
 
 def run(kernel, query, key, value, packed: Packed, *, causal: bool, dropout_p: float, scale, tokens,
         extras: Optional[dict] = None):
-    """(1, H, T, D) q, k, v -> (1, T, H, Dv): each packed sequence through the kernel on its own."""
+    """(1, H, T, D) q, k, v -> (1, T, H, Dv): every packed sequence its own problem, in one
+    ``attend_varlen`` call when the kernel's per-call values allow it (``layers/packed_attend.py``)."""
+    key, value = keys_and_values(kernel, query, key, value)
+    x = None if tokens is None else tokens[0]
+    check_key_tokens(kernel, x)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     # every layer of a forward gets the same offsets: checked and read once (a host sync on a GPU)
     _, _, offsets_q, offsets_k = _once("offsets", packed.cu_seq_q, (
         id(packed.cu_seq_k), packed.cu_seq_k._version, q.shape, k.shape, v.shape, packed.max_q, packed.max_k,
         torch.compiler.is_compiling()),
         lambda: varlen.check(q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k))
-
-    def call(q, k, v, x=None):
-        return run_kernel(kernel, q, k, v, is_causal=causal, dropout_p=dropout_p, scale=scale, x=x,
-                          self_attention=True, enable_gqa=k.shape[1] != q.shape[1], extras=extras)
-
-    x = None if tokens is None else tokens[0]
-    if offsets_q is None:                                     # torch.compile: read outside the graph
-        return varlen.per_sequence_reading_offsets(call, q, k, v, packed.cu_seq_q, packed.cu_seq_k, {}, x)[None]
-    return varlen.per_sequence(call, q, k, v, offsets_q, offsets_k, {}, key_tokens=x)[None]
+    out = packed_attend.attend(kernel, q, k, v, packed.cu_seq_q, packed.cu_seq_k, packed.max_q, packed.max_k,
+                               offsets_q, offsets_k, is_causal=causal, tokens=x, scale=host_scale(kernel, scale),
+                               dropout_p=float(dropout_p), enable_gqa=k.shape[1] != q.shape[1], extras=extras)
+    return out[None]

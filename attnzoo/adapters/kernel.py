@@ -83,6 +83,30 @@ def attend_last_rows(layer: AttentionLayer, q, k, v, attn_mask, rows: int, x, **
     return torch.cat(out, dim=-2)
 
 
+def keys_and_values(layer: AttentionLayer, q, k, v):
+    """(B, H, N, D) k and v as the layer's variant takes them: the queries as keys for l2's tie_qk
+    (self-attention without a key cache only), with grouped values repeated to the query heads."""
+    if not layer.keys_are_queries:
+        return k, v
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"{type(layer).__name__} uses the queries as keys (l2's tie_qk=True), so it needs "
+                         f"self-attention without a key cache; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if v.shape[1] != q.shape[1]:  # grouped values: one per query head now that the keys are the queries
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return q, v
+
+
+def check_key_tokens(layer: AttentionLayer, x) -> None:
+    if x is None and layer.needs_key_tokens:
+        raise ValueError(f"{type(layer).__name__} reads the key tokens x (fenchel's preference='context'), "
+                         "which this host does not provide")
+
+
+def host_scale(layer: AttentionLayer, scale) -> Optional[float]:
+    """The host's logit scale, or None (the layer's own) for a variant without logits."""
+    return float(scale) if scale is not None and layer.uses_logit_scale else None
+
+
 def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                scale: Optional[float] = None, x: Optional[torch.Tensor] = None,
@@ -102,13 +126,7 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     rows = nq if last_rows is None else last_rows
     if self_attention and layer.couples_queries:
         attn_mask = drop_padded_queries(attn_mask, nq, first_token_key)
-    if layer.keys_are_queries:
-        if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-            raise ValueError(f"{type(layer).__name__} uses the queries as keys (l2's tie_qk=True), so it needs "
-                             f"self-attention without a key cache; got q {tuple(q.shape)} and k {tuple(k.shape)}")
-        k = q
-        if v.shape[1] != q.shape[1]:  # grouped values: one per query head now that the keys are the queries
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    k, v = keys_and_values(layer, q, k, v)
     if causal_queries and not self_attention and layer.reads_positions:
         # offsets j - i between a decoder position and an encoder token are bottom-right aligned on the
         # call's Nq, so an earlier position's output would move with the number of later positions
@@ -116,12 +134,8 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
         raise ValueError(f"{type(layer).__name__} reads relative positions (fenchel's preference='t5'), which a "
                          "decoder's cross-attention does not have (its queries and keys are positions of two "
                          "sequences); swap the self-attention modules only (exclude= the cross-attention ones)")
-    if x is None:
-        if layer.needs_key_tokens:
-            raise ValueError(f"{type(layer).__name__} reads the key tokens x (fenchel's preference='context'), "
-                             "which this host does not provide")
-    call = {"dropout_p": float(dropout_p),
-            "scale": float(scale) if scale is not None and layer.uses_logit_scale else None}
+    check_key_tokens(layer, x)
+    call = {"dropout_p": float(dropout_p), "scale": host_scale(layer, scale)}
     if enable_gqa:
         call["enable_gqa"] = True
     if extras:

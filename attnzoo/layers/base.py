@@ -164,15 +164,25 @@ class AttentionLayer(nn.Module):
             dropout_p = self.attn_drop.p if self.training else 0.0
         if enable_gqa:
             extra["enable_gqa"] = True
-        own = {"softcap": self.__dict__.get("softcap"), "sinks": self._parameters.get("sinks"),
-               "window_size": self.__dict__.get("window_size")}
-        for name, value in (("softcap", softcap), ("sinks", sinks), ("window_size", window_size)):
-            value = own[name] if value is None else value
-            if value is not None:
-                extra[name] = value
+        extra.update(self.logit_extras(softcap, sinks, window_size))
         return record.functional(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                  scale=self.scale if scale is None else scale, dropout_p=dropout_p,
                                  backend=self.backend, **extra)
+
+    def packed_causal(self, is_causal: bool) -> bool:
+        """The is_causal that ``attend`` computes with for a call's is_causal: a packed call that runs the
+        variant's function without ``attend`` (layers/packed_attend.py) asks here. A subclass that
+        overrides ``attend`` overrides this beside it (else its packed calls go through ``attend``)."""
+        return is_causal
+
+    def logit_extras(self, softcap=None, sinks=None, window_size=None) -> dict:
+        """softcap / sinks / window_size for a kernel call: a call's value, else the layer's own (its
+        constructor's); the ones that are neither are left out."""
+        own = {"softcap": self.__dict__.get("softcap"), "sinks": self._parameters.get("sinks"),
+               "window_size": self.__dict__.get("window_size")}
+        given = {"softcap": softcap, "sinks": sinks, "window_size": window_size}
+        return {name: own[name] if given[name] is None else given[name] for name in own
+                if (own[name] if given[name] is None else given[name]) is not None}
 
     # -- timm's forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,

@@ -33,5 +33,8 @@ class MaskedAttention(AttentionLayer):
     def attend(self, q, k, v, attn_mask=None, is_causal=False, x=None, **kwargs):
         return super().attend(q, k, v, attn_mask=attn_mask, is_causal=True, x=x, **kwargs)
 
+    def packed_causal(self, is_causal: bool) -> bool:
+        return True
+
 
 MASKED = Wrapper(name="masked", layer_class=MaskedAttention, causal=True, paper="paper 002 sec 2.6, eqs (2.6)-(2.8)")

@@ -1,7 +1,8 @@
 """attnzoo.MultiheadAttention on ``torch.nested`` jagged tensors: query (B, j_q, E), key and value
 (B, j_k, E) of layout torch.jagged (``batch_first=True``), each batch entry its own attention problem
 (``ops/varlen.py``), the output a jagged tensor with the query's offsets. The projections run once over
-the packed tokens; the kernel per sequence (sequences of one length together)."""
+the packed tokens; the kernel in one ``attend_varlen`` call for every sequence (per sequence length
+when a subclass replaced ``_attend`` or a kind option is a tensor)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,14 @@ from ..ops import varlen
 
 def _refuse(module, why: str):
     raise ValueError(f"{type(module).__name__} with nested (jagged) inputs: {why}")
+
+
+def _runs_its_kind(module) -> bool:
+    """The module's kernel is its kind's function with its kind_kwargs (no subclass replaced ``_attend``),
+    none of them a tensor (whose (B, H, Nq, Nk) layout a packed call does not have): one
+    ``attend_varlen`` call then serves every sequence."""
+    defines = [c for c in type(module).__mro__ if "_attend" in vars(c)]
+    return len(defines) == 1 and not any(isinstance(value, torch.Tensor) for value in module.kind_kwargs.values())
 
 
 def forward_nested(module, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
@@ -33,13 +42,17 @@ def forward_nested(module, query, key, value, key_padding_mask, need_weights, at
     q, k, v = module._project(query.values(), key.values(), value.values())
     q, k, v = (t.reshape(t.shape[0], H, hd) for t in (q, k, v))
     cu_q, cu_k = query.offsets(), key.offsets()
-    _, _, offsets_q, offsets_k = varlen.check(q, k, v, cu_q, cu_k, int(cu_q.diff().max()), int(cu_k.diff().max()))
+    max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    _, _, offsets_q, offsets_k = varlen.check(q, k, v, cu_q, cu_k, max_q, max_k)
     dropout_p = module.dropout if module.training else 0.0
 
     def attend(q, k, v):
         return module._attend(q, k, v, None, is_causal, dropout_p)
 
-    if offsets_q is None:                                     # torch.compile: read outside the graph
+    if _runs_its_kind(module):
+        out = varlen.attend_varlen(module.kind, q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal,
+                                   dropout_p=dropout_p, backend=module.backend, **module.kind_kwargs)
+    elif offsets_q is None:                                   # torch.compile: read outside the graph
         out = varlen.per_sequence_reading_offsets(attend, q, k, v, cu_q, cu_k, {})
     else:
         out = varlen.per_sequence(attend, q, k, v, offsets_q, offsets_k, {})

@@ -2,7 +2,8 @@
 ``cu_seqlens`` (N + 1 offsets, FlashAttention's name for self-attention) and ``max_seqlen``, or a
 ``torch.nested`` jagged tensor (B, j, dim) (the layout ``nn.MultiheadAttention`` users pass). The
 output has the input's layout. Each sequence is its own attention problem (``ops/varlen.py``): the
-projections run once on the T tokens, the attention per sequence (sequences of one length together)."""
+projections run once on the T tokens, the attention in one packed call (``packed_attend``: one
+``attend_varlen`` call when the variant's per-call values allow it, else per sequence length)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,6 +11,14 @@ from typing import Optional
 import torch
 
 from ..ops import varlen
+from . import packed_attend
+
+_EXTRAS = ("softcap", "sinks", "window_size")
+
+
+def _extras(extra: dict) -> dict:
+    """Takes the shared softcap / sinks / window_size out of the forward's extra keyword arguments."""
+    return {name: extra.pop(name) for name in _EXTRAS if name in extra}
 
 
 def _check_layout(layer, x, cu_seqlens, max_seqlen, attn_mask):
@@ -40,14 +49,9 @@ def forward_packed(layer, x, cu_seqlens: Optional[torch.Tensor], max_seqlen: Opt
         max_seqlen = int(cu.diff().max()) if cu.numel() > 1 else 1
     q, k, v = (t[0].transpose(0, 1) for t in layer.project_qkv(tokens[None]))      # (T, H, head_dim)
     _, _, offsets, _ = varlen.check(q, k, v, cu, None, max_seqlen, None)
-
-    def attend(q, k, v, x=None):
-        return layer.attend(q, k, v, is_causal=is_causal, x=x, **extra)
-
-    if offsets is None:                                       # torch.compile: read outside the graph
-        out = varlen.per_sequence_reading_offsets(attend, q, k, v, cu, cu, {}, key_tokens=tokens)
-    else:
-        out = varlen.per_sequence(attend, q, k, v, offsets, offsets, {}, key_tokens=tokens)
+    extras = _extras(extra)                                   # the rest of extra is the hook's
+    out = packed_attend.attend(layer, q, k, v, cu, cu, max_seqlen, max_seqlen, offsets, offsets,
+                               is_causal=is_causal, tokens=tokens, extras=extras, forward_kwargs=extra)
     out = layer.norm(out.reshape(tokens.shape[0], layer.attn_dim))
     if layer.gate is not None:
         out = out * layer.gate(tokens).sigmoid()

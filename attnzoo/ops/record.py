@@ -48,6 +48,17 @@ class LayerHook:
                             f"{sorted(forward_kwargs)}")
         return {}
 
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, **forward_kwargs) -> Optional[dict]:
+        """``kernel_kwargs`` for a packed call (``ops.varlen.attend_varlen``: q (1, H, T_q, D), k, v of
+        every packed sequence, ``x`` the (T_k, dim) key tokens or None): values that are the same for
+        every sequence, or given per key token (``ops.varlen_options.PerKey``). None when a value
+        depends on a sequence in another way (its length, its rows): the host then calls the layer per
+        sequence length. Default: the per-call arguments when the hook adds none (``kernel_kwargs`` not
+        overridden), else None (always correct; a hook overrides it to take the one-call route)."""
+        if type(self).kernel_kwargs is not LayerHook.kernel_kwargs:
+            return None
+        return self.kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+
     def keys_are_queries(self, layer) -> bool:
         """True when the layer uses its query projection as keys (they must be the same tokens)."""
         return False
@@ -99,6 +110,12 @@ class OptionsHook(LayerHook):
         if forward_kwargs:
             super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
         return {name: getattr(layer, name) for name in self.defaults}
+
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, **forward_kwargs) -> Optional[dict]:
+        """The constructor options: the same for every sequence (a tensor among them keeps its ordinary
+        (B, H, Nq, Nk) meaning, which a packed call does not have: per length then)."""
+        kw = self.kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+        return None if any(isinstance(value, torch.Tensor) for value in kw.values()) else kw
 
 
 @dataclass(frozen=True, eq=False)

@@ -31,6 +31,7 @@ chosen once per call by how the call runs:
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import torch
 
@@ -39,6 +40,13 @@ from . import validate as V
 from . import variant as catalog
 from . import varlen_blockwise
 from . import varlen_variant_triton
+from .varlen_options import per_key_options
+
+
+# per argument, the offsets read last: (weak reference to the tensor, its version, total, max, offsets).
+# Every layer of a packed forward gets the same offsets tensor: read (a host sync on a GPU) and checked
+# once, not once per layer; an in-place change of the tensor bumps its version and reads it again.
+_LAST_READ: dict = {}
 
 
 def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, read_values: bool) -> list[int] | None:
@@ -56,6 +64,9 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
         raise ValueError(f"{max_name} must be a Python int >= 1 (the longest sequence), got {max_len!r}")
     if not read_values:
         return None
+    last = _LAST_READ.get(name)
+    if last is not None and last[0]() is cu and last[1:4] == (cu._version, total, max_len):
+        return last[4]
     offsets = cu.tolist()
     if offsets[0] != 0 or offsets[-1] != total or any(not 0 <= o <= total for o in offsets):
         raise ValueError(f"{name} must run from 0 to the packed length {total} within [0, {total}], got {offsets}")
@@ -67,6 +78,7 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
                          "sequence needs at least one token")
     if max(lengths) > max_len:
         raise ValueError(f"{max_name}={max_len} is shorter than the longest sequence in {name} ({max(lengths)})")
+    _LAST_READ[name] = (weakref.ref(cu), cu._version, total, max_len, offsets)
     return offsets
 
 
@@ -88,7 +100,9 @@ def _as_batch(t: torch.Tensor) -> torch.Tensor:
 def per_sequence(fn, q, k, v, offsets_q, offsets_k, kwargs, key_tokens=None) -> torch.Tensor:
     """Sequences of equal (n_q, n_k) stacked into one (G, H, n, D) batch each, the outputs put back in
     packed order. ``key_tokens`` (T_k, dim): what a layer reads beside its keys (Fenchel's context),
-    handed to ``fn`` as ``x`` (G, n_k, dim)."""
+    handed to ``fn`` as ``x`` (G, n_k, dim). An option given per key token (``varlen_options.PerKey``)
+    reaches ``fn`` as its sequences' rows, (G, H, 1, n_k)."""
+    per_key = per_key_options(kwargs)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (a, b, c, d) in enumerate(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:])):
         groups.setdefault((b - a, d - c), []).append(i)
@@ -97,8 +111,9 @@ def per_sequence(fn, q, k, v, offsets_q, offsets_k, kwargs, key_tokens=None) -> 
         def stack(t, offs):
             return torch.stack([t[offs[i]:offs[i + 1]] for i in members])
         extra = {} if key_tokens is None else {"x": stack(key_tokens, offsets_k)}
+        extra.update({name: value.stacked(offsets_k, members) for name, value in per_key.items()})
         out = fn(_as_batch(stack(q, offsets_q)), _as_batch(stack(k, offsets_k)), _as_batch(stack(v, offsets_k)),
-                 **kwargs, **extra)                                    # (G, H, n_q, Dv)
+                 **{**kwargs, **extra})                                # (G, H, n_q, Dv)
         for i, o in zip(members, out.transpose(1, 2).unbind(0)):
             outputs[i] = o
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -143,6 +158,7 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
         keep = keep & (diagonal >= -window[0])
     if window is not None and window[1] >= 0:
         keep = keep & (diagonal <= window[1])
+    kwargs.update({name: value.padded(seq_k, pos_k, n_seq, max_k) for name, value in per_key_options(kwargs).items()})
     out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, pos_k, max_k)),
              _as_batch(pad(v, seq_k, pos_k, max_k)), attn_mask=keep[:, None], **kwargs)
     return out.transpose(1, 2)[seq_q, pos_q]
@@ -169,6 +185,8 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     V.check_choice("variant", name, catalog.names())
     record = catalog.get(name)
     cu_seq_k, max_k, offsets_q, offsets_k = check(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
+    for option, value in per_key_options(options).items():
+        value.check(option, k.shape[0], q.shape[1])
     kwargs = dict(scale=scale, dropout_p=dropout_p, backend=backend, enable_gqa=enable_gqa, **options)
     out = varlen_variant_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)
     if out is not None:   # a variant's own packed Triton kernels (linear): the offsets read in the kernels

@@ -15,6 +15,7 @@ from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
 from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
+from ..varlen_options import PerKey
 
 
 def fenchel_additive_mask(attn_mask, log_u, dtype):
@@ -91,11 +92,19 @@ def t5_flex(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale):
 
 
 def fenchel_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
-    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): first order with no
-    preference (a packed call has no (B, H, Nq, Nk) log u; a layer's context runs per length)."""
-    if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("log_u") is not None
-            or options.get("relative_bias") is not None or options.get("solve", "first_order") != "first_order"):
+    """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): first order, with no
+    preference or a log u given per key token (``varlen_options.PerKey``: a layer's context preference,
+    each sequence's keys their own rows); a plain log u tensor or a T5 table is declined (their
+    (B, H, Nq, Nk) layout and relative positions belong to one sequence: they run per length)."""
+    log_u = options.get("log_u")
+    if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("relative_bias") is not None
+            or (log_u is not None and not isinstance(log_u, PerKey))
+            or options.get("solve", "first_order") != "first_order"):
         return None
     alpha = V.check_positive("alpha", options.get("alpha", 1.0))   # the variant's own rule: alpha > 0
+    add_b = None
+    if log_u is not None:
+        add_b = log_u.packed()
+        V.check_values("log_u", add_b)                               # the variant's own rule: no NaN or +inf
     return packed(q, k, v, kind="softmax", scale=alpha * scale, softcap=softcap, sinks=sinks,
-                  window_size=window_size)
+                  window_size=window_size, add_b=add_b)

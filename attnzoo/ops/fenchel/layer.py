@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import validate as V
 from ..record import LayerHook
+from ..varlen_options import PerKey
 from .reference import SOLVES
 from .t5 import T5Bias
 from .t5_buckets import check_bucketing
@@ -71,6 +72,16 @@ class FenchelHook(LayerHook):
         elif layer.context_net is not None:
             kw["log_u"] = _checked(layer, layer.context_net(x).transpose(1, 2).unsqueeze(2), x)  # (B, H, 1, Nk)
         return kw
+
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, **forward_kwargs):
+        """alpha, solve and the T5 table are the same for every sequence (the table reads offsets j - i
+        inside each sequence); the context preference is one log u per key token x_j (T_k, dim), given
+        as ``PerKey`` so that each sequence's keys get their own rows."""
+        if layer.context_net is None:
+            return self.kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+        super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+        return {"alpha": layer.alpha, "solve": layer.solve,
+                "log_u": PerKey(_checked(layer, layer.context_net(x), x))}       # (T_k, H)
 
     def needs_key_tokens(self, layer) -> bool:
         return layer.context_net is not None

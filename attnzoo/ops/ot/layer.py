@@ -26,3 +26,10 @@ class OTHook(LayerHook):
                 _, tk, tv = layer.raw_qkv(templates)
                 tk = layer.k_norm(tk)
         return {"alpha": layer.alpha, "gamma": layer.gamma, "templates_k": tk, "templates_v": tv}
+
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, templates=None):
+        """alpha and gamma are the same for every sequence; templates are per batch entry, which a packed
+        call does not have (None: per length, where each stacked sequence is refused or served alike)."""
+        if templates is not None:
+            return None
+        return {"alpha": layer.alpha, "gamma": layer.gamma, "templates_k": None, "templates_v": None}

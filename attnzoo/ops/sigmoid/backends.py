@@ -22,11 +22,20 @@ def sigmoid_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, d
 
 def sigmoid_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):
     """The blockwise form on packed sequences (ops/kernels/blockwise_varlen.py): the default bias -log n_i
-    per sequence, or a constant ``bias`` (a tensor bias is declined: its (B, H, Nq, Nk) layout has no
-    packed meaning)."""
+    per sequence, a constant ``bias``, or a tensor bias that is one value per head (or one in all), the
+    same in every sequence (a learned per-head shift on a fixed bias); another tensor bias is declined:
+    its (B, H, Nq, Nk) layout has no packed meaning."""
     bias = options.get("bias")
-    if set(options) - {"bias"} or sinks is not None or isinstance(bias, torch.Tensor):
+    if set(options) - {"bias"} or sinks is not None:
         return None
+    if isinstance(bias, torch.Tensor):
+        if bias.dim() > 4 or any(n != 1 for i, n in enumerate(V.as_4d(bias).shape) if i != 1):
+            return None
+        bias = V.as_4d(bias)
+        if bias.shape[1] not in (1, q.shape[1]):
+            return None                           # the per-length route's check names the mismatch
+        V.check_values("bias", bias, what="-inf (weight 0) but no NaN or +inf")   # the variant's own rule
+        return packed(q, k, v, kind="sigmoid", scale=scale, softcap=softcap, window_size=window_size, add_b=bias)
     if bias is not None:   # the variant's own rule: a finite real number
         bias = V.check_real("bias", bias)
         if not V.is_finite(bias):

@@ -29,6 +29,14 @@ class SigmoidHook(LayerHook):
             return {"bias": shift + layer.fixed_bias}
         return {"bias": shift + default_bias_rows(attn_mask, is_causal, q, k)}
 
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, **forward_kwargs):
+        """A fixed bias, the default, or a learned shift on a fixed bias (per head): the same in every
+        sequence. A learned shift on the default -log n_i is a value per row of each sequence: None."""
+        if layer.bias_shift is not None and layer.fixed_bias is None:
+            super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+            return None
+        return self.kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
+
     def describe(self, layer) -> dict:
         return {"bias": layer.fixed_bias, "learnable_bias": layer.bias_shift is not None}
 

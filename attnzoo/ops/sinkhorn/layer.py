@@ -13,3 +13,7 @@ class SinkhornHook(LayerHook):
     def kernel_kwargs(self, layer, q, k, v, *, x, attn_mask, is_causal, **forward_kwargs) -> dict:
         super().kernel_kwargs(layer, q, k, v, x=x, attn_mask=attn_mask, is_causal=is_causal, **forward_kwargs)
         return {"n_iters": layer.n_iters, "eps": layer.eps, "cost": layer.cost}
+
+    def packed_kwargs(self, layer, q, k, v, *, x, is_causal, **forward_kwargs):
+        """Constructor options only: the same for every sequence."""
+        return self.kernel_kwargs(layer, q, k, v, x=x, attn_mask=None, is_causal=is_causal, **forward_kwargs)
