@@ -1,12 +1,13 @@
-"""The varlen Triton kernels of the softmax family (ops/kernels/flash_softmax/varlen.py) through the packed
-functional ``attnzoo.functional.varlen``: each variant's packed answer equals the float64 formula
-(tests/formulas.py) run on each sequence alone, forward and gradients, fp32 tightly and bf16 / fp16 by
-FlashAttention's rule; grouped heads, causal and not, Nq != Nk per sequence (a causal sequence with more
-queries than keys, so rows with no key), lengths 1 and longer than the interpreter's 16-row tiles; the
-route is taken (no per-length or padded call) and stays one graph under torch.compile(fullgraph=True)
-with the offsets as tensors; the calls it declines are named. On CPU the kernels run under
-TRITON_INTERPRET=1 (backend="triton" by name, as auto picks Triton on CUDA only); the GPU tests at the
-end compile them for real."""
+"""The varlen Triton kernels through the packed functional ``attnzoo.functional.varlen``: the softmax family
+(ops/kernels/flash_softmax/varlen.py: softmax, l2, fenchel) and the pointwise family
+(ops/kernels/pointwise/varlen.py: sigmoid, relu, whose -log n_i and 1 / n_i count each sequence's keys
+alone). Each packed answer equals the float64 formula (tests/formulas.py) run on each sequence alone,
+forward and gradients, fp32 tightly and bf16 / fp16 by FlashAttention's rule; grouped heads, causal and
+not, Nq != Nk per sequence (a causal sequence with more queries than keys, so rows with no key), lengths
+1 and longer than the interpreter's 16-row tiles; the route is taken (no per-length or padded call) and
+stays one graph under torch.compile(fullgraph=True) with the offsets as tensors; the calls it declines
+are named. On CPU the kernels run under TRITON_INTERPRET=1 (backend="triton" by name, as auto picks
+Triton on CUDA only); the GPU tests at the end compile them for real."""
 from __future__ import annotations
 
 import pytest
@@ -23,11 +24,14 @@ LEN_Q = [1, 18, 3, 9]    # 17 to 20 rows cross the interpreter's 16-row tiles; s
 LEN_K = [1, 17, 20, 4]   # than keys (causal: rows with no key)
 ALPHA = 0.7
 
-# variant -> (options, formula(q, k, v, allow, add, scale))
+# case -> (variant, options, formula(q, k, v, allow, add, scale))
 CASES = {
-    "softmax": ({}, R.softmax),
-    "l2": ({}, R.l2),
-    "fenchel": ({"alpha": ALPHA}, lambda q, k, v, a, add, s: R.fenchel_first(q, k, v, a, add, s, None, ALPHA)),
+    "softmax": ("softmax", {}, R.softmax),
+    "l2": ("l2", {}, R.l2),
+    "fenchel": ("fenchel", {"alpha": ALPHA}, lambda q, k, v, a, add, s: R.fenchel_first(q, k, v, a, add, s, None, ALPHA)),
+    "sigmoid": ("sigmoid", {}, R.sigmoid),                        # bias -log n_i, n_i of the sequence
+    "sigmoid_bias": ("sigmoid", {"bias": -1.5}, lambda q, k, v, a, add, s: R.sigmoid(q, k, v, a, add, s, -1.5)),
+    "relu": ("relu", {}, R.relu),                                 # 1 / n_i of the sequence
 }
 
 
@@ -42,9 +46,9 @@ def packed_inputs(dtype, h_kv=H_KV, seed=0, device="cpu"):
     return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).to(device) for s in shapes]
 
 
-def one_by_one(variant, q, k, v, causal):
+def one_by_one(case, q, k, v, causal):
     """The formula on each sequence alone in float64, grouped heads expanded as SDPA's enable_gqa does."""
-    formula = CASES[variant][1]
+    formula = CASES[case][2]
     outs, cq, ck = [], 0, 0
     for nq, nk in zip(LEN_Q, LEN_K):
         qs = q[cq:cq + nq].transpose(0, 1)[None]
@@ -55,8 +59,8 @@ def one_by_one(variant, q, k, v, causal):
     return torch.cat(outs)
 
 
-def packed(variant, causal, backend="triton", max_q=max(LEN_Q), max_k=max(LEN_K), device="cpu"):
-    options = CASES[variant][0]
+def packed(case, causal, backend="triton", max_q=max(LEN_Q), max_k=max(LEN_K), device="cpu"):
+    variant, options, _ = CASES[case]
     return lambda q, k, v: AF.varlen(variant, q, k, v, offsets(LEN_Q, device), offsets(LEN_K, device), max_q,
                                      max_k, is_causal=causal, enable_gqa=True, backend=backend, **options)
 
@@ -95,13 +99,14 @@ def only_the_triton_route(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("variant,causal", [("softmax", False), ("softmax", True), ("l2", False), ("l2", True),
-                                            ("fenchel", True)],   # fenchel: softmax's kernel at alpha * scale
-                         ids=["softmax-full", "softmax-causal", "l2-full", "l2-causal", "fenchel-causal"])
-def test_packed_triton_equals_each_sequence_alone_fp32(variant, causal, only_the_triton_route):
+@pytest.mark.parametrize("case,causal", [("softmax", False), ("softmax", True), ("l2", False), ("l2", True),
+                                         ("fenchel", True), ("sigmoid", False), ("sigmoid", True),
+                                         ("sigmoid_bias", True), ("relu", False), ("relu", True)],
+                         ids=lambda x: {False: "full", True: "causal"}.get(x, x) if isinstance(x, bool) else x)
+def test_packed_triton_equals_each_sequence_alone_fp32(case, causal, only_the_triton_route):
     inputs = packed_inputs(torch.float32)
-    got = out_and_grads(packed(variant, causal), inputs, cotangent())
-    want = out_and_grads(lambda q, k, v: one_by_one(variant, q, k, v, causal), [t.double() for t in inputs],
+    got = out_and_grads(packed(case, causal), inputs, cotangent())
+    want = out_and_grads(lambda q, k, v: one_by_one(case, q, k, v, causal), [t.double() for t in inputs],
                          cotangent())
     assert got[0].shape == (sum(LEN_Q), H, DV) and got[0].dtype == torch.float32
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
@@ -121,19 +126,20 @@ def test_equal_heads_and_maxima_above_the_longest_sequence(only_the_triton_route
 
 
 @needs_interpreter
-@pytest.mark.parametrize("variant,dtype", [("softmax", torch.bfloat16), ("softmax", torch.float16),
-                                           ("l2", torch.bfloat16), ("fenchel", torch.bfloat16)],
-                         ids=["softmax-bf16", "softmax-fp16", "l2-bf16", "fenchel-bf16"])
-def test_low_precision_follows_flash_rule(variant, dtype):
+@pytest.mark.parametrize("case,dtype", [("softmax", torch.bfloat16), ("softmax", torch.float16),
+                                        ("l2", torch.bfloat16), ("fenchel", torch.bfloat16),
+                                        ("sigmoid", torch.bfloat16), ("relu", torch.float16)],
+                         ids=["softmax-bf16", "softmax-fp16", "l2-bf16", "fenchel-bf16", "sigmoid-bf16", "relu-fp16"])
+def test_low_precision_follows_flash_rule(case, dtype):
     """Causal, grouped heads: output and gradients within FlashAttention's rule of the float64 formula on
     the rounded inputs, the reference backend on the same packed half-precision inputs the yardstick."""
     inputs = packed_inputs(dtype)
     cot = cotangent()
-    got = on_the_triton_route(out_and_grads)(packed(variant, True), inputs, cot)
-    low = out_and_grads(packed(variant, True, backend="reference"), inputs, cot)
-    want = out_and_grads(lambda q, k, v: one_by_one(variant, q, k, v, True), [t.double() for t in inputs], cot)
+    got = on_the_triton_route(out_and_grads)(packed(case, True), inputs, cot)
+    low = out_and_grads(packed(case, True, backend="reference"), inputs, cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(case, q, k, v, True), [t.double() for t in inputs], cot)
     assert got[0].dtype == dtype
-    assert_flash_rule(f"{variant}-varlen-triton", dtype, 1.0, list(zip(("out", "dq", "dk", "dv"), got, low, want)))
+    assert_flash_rule(f"{case}-varlen-triton", dtype, 1.0, list(zip(("out", "dq", "dk", "dv"), got, low, want)))
 
 
 @needs_interpreter
@@ -180,8 +186,10 @@ def test_route_is_chosen_by_backend_and_device():
 @pytest.mark.parametrize("variant,extra", [
     ("softmax", {"dropout_p": 0.1}), ("softmax", {"softcap": 30.0}), ("softmax", {"window_size": (4, 0)}),
     ("softmax", {"sinks": torch.zeros(H)}), ("fenchel", {"solve": "second_order"}),
-    ("fenchel", {"log_u": torch.zeros(1)}), ("softmax", {"unknown": 1})],
-    ids=["dropout", "softcap", "window", "sinks", "second_order", "log_u", "unknown_option"])
+    ("fenchel", {"log_u": torch.zeros(1)}), ("softmax", {"unknown": 1}), ("sigmoid", {"bias": torch.zeros(1)}),
+    ("relu", {"softcap": 5.0})],
+    ids=["dropout", "softcap", "window", "sinks", "second_order", "log_u", "unknown_option", "sigmoid_tensor_bias",
+         "relu_softcap"])
 def test_declined_calls_take_the_other_routes(variant, extra):
     """What the varlen kernels do not compute is declined (None: the caller runs the sequences per
     length, where the variant's own function computes or refuses it), never run wrongly."""
@@ -205,15 +213,15 @@ def test_offsets_and_heads_are_still_checked_on_the_triton_route():
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("variant", sorted(CASES))
-def test_gpu_auto_runs_the_varlen_kernels_within_flash_rule(variant, dtype):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_auto_runs_the_varlen_kernels_within_flash_rule(case, dtype):
     inputs = packed_inputs(dtype, device="cuda")
     cot = cotangent().cuda()
-    got = on_the_triton_route(out_and_grads)(packed(variant, True, backend=None, device="cuda"), inputs, cot)
-    low = out_and_grads(packed(variant, True, backend="reference"), [t.cpu() for t in inputs], cot.cpu())
-    want = out_and_grads(lambda q, k, v: one_by_one(variant, q, k, v, True), [t.cpu().double() for t in inputs],
+    got = on_the_triton_route(out_and_grads)(packed(case, True, backend=None, device="cuda"), inputs, cot)
+    low = out_and_grads(packed(case, True, backend="reference"), [t.cpu() for t in inputs], cot.cpu())
+    want = out_and_grads(lambda q, k, v: one_by_one(case, q, k, v, True), [t.cpu().double() for t in inputs],
                          cot.cpu())
-    assert_flash_rule(f"{variant}-varlen-gpu", dtype, 1.0,
+    assert_flash_rule(f"{case}-varlen-gpu", dtype, 1.0,
                       list(zip(("out", "dq", "dk", "dv"), [t.cpu() for t in got], low, want)))
 
 

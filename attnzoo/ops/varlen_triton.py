@@ -1,6 +1,6 @@
 """Which packed calls run the varlen Triton kernels (ops/kernels/flash_softmax/varlen.py: softmax, l2,
-fenchel first order) in one launch per kernel for all sequences, instead of the other routes of
-ops/varlen.py.
+fenchel first order; ops/kernels/pointwise/varlen.py: sigmoid, relu) in one launch per kernel for all
+sequences, instead of the other routes of ops/varlen.py.
 
 Taken when the variant registered a Triton varlen form here (from its folder's ``__init__``), the
 backend asked for is "triton", or "auto" on a CUDA tensor (auto never picks an interpreted kernel, as

@@ -16,7 +16,7 @@ Layouts: the output is written packed (T_q, H, Dv) straight from the kernel (its
 kernel argument). The log-sum-exp and the backward's delta are kept in per-sequence blocks, sequence
 s's (H, n_s) rows starting at H * cu_q[s] (what the dense kernels' ``pid_bh * Nq`` indexing becomes
 with the base moved to the sequence), and so are the kernels' dQ, dK, dV (the dense kernels store
-them contiguous per head); one gather puts the gradients back in packed order (``_packed_rows``):
+them contiguous per head); one gather puts the gradients back in packed order (ops/triton_packed.py):
 an extra pass over dq, dk and dv, O(T H D) against the attention's O(sum n^2 H D).
 
 Not here (the packed route, ops/varlen_triton.py, declines them and the sequences run per length):
@@ -28,6 +28,7 @@ from torch import Tensor
 import torch
 
 from ... import triton_tuning as tuning
+from ...triton_packed import packed_sizes, packed_strides, unblock
 from ...triton_utils import HAVE_TRITON, INTERPRETED, kernel_op, launcher, stand_in, tracing_only
 
 if HAVE_TRITON:
@@ -49,38 +50,8 @@ if HAVE_TRITON:
 _PLAIN = dict(MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False)
 
 
-def _packed_strides(t: Tensor) -> tuple[int, int, int, int]:
-    """(batch, head, token, dim) strides of a packed (T, H, D) tensor, as the kernels take (b, h, n, d):
-    no batch stride (the sequence's start moves the base instead)."""
-    return 0, t.stride(1), t.stride(0), t.stride(2)
-
-
-def _sizes(q, k, v, max_q: int, max_k: int):
-    """The kernels' size arguments (H, Nq, Nk, D, DV, GROUP, tuning buckets): the maxima stand for Nq and
-    Nk (each program reads its own from the offsets)."""
-    H, D, H_kv, DV = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
-    return H, max_q, max_k, D, DV, H // H_kv, tuning.n_bucket(max_q), tuning.n_bucket(max_k)
-
-
 def _shape_key(meta, sizes):
     return (sizes[3], sizes[4], sizes[6], sizes[7], meta["L2"], meta["CAUSAL"], meta["PRECISION"], "varlen")
-
-
-def _packed_rows(cu: Tensor, total: int, heads: int) -> Tensor:
-    """(total, heads) int64: where token t's row of head h lies in per-sequence blocks (sequence s's
-    (heads, n_s) rows start at heads * cu[s]): heads * start + h * n + position. Device ops only."""
-    token = torch.arange(total, device=cu.device)
-    cu64 = cu.to(torch.int64)
-    seq = torch.searchsorted(cu64[1:], token, right=True)
-    start = cu64[seq]
-    n = cu64[seq + 1] - start
-    head = torch.arange(heads, device=cu.device)
-    return (heads * start + (token - start))[:, None] + head[None, :] * n[:, None]
-
-
-def _unblock(blocked: Tensor, cu: Tensor, total: int, heads: int) -> Tensor:
-    """(heads * total, D) rows in per-sequence blocks -> packed (total, heads, D)."""
-    return blocked.index_select(0, _packed_rows(cu, total, heads).reshape(-1)).view(total, heads, -1)
 
 
 if HAVE_TRITON:
@@ -95,11 +66,11 @@ if HAVE_TRITON:
         meta = _flags(q, v, is_causal, l2, False)
         if tracing_only(q):
             return out, lse
-        sizes = _sizes(q, k, v, max_q, max_k)
+        sizes = packed_sizes(q, k, v, max_q, max_k)
         n_seq, f32, i32 = cu_q.shape[0] - 1, stand_in(q, torch.float32), stand_in(q, torch.int32)
         FORWARD.run(lambda META: (triton.cdiv(max_q, META["BLOCK_M"]), n_seq * H),
                     (q, k, v, out, lse, out, stand_in(q, torch.uint8), f32, f32, i32, i32,
-                     *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(out),
+                     *packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
                      0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0),
                     {**meta, **_PLAIN, "CU_Q": cu_q, "CU_K": cu_k, "VARLEN": True}, dtype=q.dtype,
                     block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], shape_key=_shape_key(meta, sizes))
@@ -123,10 +94,10 @@ if HAVE_TRITON:
         n_seq, f32, i32 = cu_q.shape[0] - 1, stand_in(q, torch.float32), stand_in(q, torch.int32)
         rows = 16 if INTERPRETED else DELTA_ROWS
         launcher(softmax_bwd_delta_kernel)[(triton.cdiv(max_q, rows), n_seq * H)](
-            out, out, grad_out, delta, *_packed_strides(out), *_packed_strides(grad_out), H, max_q, DV,
+            out, out, grad_out, delta, *packed_strides(out), *packed_strides(grad_out), H, max_q, DV,
             BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=False, CU_Q=cu_q, VARLEN=True)
-        sizes = _sizes(q, k, v, max_q, max_k)
-        common = (*_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(grad_out),
+        sizes = packed_sizes(q, k, v, max_q, max_k)
+        common = (*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(grad_out),
                   0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0)
         consts = {**meta, **_PLAIN, "CU_Q": cu_q, "CU_K": cu_k, "VARLEN": True}
         tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
@@ -137,7 +108,7 @@ if HAVE_TRITON:
                           {**consts, "BUCKETS": 1}, **tiles)
         QUERIES_BACKWARD.run(lambda META: (triton.cdiv(max_q, META["BLOCK_M"]), n_seq * H),
                              (q, k, v, grad_out, lse, delta, dq, mask, f32, f32, i32, i32, *common), consts, **tiles)
-        return _unblock(dq, cu_q, T_q, H), _unblock(dk, cu_k, T_k, H_kv), _unblock(dv, cu_k, T_k, H_kv)
+        return unblock(dq, cu_q, T_q, H), unblock(dk, cu_k, T_k, H_kv), unblock(dv, cu_k, T_k, H_kv)
 
     def _setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, l2 = inputs
