@@ -39,6 +39,10 @@ ops/triton_dropout.py, and the backward regenerates the same Z:
 delta_i = dO_i . O_i still holds: the softmax backward needs sum_k P_ik dP_ik, and
     sum_k P_ik Z_ik (dO_i . v_k) / (1 - p) = dO_i . sum_k (Z_ik P_ik / (1 - p)) v_k = dO_i . O_i
 because O_i is exactly that dropped, rescaled sum. With DROPOUT False no random number is drawn.
+Packed sequences (VARLEN, the arguments at the end of each signature; kernels/flash_softmax/varlen.py
+launches them): a program's batch index is its sequence; at its entry it reads the sequence's start and
+Nq / Nk from the cu_seq offsets, moves its base pointers there (lse, delta and the gradients to the
+sequence's (H, Nq) block) and returns when its block lies past the sequence; the rest is unchanged.
 The readable eager version of each formula is ops/softmax/reference.py, ops/l2/reference.py,
 ops/fenchel/reference.py and ops/fenchel/t5_reference.py.
 """
