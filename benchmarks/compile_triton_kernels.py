@@ -207,7 +207,10 @@ def softmax_family_specs(dtype):
                     if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
                         configs = configs[:1]
                     for i, cfg in enumerate(configs):
-                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
+                        # a dense row passes the offsets as None (constexpr); a packed launch passes tensors
+                        row = {name: value for name, value in cfg.kwargs.items()
+                               if not (flags.get("VARLEN") and name in ("CU_Q", "CU_K"))}
+                        meta = dict(row, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
                                     PRECISION=precision, **flags)
                         if tuned is softmax_host.KEYS_BACKWARD:  # T5's per-bucket gradient registers (32 buckets)
                             meta["BUCKETS"] = 32 if flags.get("HAS_T5") else 1
