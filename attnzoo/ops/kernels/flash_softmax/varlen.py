@@ -24,8 +24,8 @@ dropout, attn_mask, a per-key preference (log_u), T5 tables.
 """
 from __future__ import annotations
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 from ... import triton_tuning as tuning
 from ...triton_packed import packed_sizes, packed_strides, unblock
