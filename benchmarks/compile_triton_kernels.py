@@ -112,6 +112,9 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True), "default", ("bf16", "fp32"), (64, 128)),
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
+    # packed sequences (kernels/flash_softmax/varlen.py): the same kernels with the offsets read at entry
+    ("varlen+causal", dict(_SOFTMAX, VARLEN=True), "all", ("bf16", "fp32"), (64, 128)),
+    ("varlen+l2+causal", dict(_SOFTMAX, L2=True, VARLEN=True), "default", ("bf16",), (64, 128)),
 ]
 # the softmax forward's, dQ's and dK/dV's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on
 # sm_90 only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER / KEYS_BACKWARD_HOPPER in
@@ -131,6 +134,9 @@ POINTWISE_JOBS = [
      ("bf16", "fp32"), (64, 128)),
     ("sigmoid+row-bias+float-tile-mask+causal+dropout", dict(_POINTWISE, BIAS_MODE=2, MASK_KIND=2, DROPOUT=True),
      "default", ("bf16", "fp32"), (64, 128)),
+    # packed sequences (kernels/pointwise/varlen.py)
+    ("varlen+sigmoid+causal", dict(_POINTWISE, VARLEN=True), "default", ("bf16", "fp32"), (64, 128)),
+    ("varlen+relu+causal", dict(_POINTWISE, SIGMOID=False, VARLEN=True), "default", ("bf16",), (64, 128)),
 ]
 # the sigmoid evaluation each dtype compiles (fp16: the hardware tanh; bf16: exp2 + Newton; fp32: exact)
 SIGMOID_IMPL_OF = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -194,7 +200,7 @@ def softmax_family_specs(dtype):
             mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
                         "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
-                        "BIAS": "*fp32", "DBIAS": "*fp32"}
+                        "BIAS": "*fp32", "DBIAS": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
             for tuned in kernels:
                 for width in widths:
                     configs = tuned.configs_for(TORCH_DTYPES[dtype], width, width, flags["DROPOUT"])
@@ -202,7 +208,10 @@ def softmax_family_specs(dtype):
                     if which == "default" or (flags.get("HAS_T5") and tuned is softmax_host.KEYS_BACKWARD):
                         configs = configs[:1]
                     for i, cfg in enumerate(configs):
-                        meta = dict(cfg.kwargs, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
+                        # a dense row passes the offsets as None (constexpr); a packed launch passes tensors
+                        row = {name: value for name, value in cfg.kwargs.items()
+                               if not (flags.get("VARLEN") and name in ("CU_Q", "CU_K"))}
+                        meta = dict(row, BLOCK_D=width, BLOCK_DV=width, HEAD_MASK=False, UPCAST=False,
                                     PRECISION=precision, **flags)
                         if tuned is softmax_host.KEYS_BACKWARD:  # T5's per-bucket gradient registers (32 buckets)
                             meta["BUCKETS"] = 32 if flags.get("HAS_T5") else 1

@@ -60,6 +60,8 @@ def _cases():
     from attnzoo.ops.sinkhorn.triton import sinkhorn_attention
     from attnzoo.ops.fenchel.t5 import t5_bias_attention
     from attnzoo.ops.kernels.flash_softmax import triton as fused
+    from attnzoo.ops.kernels.flash_softmax import varlen as fused_varlen
+    from attnzoo.ops.kernels.pointwise import varlen as pointwise_varlen
 
     g = torch.Generator().manual_seed(0)
 
@@ -70,6 +72,10 @@ def _cases():
     half = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
     bool_mask = torch.rand(1, 1, 37, 37, generator=g) > 0.3
     float_mask = torch.randn(1, 1, 37, 37, generator=g)
+    # packed sequences of 5, 20 and 12 tokens (T, H, D): the varlen launches, whose base addresses come
+    # from loaded offsets
+    packed = [leaf(37, 2, 16) for _ in range(3)]
+    cu = torch.tensor([0, 5, 25, 37], dtype=torch.int32)
     return {
         "softmax": lambda: fused.softmax_attention(q, k, v, attn_mask=float_mask, is_causal=True, scale=0.25),
         "l2": lambda: fused.l2_attention(q, k, v, attn_mask=bool_mask, scale=0.25),
@@ -79,6 +85,8 @@ def _cases():
         "sigmoid+bias+dropout": lambda: pointwise.sigmoid_attention(
             q, k, v, attn_mask=bool_mask, scale=0.25, bias=leaf(1, 2, 1, 1), dropout_p=0.1),
         "relu": lambda: pointwise.relu_attention(q, k, v, is_causal=True, scale=0.25),
+        "softmax-varlen": lambda: fused_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, is_causal=True),
+        "sigmoid-varlen": lambda: pointwise_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, sigmoid=True),
         "sinkhorn": lambda: sinkhorn_attention(q, k, v, attn_mask=bool_mask, scale=0.25, n_iters=2),
         "sinkhorn-implicit": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, grad_mode="implicit"),
         "linear-causal": lambda: linear_attention_triton(q, k, v, is_causal=True),
@@ -102,6 +110,8 @@ def main() -> None:
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
     from triton.runtime.autotuner import Autotuner
 
+    from attnzoo.ops.triton_utils import packed_defaults
+
     writes: dict[str, set] = {}
     for name, call in _cases().items():
         launches.clear()
@@ -110,6 +120,8 @@ def main() -> None:
         if not launches:
             raise RuntimeError(f"case {name!r} launched no Triton kernel")
         for kernel, args, kwargs in launches:
+            # what a launch under torch.compile passes (ops/triton_utils.launcher adds the packed defaults)
+            kwargs = {**packed_defaults(kernel, len(args), kwargs), **kwargs}
             arguments = {**dict(zip(kernel.arg_names, args)), **kwargs}
             accessed = identify_accessed_tensors(kernel, arguments, {})
             jit = kernel.fn if isinstance(kernel, Autotuner) else kernel

@@ -64,6 +64,21 @@ OUTPUTS = {
     f"{O}._dg_kernel": {"DG"},
     f"{O}._fallback_bwd_kernel": {"DAV", "DQ", "DK", "DAK"},
 }
+# The packed (varlen) launches (kernels/*/varlen.py) run the classic kernels (not the selectors) and the
+# pointwise and delta kernels with VARLEN. Their store addresses start at offsets loaded from CU_Q / CU_K,
+# and the analysis counts the tensors an address is computed from as written: under torch.compile inductor
+# copies those N + 1 offsets around a launch (the kernels never write them; an address cannot avoid them).
+OFFSETS = {"CU_Q", "CU_K"}
+if TENSOR_DESCRIPTORS:
+    OUTPUTS.update({f"{S}.softmax_fwd_kernel": {"O", "LSE"} | OFFSETS,
+                    f"{S}.softmax_bwd_dkdv_kernel": {"DK", "DV_OUT"} | OFFSETS,
+                    f"{S}.softmax_bwd_dq_kernel": {"DQ"} | OFFSETS})
+else:
+    for name in (FWD, DKDV, DQ):
+        OUTPUTS[name] = OUTPUTS[name] | OFFSETS
+OUTPUTS[f"{S}.softmax_bwd_delta_kernel"] = {"DELTA", "CU_Q"}
+for name in ("pointwise_fwd_kernel", "pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"):
+    OUTPUTS[f"{P}.{name}"] = OUTPUTS[f"{P}.{name}"] | OFFSETS
 
 
 @pytest.fixture(scope="module")

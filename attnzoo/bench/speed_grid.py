@@ -204,8 +204,11 @@ def extras_cases(device: torch.device) -> list[Case]:
 
 
 def speed_cases(device: torch.device) -> list[Case]:
-    """Every case the speed phase may time on ``device``: the baselines, then attnzoo's."""
-    return [_flex_n(c) for c in baseline_cases(device) + attnzoo_cases(device) + extras_cases(device)]
+    """Every case the speed phase may time on ``device``: the baselines, then attnzoo's, the extras' and
+    the packed rows (bench/packed_grid.py: varlen_attn against the packed varlen route)."""
+    from .packed_grid import packed_cases
+    return [_flex_n(c) for c in baseline_cases(device) + attnzoo_cases(device) + extras_cases(device)
+            + packed_cases(device)]
 
 
 __all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "T5Case", "VARIANT_FLAVOURS", "attnzoo_cases", "baseline_cases",

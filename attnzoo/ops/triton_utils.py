@@ -9,7 +9,8 @@
   whose blocks lie inside the bounds and below the causal diagonal passes False for the bounds /
   causal flags and gets loads without masks and no per-element masking arithmetic at all.
 - ``query_block`` / ``key_block``: where a query-block program (forward, dQ) or a key-block program
-  (dK/dV) stands: batch, head, its rows, their clamped addresses, the head-dim ranges. ``store_tile``:
+  (dK/dV) stands: batch, head, its rows, their clamped addresses, the head-dim ranges;
+  ``packed_sequence``: where a varlen program's sequence starts and how long it is (cu_seq offsets). ``store_tile``:
   the masked store of an output tile in the output's dtype.
 - Host helpers: whether the kernels can run on a tensor's device, block sizes, how a mask is handed
   to a kernel (broadcast by strides, never copied to (B, H, Nq, Nk)).
@@ -177,7 +178,40 @@ def launcher(kernel):
     if INTERPRETED or not torch.compiler.is_compiling():
         return kernel
     from torch.library import wrap_triton
-    return wrap_triton(kernel)
+    return _TracedLaunch(wrap_triton(kernel), kernel)
+
+
+# The packed-sequence (varlen) arguments kernels append at the end of their signatures with defaults
+# that switch them off (CU_Q / CU_K offsets, sizes, VARLEN False).
+PACKED_ARGS = ("CU_Q", "CU_K", "CT", "GROUP", "TQ", "TK", "VARLEN")
+
+
+def _signature(kernel):
+    while not inspect.isfunction(kernel):     # an Autotuner's .fn is its JITFunction, whose .fn is Python
+        kernel = kernel.fn
+    return inspect.signature(kernel).parameters
+
+
+def packed_defaults(kernel, n_args: int, kwargs) -> dict:
+    """The defaults of ``kernel``'s packed-sequence arguments that a launch with ``n_args`` positional
+    arguments and ``kwargs`` leaves out. Under torch.compile they are passed explicitly: inductor's
+    analysis of which tensors a launch writes binds only the arguments it is handed, and a missing one
+    makes it treat every input as written (tests/test_triton_mutation_analysis.py)."""
+    params = _signature(kernel)
+    return {name: p.default for i, (name, p) in enumerate(params.items())
+            if i >= n_args and name in PACKED_ARGS and name not in kwargs and p.default is not p.empty}
+
+
+class _TracedLaunch:
+    """``wrap_triton(kernel)`` whose launches pass the packed-sequence defaults explicitly (see
+    ``packed_defaults``); only while torch.compile traces, so eager launches pay nothing."""
+
+    def __init__(self, wrapped, kernel):
+        self.wrapped, self.kernel = wrapped, kernel
+
+    def __getitem__(self, grid):
+        launch = self.wrapped[grid]
+        return lambda *args, **kwargs: launch(*args, **packed_defaults(self.kernel, len(args), kwargs), **kwargs)
 
 
 def tracing_only(t: torch.Tensor) -> bool:
@@ -382,6 +416,16 @@ if HAVE_TRITON:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         return (pid_bkv, pid_bkv // H_kv, pid_bkv % H_kv, start_n, offs_n, tl.minimum(offs_n, Nk - 1),
                 tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV))
+
+    @triton.jit
+    def packed_sequence(CU_Q, CU_K, seq):
+        """(start_q, Nq, start_k, Nk) of packed sequence ``seq`` from its cu_seq offsets (varlen kernels):
+        the starts int64 (they multiply token strides), the lengths int32 like a dense launch's Nq / Nk."""
+        start_q = tl.load(CU_Q + seq).to(tl.int64)
+        start_k = tl.load(CU_K + seq).to(tl.int64)
+        n_q = (tl.load(CU_Q + seq + 1) - start_q).to(tl.int32)
+        n_k = (tl.load(CU_K + seq + 1) - start_k).to(tl.int32)
+        return start_q, n_q, start_k, n_k
 
     @triton.jit
     def visible_keys(start_m, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):

@@ -10,10 +10,11 @@ preference, linear attention's sums and causal prefixes. ``is_causal`` is bottom
 each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnzoo, and so is a
 ``window_size`` band; ``softcap`` and ``sinks`` apply to every sequence's rows.
 
-First, a variant's own packed Triton kernels, when it registered them and the call takes them
-(``varlen_variant_triton``; linear attention on "triton", auto: CUDA): one call for all sequences, the
-offsets read by the kernels, in eager mode and under torch.compile alike. Otherwise two exact routes,
-chosen once per call by how the call runs:
+A call whose variant has a varlen Triton form (softmax, l2, fenchel first order, sigmoid, relu, linear) and that asks
+for the "triton" backend, or "auto" on CUDA, runs the varlen kernels: one launch per kernel for all sequences,
+each program reading its sequence's start and length from the offsets (``varlen_triton`` says when; it
+never reads the offsets on the host, so it is the same route eager and under torch.compile). Otherwise
+two exact routes, chosen once per call by how the call runs:
 
 * eager: the offsets are read once on the host. On CPU, a variant with a blockwise form (softmax, l2,
   fenchel, sigmoid, relu) runs all sequences in one blockwise call that visits only the (query block,
@@ -38,8 +39,7 @@ import torch
 from . import logit_extras
 from . import validate as V
 from . import variant as catalog
-from . import varlen_blockwise
-from . import varlen_variant_triton
+from . import varlen_blockwise, varlen_triton
 from .varlen_options import per_key_options
 
 
@@ -188,8 +188,8 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
     for option, value in per_key_options(options).items():
         value.check(option, k.shape[0], q.shape[1])
     kwargs = dict(scale=scale, dropout_p=dropout_p, backend=backend, enable_gqa=enable_gqa, **options)
-    out = varlen_variant_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)
-    if out is not None:   # a variant's own packed Triton kernels (linear): the offsets read in the kernels
+    out = varlen_triton.run(name, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs)  # Triton: one launch
+    if out is not None:                                                 # per kernel, offsets read in the kernels
         return out
     if offsets_q is None and not record.couples_queries:               # torch.compile is tracing
         return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,

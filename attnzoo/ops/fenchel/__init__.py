@@ -16,12 +16,13 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import call_reason, register_triton
+from .. import varlen_triton
 from ..catalog import declare
 from ..record import Variant
 from .cost import FORMULA, fenchel_flops
 from .functional import check, fenchel
 from . import layer
-from .backends import fenchel_cpu, fenchel_cpu_varlen, fenchel_flex, fenchel_torch
+from .backends import fenchel_cpu, fenchel_cpu_varlen, fenchel_flex, fenchel_torch, fenchel_triton_varlen
 from .layer import FenchelHook
 from .reference import fenchel_attention
 
@@ -57,6 +58,7 @@ sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")
 blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", "sinks", "window_size"))
 blockwise_varlen.register("fenchel", fenchel_cpu_varlen)
+varlen_triton.register("fenchel", fenchel_triton_varlen)
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
                  description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
 

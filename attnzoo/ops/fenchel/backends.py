@@ -13,6 +13,7 @@ import torch
 
 from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
+from ..kernels.flash_softmax import varlen as flash_varlen
 from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
 from ..varlen_options import PerKey
@@ -108,3 +109,14 @@ def fenchel_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
         V.check_values("log_u", add_b)                               # the variant's own rule: no NaN or +inf
     return packed(q, k, v, kind="softmax", scale=alpha * scale, softcap=softcap, sinks=sinks,
                   window_size=window_size, add_b=add_b)
+
+
+def fenchel_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+    """The varlen Triton form (ops/varlen_triton.py): first order with no preference, as the packed
+    blockwise form (a packed call has no (B, H, Nq, Nk) log u), on the online-softmax kernels with the
+    logit scale alpha * scale."""
+    if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("log_u") is not None
+            or options.get("relative_bias") is not None or options.get("solve", "first_order") != "first_order"):
+        return None
+    alpha = V.check_positive("alpha", options.get("alpha", 1.0))   # the variant's own rule: alpha > 0
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=alpha * scale, is_causal=is_causal)

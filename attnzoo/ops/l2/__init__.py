@@ -14,10 +14,11 @@ from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..kernels.flex import flex_reason
 from ..triton_utils import register_triton
+from .. import varlen_triton
 from ..catalog import declare
 from ..record import Variant
 from .functional import l2
-from .backends import l2_cpu, l2_cpu_varlen, l2_flex, l2_torch
+from .backends import l2_cpu, l2_cpu_varlen, l2_flex, l2_torch, l2_triton_varlen
 from .layer import L2Hook
 from .reference import l2_attention
 
@@ -26,6 +27,7 @@ register_triton("l2", flash.l2_attention, gqa=True, specialize=flash_bound.speci
 sdpa.register("l2", l2_torch, priority=15, gqa=True, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
 blockwise.register("l2", l2_cpu)
 blockwise_varlen.register("l2", l2_cpu_varlen)
+varlen_triton.register("l2", l2_triton_varlen)
 register_backend("l2", "flex", l2_flex, supports=flex_reason, priority=5,
                  description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
+from ..kernels.flash_softmax import varlen as flash_varlen
 from ..kernels.flex import flex_attention
 from ..kernels.sdpa import at_least_fp32, augment, sdpa_attention
 
@@ -56,3 +57,11 @@ def l2_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, option
     work = at_least_fp32(q.dtype)
     qa, ka = l2_augment(q.to(work), k.to(work))
     return packed(qa, ka, v.to(work), kind="softmax", scale=scale, window_size=window_size).to(v.dtype)
+
+
+def l2_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+    """The varlen Triton form (ops/varlen_triton.py): the online-softmax kernels with L2 logits on packed
+    sequences (the norms computed in the kernel, as the dense ``triton`` backend)."""
+    if options:
+        return None
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal, l2=True)

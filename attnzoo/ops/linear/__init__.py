@@ -6,11 +6,11 @@ custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as
 every size measured, far less memory); "triton", the chunked parallel form for causal calls (triton.py,
 triton_kernels.py) and a key-state reduction for non-causal ones (noncausal.py,
 noncausal_kernels.py), priority 20, auto on CUDA only; packed calls reach the same kernels through
-varlen.py (ops/varlen_variant_triton.py).
+varlen.py (ops/varlen_triton.py).
 """
 from __future__ import annotations
 
-from .. import varlen_variant_triton
+from .. import varlen_triton
 from ..dispatch import all_of, register_backend
 from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
@@ -38,7 +38,7 @@ register_triton("linear", linear_attention_triton,
                             "forward and backward")
 
 # packed (varlen) calls on "triton" (auto: CUDA) run the kernels above on all sequences at once
-varlen_variant_triton.register("linear", packed_route)
+varlen_triton.register_route("linear", packed_route)
 
 register_flavour("linear", lambda kw: [kw["feature_map"]] if kw.get("feature_map", "elu") != "elu" else [])
 

@@ -1,6 +1,6 @@
 """Packed (varlen) linear attention on the Triton kernels: every sequence of a packed call in one launch
 per kernel, its sums and causal prefixes restarting at its start (``ops/varlen.py``'s layout and
-semantics; the route there reaches this through ``ops/varlen_variant_triton.py``).
+semantics; the route there reaches this through ``ops/varlen_triton.py``).
 
 q (T_q, H, D), k and v (T_k, H_kv, .) are read in place through their strides; ``cu_seq_q`` and
 ``cu_seq_k`` (N + 1 offsets) are read by the kernels at their entry, never on the host, so a call costs
@@ -300,7 +300,7 @@ def supports(q, backend: str, dropout_p, options: dict):
 
 
 def route(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, kwargs: dict):
-    """The packed route (ops/varlen_variant_triton.py): the kernels above when ``supports`` accepts the
+    """The packed route (ops/varlen_triton.py): the kernels above when ``supports`` accepts the
     call, else None. The shared arguments are checked here as the variant's function would check them."""
     options = dict(kwargs)
     backend = options.pop("backend", None) or dispatch.default_backend()

@@ -10,10 +10,11 @@ from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import register_triton
+from .. import varlen_triton
 from ..catalog import declare
 from ..record import Variant
 from .functional import relu
-from .backends import relu_cpu, relu_cpu_varlen
+from .backends import relu_cpu, relu_cpu_varlen, relu_triton_varlen
 from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
@@ -21,6 +22,7 @@ register_triton("relu", pointwise.relu_attention,
                 description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
 blockwise.register("relu", relu_cpu, extras=("softcap", "window_size"))
 blockwise_varlen.register("relu", relu_cpu_varlen)
+varlen_triton.register("relu", relu_triton_varlen)
 blockwise.register("relu", relu_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 

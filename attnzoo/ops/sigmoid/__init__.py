@@ -12,10 +12,11 @@ from ..kernels import blockwise, blockwise_varlen
 from ..kernels.pointwise import bound as pointwise_bound
 from ..kernels.pointwise import triton as pointwise
 from ..triton_utils import call_reason, register_triton
+from .. import varlen_triton
 from ..catalog import declare
 from ..record import Variant
 from .functional import check, sigmoid
-from .backends import sigmoid_cpu, sigmoid_cpu_varlen
+from .backends import sigmoid_cpu, sigmoid_cpu_varlen, sigmoid_triton_varlen
 from .layer import SigmoidHook
 from .reference import sigmoid_attention
 
@@ -30,6 +31,7 @@ register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bia
                             "in-kernel dropout")
 blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))
 blockwise_varlen.register("sigmoid", sigmoid_cpu_varlen)
+varlen_triton.register("sigmoid", sigmoid_triton_varlen)
 blockwise.register("sigmoid", sigmoid_cpu, name="torch", priority=9, extras=("softcap", "window_size"),
                    description=blockwise.DESCRIPTION + " (the same path as 'cpu')")
 

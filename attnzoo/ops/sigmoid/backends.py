@@ -6,6 +6,7 @@ import torch
 
 from .. import validate as V
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
+from ..kernels.pointwise import varlen as pointwise_varlen
 
 
 def sigmoid_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, bias=None, dropout_p=0.0, softcap=None,
@@ -43,3 +44,18 @@ def sigmoid_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     if bias is None:
         return packed(q, k, v, kind="sigmoid_default", scale=scale, softcap=softcap, window_size=window_size)
     return packed(q, k, v, kind="sigmoid", scale=scale, softcap=softcap, window_size=window_size, add_b=bias)
+
+
+def sigmoid_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+    """The varlen Triton form (ops/varlen_triton.py): the pointwise kernels on packed sequences, the
+    default bias -log n_i per sequence or a constant ``bias`` (a tensor bias is declined, as in the
+    packed blockwise form)."""
+    bias = options.get("bias")
+    if set(options) - {"bias"} or isinstance(bias, torch.Tensor):
+        return None
+    if bias is not None:   # the variant's own rule: a finite real number
+        bias = V.check_real("bias", bias)
+        if not V.is_finite(bias):
+            raise ValueError(f"bias must be finite, got {bias}")
+    return pointwise_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
+                                      sigmoid=True, bias=bias)

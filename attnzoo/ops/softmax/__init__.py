@@ -12,15 +12,17 @@ from ..kernels import blockwise, blockwise_varlen, sdpa
 from ..kernels.flash_softmax import bound as flash_bound
 from ..kernels.flash_softmax import triton as flash
 from ..triton_utils import register_triton
+from .. import varlen_triton
 from ..catalog import declare
 from ..record import Variant
 from .functional import softmax
-from .backends import softmax_cpu, softmax_cpu_varlen, softmax_torch
+from .backends import softmax_cpu, softmax_cpu_varlen, softmax_torch, softmax_triton_varlen
 from .reference import softmax_attention
 
 sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.specialize_plain, extras=("sinks",))
 blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
 blockwise_varlen.register("softmax", softmax_cpu_varlen)
+varlen_triton.register("softmax", softmax_triton_varlen)
 register_triton("softmax", flash.softmax_attention, gqa=True, specialize=flash_bound.specializer(l2=False),
                 description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..kernels.blockwise import blockwise_attention, split_attn_mask
+from ..kernels.flash_softmax import varlen as flash_varlen
 from ..kernels.sdpa import sdpa_attention, sdpa_with_sinks
 
 
@@ -23,3 +24,10 @@ def softmax_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     if options:
         return None
     return packed(q, k, v, kind="softmax", scale=scale, softcap=softcap, sinks=sinks, window_size=window_size)
+
+
+def softmax_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+    """The varlen Triton form (ops/varlen_triton.py): the online-softmax kernels on packed sequences."""
+    if options:
+        return None
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal)

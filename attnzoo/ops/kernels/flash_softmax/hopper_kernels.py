@@ -15,7 +15,7 @@ Queries are loaded once per program and the output stored once, as in the classi
 pointer accesses: no alignment condition on q or out).
 
 ``softmax_fwd_select_kernel`` is the kernel the forward's autotuner launches when this module can be
-built: the classic kernel's arguments plus two constexprs, HOPPER (this variant) and WARP_SPEC, which
+built: the classic kernel's arguments (the packed-sequence ones, VARLEN, passed through) plus two constexprs, HOPPER (this variant) and WARP_SPEC, which
 every classic configuration sets False (hopper.FORWARD_CONSTANTS), so those launch exactly the classic
 kernel, and the Hopper rows are further autotune configurations (ops/triton_tuning.py ``variants``) that the host code offers only
 for launches this variant supports (hopper.py decides). Flavours it does not compute (dropout, the T5
@@ -161,11 +161,13 @@ if TENSOR_DESCRIPTORS:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, HOPPER: tl.constexpr, WARP_SPEC: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
+            HOPPER: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
         """The forward the autotuner launches: the classic kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_fwd_kernel's plus HOPPER and WARP_SPEC (a test keeps them equal)."""
         if HOPPER:
-            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper forward computes neither T5 nor dropout")
+            tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
+                             "the Hopper forward computes neither T5, dropout nor packed sequences")
             softmax_fwd_hopper(Q, K, V, O, LSE, MASK, PREF,
                                sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -177,7 +179,7 @@ if TENSOR_DESCRIPTORS:
                                smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CU_Q, CU_K, VARLEN)
 
     # --- dQ: the backward's query-block kernel, K / V through descriptors --------------------------------
 
@@ -252,11 +254,13 @@ if TENSOR_DESCRIPTORS:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, HOPPER: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
+            HOPPER: tl.constexpr = False):
         """The dQ launch the autotuner runs: softmax_bwd_dq_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dq_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
-            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dQ computes neither T5 nor dropout")
+            tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
+                             "the Hopper dQ computes neither T5, dropout nor packed sequences")
             softmax_dq_hopper(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
                               sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
                               smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -268,7 +272,7 @@ if TENSOR_DESCRIPTORS:
                                   smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                   H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CU_Q, CU_K, VARLEN)
 
     # --- dK / dV: the backward's key-block kernel, Q / dO through descriptors ---------------------------
 
@@ -383,11 +387,13 @@ if TENSOR_DESCRIPTORS:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, HOPPER: tl.constexpr):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
+            HOPPER: tl.constexpr = False):
         """The dK/dV launch the autotuner runs: softmax_bwd_dkdv_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dkdv_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
-            tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dK/dV computes neither T5 nor dropout")
+            tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
+                             "the Hopper dK/dV computes neither T5, dropout nor packed sequences")
             softmax_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, MASK, PREF,
                                 sqb, sqh, sqm, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
                                 smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -399,4 +405,4 @@ if TENSOR_DESCRIPTORS:
                                     sdod, smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                     H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS)
+                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS, CU_Q, CU_K, VARLEN)

@@ -39,6 +39,10 @@ ops/triton_dropout.py, and the backward regenerates the same Z:
 delta_i = dO_i . O_i still holds: the softmax backward needs sum_k P_ik dP_ik, and
     sum_k P_ik Z_ik (dO_i . v_k) / (1 - p) = dO_i . sum_k (Z_ik P_ik / (1 - p)) v_k = dO_i . O_i
 because O_i is exactly that dropped, rescaled sum. With DROPOUT False no random number is drawn.
+Packed sequences (VARLEN, the arguments at the end of each signature; kernels/flash_softmax/varlen.py
+launches them): a program's batch index is its sequence; at its entry it reads the sequence's start and
+Nq / Nk from the cu_seq offsets, moves its base pointers there (lse, delta and the gradients to the
+sequence's (H, Nq) block) and returns when its block lies past the sequence; the rest is unchanged.
 The readable eager version of each formula is ops/softmax/reference.py, ops/l2/reference.py,
 ops/fenchel/reference.py and ops/fenchel/t5_reference.py.
 """
@@ -51,7 +55,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, query_block, store_tile,
+    from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, packed_sequence, query_block, store_tile,
                                 tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
@@ -200,13 +204,25 @@ if HAVE_TRITON:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
+        # VARLEN (packed sequences, kernels/flash_softmax/varlen.py): see the module docstring.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence: its own rows, lengths and lse block
+            tl.static_assert(MASK_KIND == 0 and not HAS_PREF and not HAS_T5 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_m >= Nq:
+                return
+            qi_at = tl.minimum(offs_m, Nq - 1)
+            Q += start_q * sqm
+            K += start_k * skn
+            V += start_k * svn
+            O += start_q * som
+            LSE += H * start_q - b * H * Nq  # + pid_bh * Nq below: the sequence's (H, Nq) block
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -309,7 +325,7 @@ if HAVE_TRITON:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # One program per key block of one key/value head; it walks the GROUP query heads that share the
         # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         # T5 (BIAS: the per-head bias vectors, LUT: offset -> bucket and run end, slut apart): each query
@@ -321,6 +337,20 @@ if HAVE_TRITON:
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         H_kv = H // GROUP
         pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence: its own rows and lengths; lse, delta, dK, dV in per-sequence blocks
+            tl.static_assert(MASK_KIND == 0 and not HAS_PREF and not HAS_T5 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_n >= Nk:
+                return
+            kj_at = tl.minimum(offs_n, Nk - 1)
+            Q += start_q * sqm
+            DO += start_q * sdom
+            K += start_k * skn
+            V += start_k * svn
+            LSE += H * start_q - b * H * Nq  # + pid_bh * Nq below: the sequence's (H, Nq) block
+            DELTA += H * start_q - b * H * Nq
+            DK += (H_kv * start_k - b * H_kv * Nk) * D  # + pid_bkv * Nk * D below: a (H_kv, Nk, D) block
+            DV_OUT += (H_kv * start_k - b * H_kv * Nk) * DV
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
@@ -411,11 +441,24 @@ if HAVE_TRITON:
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence: its own rows and lengths; lse, delta, dQ in per-sequence blocks
+            tl.static_assert(MASK_KIND == 0 and not HAS_PREF and not HAS_T5 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_m >= Nq:
+                return
+            qi_at = tl.minimum(offs_m, Nq - 1)
+            Q += start_q * sqm
+            DO += start_q * sdom
+            K += start_k * skn
+            V += start_k * svn
+            LSE += H * start_q - b * H * Nq  # + pid_bh * Nq below: the sequence's (H, Nq) block
+            DELTA += H * start_q - b * H * Nq
+            DQ += (H * start_q - b * H * Nq) * D  # + pid_bh * Nq * D below: a (H, Nq, D) block
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -447,13 +490,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def softmax_bwd_delta_kernel(O, ORES, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, H, Nq, DV,
-                                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, RESIDUAL: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, RESIDUAL: tl.constexpr,
+                                 CU_Q=None, VARLEN: tl.constexpr = False):
         """DELTA (B, H, Nq) fp32 contiguous = sum_d dO * O per row: the backward's first launch (one
         instead of the casts, product and row sum in eager ops). RESIDUAL: O is the rounded output and
         ORES (O's strides) its rounding residual, added back (the T5 forward of half inputs writes it)."""
         pid_bh = tl.program_id(1).to(tl.int64)
         b = pid_bh // H
         h = pid_bh % H
+        if VARLEN:  # b is the packed sequence; DELTA in per-sequence (H, Nq) blocks, as the lse
+            start_q, Nq, _, _ = packed_sequence(CU_Q, CU_Q, b)
+            if tl.program_id(0) * BLOCK_M >= Nq:
+                return
+            O += start_q * som
+            ORES += start_q * som
+            DO += start_q * sdom
+            DELTA += H * start_q - b * H * Nq
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_DV)
         inside = (offs_m[:, None] < Nq) & (offs_d[None, :] < DV)

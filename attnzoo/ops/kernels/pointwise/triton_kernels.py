@@ -20,6 +20,9 @@ against two small dots. Three evaluations, all overflow-free at logits of +-1e4:
               error of up to ~2.4e-4 in w, large next to w itself where sigmoid(x) << 1;
     2 exp2:   e = exp2(-|x| log2(e)) (one MUFU op), 1 / (1 + e) by two Newton steps from a linear guess
               on [1, 2] (FMAs only, relative error < 2e-5), w = r or e r: accurate for small w too.
+VARLEN (packed sequences, kernels/pointwise/varlen.py): as in the softmax-family kernels, the program's
+batch index is its sequence, whose start and lengths it reads from the offsets at its entry; n_i is then
+counted within the sequence, so relu's 1/n and sigmoid's -log n are per sequence.
 Loops run in stages as in the softmax-family kernels: whole, in-bounds blocks below the causal
 diagonal without masking arithmetic; the dK/dV kernel works on transposed (keys x queries) tiles.
 The eager version is ops/kernels/pointwise/reference.py.
@@ -36,8 +39,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
-    from ...triton_utils import (causal_end, key_block, load_rows, load_tile, mask_tile, mm, mma, query_block,
-                                store_tile, tile_logits, visible_keys, visible_queries)
+    from ...triton_utils import (causal_end, key_block, load_rows, load_tile, mask_tile, mm, mma, packed_sequence,
+                                query_block, store_tile, tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -155,13 +158,24 @@ if HAVE_TRITON:
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence (kernels/pointwise/varlen.py): its own rows, lengths and n block
+            tl.static_assert(MASK_KIND == 0 and BIAS_MODE != 2 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_m >= Nq:
+                return
+            qi_at = tl.minimum(offs_m, Nq - 1)
+            Q += start_q * sqm
+            K += start_k * skn
+            V += start_k * svn
+            O += start_q * som
+            N_ROWS += H * start_q - b * H * Nq  # + pid_bh * Nq below: the sequence's (H, Nq) block
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
@@ -228,7 +242,7 @@ if HAVE_TRITON:
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # One program per key block of one key/value head; it walks the GROUP query heads that share the
         # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         scale = tl.cast(scale, tl.float32)
@@ -236,6 +250,19 @@ if HAVE_TRITON:
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         H_kv = H // GROUP
         pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence: its own rows and lengths; n, dK, dV in per-sequence blocks
+            tl.static_assert(MASK_KIND == 0 and BIAS_MODE != 2 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_n >= Nk:
+                return
+            kj_at = tl.minimum(offs_n, Nk - 1)
+            Q += start_q * sqm
+            DO += start_q * sdom
+            K += start_k * skn
+            V += start_k * svn
+            N_ROWS += H * start_q - b * H * Nq  # + pid_bh * Nq in the stages: the sequence's (H, Nq) block
+            DK += (H_kv * start_k - b * H_kv * Nk) * D  # + pid_bkv * Nk * D below: a (H_kv, Nk, D) block
+            DV_OUT += (H_kv * start_k - b * H_kv * Nk) * DV
         K += b * skb + h_kv * skh
         V += b * svb + h_kv * svh
         k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, True, HEAD_MASK)
@@ -301,11 +328,23 @@ if HAVE_TRITON:
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr):
+            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
+        if VARLEN:  # b is the packed sequence: its own rows and lengths; n and dQ in per-sequence blocks
+            tl.static_assert(MASK_KIND == 0 and BIAS_MODE != 2 and not DROPOUT)
+            start_q, Nq, start_k, Nk = packed_sequence(CU_Q, CU_K, b)
+            if start_m >= Nq:
+                return
+            qi_at = tl.minimum(offs_m, Nq - 1)
+            Q += start_q * sqm
+            DO += start_q * sdom
+            K += start_k * skn
+            V += start_k * svn
+            N_ROWS += H * start_q - b * H * Nq  # + pid_bh * Nq below: the sequence's (H, Nq) block
+            DQ += (H * start_q - b * H * Nq) * D  # + pid_bh * Nq * D below: a (H, Nq, D) block
         Q += b * sqb + h * sqh
         K += b * skb + (h // GROUP) * skh  # grouped-query attention: GROUP query heads share a key/value head
         V += b * svb + (h // GROUP) * svh
