@@ -22,7 +22,8 @@ sdpa.register("softmax", softmax_torch, priority=25, gqa=True, specialize=sdpa.s
 blockwise.register("softmax", softmax_cpu, extras=("softcap", "sinks", "window_size"))
 blockwise_varlen.register("softmax", softmax_cpu_varlen)
 register_triton("softmax", flash.softmax_attention, gqa=True, specialize=flash_bound.specializer(l2=False),
-                description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor")
+                description="Triton FlashAttention-2-style fused softmax, fwd+bwd, in-kernel dropout, no N x N tensor",
+                extras=flash.FUSED_EXTRAS)
 
 RECORD = declare(Variant(
     name="softmax", reference=softmax_attention, functional=softmax,

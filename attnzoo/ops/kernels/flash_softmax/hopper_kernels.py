@@ -157,15 +157,19 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, HOPPER: tl.constexpr, WARP_SPEC: tl.constexpr):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            HOPPER: tl.constexpr, WARP_SPEC: tl.constexpr):
         """The forward the autotuner launches: the classic kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_fwd_kernel's plus HOPPER and WARP_SPEC (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper forward computes neither T5 nor dropout")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper forward computes no softcap, sinks or window (the host declines)")
             softmax_fwd_hopper(Q, K, V, O, LSE, MASK, PREF,
                                sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -176,8 +180,9 @@ if TENSOR_DESCRIPTORS:
                                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                               SINKS, softcap, win_left, win_right,
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, SOFTCAP, HAS_SINKS, WINDOW)
 
     # --- dQ: the backward's query-block kernel, K / V through descriptors --------------------------------
 
@@ -248,15 +253,19 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, HOPPER: tl.constexpr):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            HOPPER: tl.constexpr):
         """The dQ launch the autotuner runs: softmax_bwd_dq_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dq_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dQ computes neither T5 nor dropout")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper dQ computes no softcap, sinks or window (the host declines)")
             softmax_dq_hopper(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
                               sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
                               smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -267,8 +276,9 @@ if TENSOR_DESCRIPTORS:
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                                   smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                   H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                  SINKS, softcap, win_left, win_right,
                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT)
+                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, SOFTCAP, HAS_SINKS, WINDOW)
 
     # --- dK / dV: the backward's key-block kernel, Q / dO through descriptors ---------------------------
 
@@ -379,15 +389,19 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, HOPPER: tl.constexpr):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+            WINDOW: tl.constexpr, HOPPER: tl.constexpr):
         """The dK/dV launch the autotuner runs: softmax_bwd_dkdv_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dkdv_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT, "the Hopper dK/dV computes neither T5 nor dropout")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper dK/dV computes no softcap, sinks or window (the host declines)")
             softmax_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, MASK, PREF,
                                 sqb, sqh, sqm, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
                                 smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -398,5 +412,7 @@ if TENSOR_DESCRIPTORS:
                                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
                                     sdod, smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                     H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                    SINKS, softcap, win_left, win_right,
                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS)
+                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS, SOFTCAP, HAS_SINKS,
+                                    WINDOW)
