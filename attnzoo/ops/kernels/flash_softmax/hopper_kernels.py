@@ -65,8 +65,10 @@ if TENSOR_DESCRIPTORS:
         """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (its
         pointers are never read with HAS_T5 False; k arrives zero-filled past Nk, so only the logits need
         the bounds)."""
-        return scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, PREF, 0, PREF,
-                      L2, MASK_KIND, MASK_SHAPE, HAS_PREF, False, CAUSAL, EDGE, UPCAST, PRECISION)
+        s, _ = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, PREF, 0, PREF,
+                      0.0, 0.0, 0, 0, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, False, CAUSAL, EDGE, UPCAST, PRECISION,
+                      False, False, False)  # no softcap, sinks or window in the Hopper rows
+        return s
 
     @triton.jit
     def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
