@@ -97,8 +97,9 @@ class Result:
 #   (masks as tiles, L2, preferences, T5 with its fixed dK/dV tiles, row biases), widths 64 and 128.
 
 INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}  # GROUP: query heads per key/value head (GQA)
-FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
-_SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False)
+FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p", "softcap"}
+_SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False,
+                SOFTCAP=False, HAS_SINKS=False, WINDOW=False)
 _POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
 # (label, flags, which configurations: "all" | "default", dtypes, widths)
 SOFTMAX_JOBS = [
@@ -111,6 +112,17 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True), "default", ("bf16", "fp32"), (64, 128)),
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
+    # softcap, sinks and the window's band fused (issue 29): the window replaces the causal stages (CAUSAL is
+    # folded into its right bound by the host), every configuration of the band's loops; the rest default
+    ("window", dict(_SOFTMAX, CAUSAL=False, WINDOW=True), "all", ("bf16",), (64, 128, 256)),
+    ("softcap+sinks+causal", dict(_SOFTMAX, SOFTCAP=True, HAS_SINKS=True), "all", ("bf16",), (64, 128)),
+    ("softcap+sinks+window+key-padding+dropout",
+     dict(_SOFTMAX, CAUSAL=False, SOFTCAP=True, HAS_SINKS=True, WINDOW=True, MASK_KIND=1, MASK_SHAPE=1,
+          DROPOUT=True), "default", ("bf16", "fp32"), (64, 128)),
+    ("l2+softcap+sinks+window+bool-tile-mask", dict(_SOFTMAX, CAUSAL=False, L2=True, SOFTCAP=True, HAS_SINKS=True,
+                                                    WINDOW=True, MASK_KIND=1), "default", ("bf16",), (64, 128)),
+    ("pref+softcap+sinks+causal+float-tile-mask", dict(_SOFTMAX, HAS_PREF=True, SOFTCAP=True, HAS_SINKS=True,
+                                                       MASK_KIND=2), "default", ("bf16",), (64, 128)),
 ]
 # the softmax forward's, dQ's and dK/dV's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on
 # sm_90 only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER / KEYS_BACKWARD_HOPPER in
@@ -155,7 +167,7 @@ def signature(fn, dtype, pointer_types, constexprs):
 def hopper_specs(dtype, precision):
     """The Hopper rows of the forward, dQ and dK/dV (none where this Triton cannot build them)."""
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64",
-                "DPREF": "*fp32", "DTABLE": "*fp32"}
+                "DPREF": "*fp32", "DTABLE": "*fp32", "SINKS": "*fp32"}
     for (name, flags, dtypes, widths), tuned in itertools.product(
             HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD, softmax_host.KEYS_BACKWARD)):
         if dtype not in dtypes:
@@ -193,7 +205,7 @@ def softmax_family_specs(dtype):
             mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
                         "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
-                        "BIAS": "*fp32", "DBIAS": "*fp32"}
+                        "BIAS": "*fp32", "DBIAS": "*fp32", "SINKS": "*fp32"}
             for tuned in kernels:
                 for width in widths:
                     configs = tuned.configs_for(TORCH_DTYPES[dtype], width, width, flags["DROPOUT"])
