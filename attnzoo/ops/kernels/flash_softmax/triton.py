@@ -208,8 +208,8 @@ if HAVE_TRITON:
                            dropout_p: float = 0.0, seed: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                            softcap: float = 0.0, window_left: int = -1,
                            window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty, dsinks (H,) fp32
-        or empty: one reduction of lse and delta here). Three launches:
+        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty, delta (B, H, Nq)
+        fp32: dO . O per row, from which the caller reduces dsinks with lse, ``sinks_grad``). Three launches:
         delta = rowsum(dO * O) (O plus ``residual``, the forward's third output, where that is not
         empty), then dK/dV (one program per key block of a key/value head, walking the
         query heads that share it), then dQ."""
@@ -238,8 +238,7 @@ if HAVE_TRITON:
         if tracing_only(q):
             dtable = (torch.empty(table.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                       else torch.empty(0, dtype=torch.float32, device=q.device))
-            dsinks = torch.empty(H if sinks is not None else 0, dtype=torch.float32, device=q.device)
-            return dq, dk, dv, dpref, dtable, dsinks
+            return dq, dk, dv, dpref, dtable, delta
         # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
         rows = 16 if INTERPRETED else DELTA_ROWS
         launcher(softmax_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * H)](
@@ -264,9 +263,7 @@ if HAVE_TRITON:
                              variants=dq_variants, **tiles)
         dtable = (partials.sum((0, 1))[:table.shape[0]] if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
-        dsinks = (sinks_grad(sinks, lse, delta) if sinks is not None
-                  else torch.empty(0, dtype=torch.float32, device=q.device))
-        return dq, dk, dv, dpref, dtable, dsinks
+        return dq, dk, dv, dpref, dtable, delta
 
     def _setup_context(ctx, inputs, output):
         (q, k, v, mask, pref, table, lut, scale, is_causal, l2, dropout_p, seed, sinks, softcap, window_left,
@@ -279,12 +276,12 @@ if HAVE_TRITON:
 
     def _backward(ctx, grad_out, grad_lse, grad_residual):
         q, k, v, out, lse, residual, mask, pref, table, lut, seed, sinks = ctx.saved_tensors
-        dq, dk, dv, dpref, dtable, dsinks = softmax_family_bwd(
+        dq, dk, dv, dpref, dtable, delta = softmax_family_bwd(
             grad_out, q, k, v, out, lse, residual, mask, pref, table, lut, ctx.scale, ctx.is_causal, ctx.l2,
             ctx.dropout_p, seed, sinks, ctx.softcap, *ctx.window)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
         g_table = dtable.to(table.dtype) if table is not None else None  # (num_buckets, H) already
-        g_sinks = dsinks.to(sinks.dtype) if sinks is not None else None
+        g_sinks = sinks_grad(sinks, lse, delta).to(sinks.dtype) if sinks is not None else None
         return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None, g_sinks, None, None, None
 
     softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
