@@ -17,6 +17,11 @@ are opaque custom ops: triton_utils.kernel_op), and autograd uses the fused back
 tensor is allocated: masks are passed broadcast (stride 0), the offset bias as an (Nq + Nk - 1)
 offset -> bucket vector plus the table.
 
+softcap, sinks and window_size (ops/logit_extras.py) are fused in the kernels for the three backends
+(``FUSED_EXTRAS``): ``extras_args`` turns them into the kernels' arguments and switches, the window's
+unbounded sides into bounds past every key and is_causal into its right bound; the backward returns
+delta, from which ``sinks_grad`` reduces dsinks with lse.
+
 Dropout on the weights (``dropout_p > 0``) happens in the kernels (see ops/triton_dropout.py): each
 forward call draws one seed from torch's generator of q's device and the backward regenerates the
 same keep-mask from it; ``dropout_p == 0`` launches the kernels without any dropout code.

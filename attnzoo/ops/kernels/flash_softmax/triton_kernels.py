@@ -39,6 +39,14 @@ ops/triton_dropout.py, and the backward regenerates the same Z:
 delta_i = dO_i . O_i still holds: the softmax backward needs sum_k P_ik dP_ik, and
     sum_k P_ik Z_ik (dO_i . v_k) / (1 - p) = dO_i . sum_k (Z_ik P_ik / (1 - p)) v_k = dO_i . O_i
 because O_i is exactly that dropped, rescaled sum. With DROPOUT False no random number is drawn.
+Softcap, sinks and windows (SOFTCAP, HAS_SINKS, WINDOW; docs/kernels_softmax_family.md): the cap
+cap2 tanh(s / cap2), cap2 = softcap * log2(e), acts on the log2-unit q.k term before the preference,
+T5 bias and mask, and the backward multiplies the dS reaching q.k by 1 - tanh^2; each head's sink joins
+the final normaliser and lse (a row with no key: zeros, lse = the sink), dsinks is reduced on the host
+from lse and delta; L2 with either keeps its row constant -scale ||q||^2 (FULL_L2) and dQ its gradient.
+The window's band (left, right; the host folds is_causal into right and passes CAUSAL False) bounds the
+key loops per query block (band_keys) and the query loop per key block (band_queries): blocks outside
+it are never visited, whole blocks inside it run unmasked, the edge blocks are masked.
 The readable eager version of each formula is ops/softmax/reference.py, ops/l2/reference.py,
 ops/fenchel/reference.py and ops/fenchel/t5_reference.py.
 """
@@ -491,14 +499,14 @@ if HAVE_TRITON:
                     (SOFTCAP or HAS_SINKS), True)
                 dk, dv, ds_colsum, dtab = dkdv_stage(
                     dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
-                    kj_at, offs_d, offs_dv, q_in, q_out, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed,
-                    pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    kj_at, offs_d, offs_dv, q_in, q_out, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
                     HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False, BUCKETS, SOFTCAP, L2 and
                     (SOFTCAP or HAS_SINKS), False)
                 dk, dv, ds_colsum, dtab = dkdv_stage(
                     dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
-                    kj_at, offs_d, offs_dv, q_out, q_hi, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed,
-                    pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    kj_at, offs_d, offs_dv, q_out, q_hi, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
                     HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, True, BUCKETS, SOFTCAP, L2 and
                     (SOFTCAP or HAS_SINKS), True)
             else:
