@@ -303,3 +303,26 @@ def test_auto_leaves_a_sinks_call_on_cuda_to_triton(monkeypatch):
     assert softmax_ops.sinks_fused_on_cuda(q, q, q, sinks=sinks) is None
     cpu = types.SimpleNamespace(device=torch.device("cpu"))
     assert softmax_ops.sinks_fused_on_cuda(cpu, cpu, cpu, sinks=sinks) is None
+
+
+@pytest.mark.parametrize("spec_text", [text for _, text in __import__(
+    "attnzoo.bench.speed_grid", fromlist=["EXTRAS_SPECS"]).EXTRAS_SPECS])
+def test_the_gpu_bench_rows_run_the_triton_kernels(spec_text, monkeypatch):
+    """The speed grid's "softmax+<extra> / triton" rows (attnzoo/bench/speed_grid.EXTRAS_SPECS): their
+    call reaches the Triton backend with the extra (no refusal, no fallback) and computes the spec."""
+    monkeypatch.setenv("ATTNZOO_BENCH_INTERPRETER", "1")  # the bench skips interpreted rows otherwise
+    from attnzoo.bench.flops import Shape
+    from attnzoo.bench.problem import Problem
+    from attnzoo.bench.targets import AttnzooTarget, parse_variant
+    spec = parse_variant(spec_text)
+    p = Problem(Shape(batch=1, heads=2, seq_q=20, head_dim=8), torch.float32, torch.device("cpu"), "fwd+bwd", True,
+                seed=3)
+    got = AttnzooTarget(spec, "triton").prepare(p)
+    want = AttnzooTarget(spec, "reference").prepare(p)
+    out, ref = got.forward(), want.forward()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    g = torch.autograd.grad(out, got.leaves, torch.ones_like(out))
+    r = torch.autograd.grad(ref, want.leaves, torch.ones_like(ref))
+    assert len(g) == len(r) >= 3
+    for a, b in zip(g, r):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
