@@ -101,9 +101,11 @@ if HAVE_TRITON:
     def band(s, qi, kj, Nq, Nk, left, right):
         """-inf outside the sliding window: key j takes part for query i iff
         i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right (bottom-right aligned; the host passes an
-        unbounded side as a bound past every key, and folds is_causal into ``right``)."""
-        d = kj - qi - (Nk - Nq)
-        return tl.where((d >= -left) & (d <= right), s, float("-inf"))
+        unbounded side as a bound past every key, and folds is_causal into ``right``). The bounds are per
+        query (a vector), compared with the key indices by broadcasting: no int tile of offsets is built."""
+        first = qi + (Nk - Nq - left)
+        last = qi + (Nk - Nq + right)
+        return tl.where((kj >= first) & (kj <= last), s, float("-inf"))
 
     @triton.jit
     def band_keys(start_m, Nq, Nk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
