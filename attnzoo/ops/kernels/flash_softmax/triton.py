@@ -70,9 +70,9 @@ def window_args(window_left: int, window_right: int, is_causal: bool, Nq: int, N
     folded into ``right`` (the band then holds the causal triangle), so the kernels' causal path is off."""
     if window_left < 0 and window_right < 0:
         return False, 0, 0, is_causal
-    past = Nq + Nk
-    left = window_left if window_left >= 0 else past
-    right = window_right if window_right >= 0 else past
+    past = Nq + Nk  # beyond any offset j - i - (Nk - Nq); also keeps a huge bound an int32 argument
+    left = min(window_left, past) if window_left >= 0 else past
+    right = min(window_right, past) if window_right >= 0 else past
     if is_causal:
         right = min(right, 0)
     return True, left, right, False
