@@ -172,8 +172,9 @@ if HAVE_TRITON:
                            sinks: Optional[Tensor] = None, softcap: float = 0.0, window_left: int = -1,
                            window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
         """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32 in base 2: log2 sum_j exp(l_ij), the
-        kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2, see
-        triton_kernels.py); +inf for rows with no key; residual: with a T5 table and half inputs the
+        kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2 unless a cap
+        or sinks need it, see triton_kernels.py); +inf for rows with no key (the sink's logit with sinks,
+        which also joins every row's sum); residual: with a T5 table and half inputs the
         rounding residual of out (the unrounded output minus out, in q's dtype, for the backward's
         delta), else an empty placeholder. With dropout_p > 0, ``seed`` (1-element int64)
         picks the keep-mask; lse is the undropped one. k and v may hold fewer heads than q (grouped-query
