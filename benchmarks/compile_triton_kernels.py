@@ -112,17 +112,19 @@ SOFTMAX_JOBS = [
     ("t5+float-tile-mask+causal", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True), "default", ("bf16", "fp32"), (64, 128)),
     ("t5+float-tile-mask+causal+dropout", dict(_SOFTMAX, MASK_KIND=2, HAS_T5=True, DROPOUT=True), "default",
      ("bf16", "fp32"), (64, 128)),
-    # softcap, sinks and the window's band fused (issue 29): the window replaces the causal stages (CAUSAL is
-    # folded into its right bound by the host), every configuration of the band's loops; the rest default
-    ("window", dict(_SOFTMAX, CAUSAL=False, WINDOW=True), "all", ("bf16",), (64, 128)),
-    ("softcap+sinks+causal", dict(_SOFTMAX, SOFTCAP=True, HAS_SINKS=True), "default", ("bf16",), (64, 128)),
-    ("softcap+sinks+window+key-padding+dropout",
+    # softcap, sinks and the window's band fused (issue 29; labels "extras:..." for --match extras): the window
+    # replaces the causal stages (CAUSAL is folded into its right bound by the host), every configuration of
+    # the band's loops; the rest default
+    ("extras:window", dict(_SOFTMAX, CAUSAL=False, WINDOW=True), "all", ("bf16",), (64, 128)),
+    ("extras:softcap+sinks+causal", dict(_SOFTMAX, SOFTCAP=True, HAS_SINKS=True), "default", ("bf16",), (64, 128)),
+    ("extras:softcap+sinks+window+key-padding+dropout",
      dict(_SOFTMAX, CAUSAL=False, SOFTCAP=True, HAS_SINKS=True, WINDOW=True, MASK_KIND=1, MASK_SHAPE=1,
           DROPOUT=True), "default", ("bf16", "fp32"), (64, 128)),
-    ("l2+softcap+sinks+window+bool-tile-mask", dict(_SOFTMAX, CAUSAL=False, L2=True, SOFTCAP=True, HAS_SINKS=True,
-                                                    WINDOW=True, MASK_KIND=1), "default", ("bf16",), (64, 128)),
-    ("pref+softcap+sinks+causal+float-tile-mask", dict(_SOFTMAX, HAS_PREF=True, SOFTCAP=True, HAS_SINKS=True,
-                                                       MASK_KIND=2), "default", ("bf16",), (64, 128)),
+    ("extras:l2+softcap+sinks+window+bool-tile-mask",
+     dict(_SOFTMAX, CAUSAL=False, L2=True, SOFTCAP=True, HAS_SINKS=True, WINDOW=True, MASK_KIND=1), "default",
+     ("bf16",), (64, 128)),
+    ("extras:pref+softcap+sinks+causal+float-tile-mask",
+     dict(_SOFTMAX, HAS_PREF=True, SOFTCAP=True, HAS_SINKS=True, MASK_KIND=2), "default", ("bf16",), (64, 128)),
 ]
 # the softmax forward's, dQ's and dK/dV's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on
 # sm_90 only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER / KEYS_BACKWARD_HOPPER in
