@@ -326,3 +326,13 @@ def test_the_gpu_bench_rows_run_the_triton_kernels(spec_text, monkeypatch):
     assert len(g) == len(r) >= 3
     for a, b in zip(g, r):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_the_op_with_extras_is_a_registered_custom_op():
+    """softmax_family_fwd's schema, fake tensor and autograd registration with sinks, softcap and a window."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).requires_grad_(True) for n in (3, 5, 5))
+    sinks = torch.randn(2, generator=g).requires_grad_(True)
+    torch.library.opcheck(torch.ops.attnzoo.softmax_family_fwd.default,
+                          (q, k, v, None, None, None, None, 0.25, True, False, 0.0, None, sinks, 2.0, 2, -1),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
