@@ -16,6 +16,7 @@ import torch
 
 import attnzoo.functional as AF
 from attnzoo.ops import dispatch, logit_extras
+from attnzoo.ops.triton_dropout import draw_seed, dropout_keep_mask
 from attnzoo.ops.triton_utils import HAVE_TRITON, INTERPRETED
 
 from .flash_rule import assert_flash_rule, yardstick_dtype
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.skipif(not (HAVE_TRITON and INTERPRETED),
 
 D = 8
 BATCH = 1
+SEED = 1234
 TILE = 16  # the interpreter's BLOCK_M = BLOCK_N (ops/triton_tuning.INTERPRETER_TILES)
 
 
@@ -42,6 +44,7 @@ class Case:
     window: Optional[tuple] = None
     log_u: bool = False  # fenchel: a per-key preference (B, 1, 1, Nk)
     alpha: float = 1.0
+    dropout: float = 0.0  # in-kernel dropout on the weights (the sink's share is never dropped: no value)
     dtype: torch.dtype = torch.float32
 
 
@@ -85,9 +88,9 @@ def allowed(case: Case, mask, b, h):
     return allow
 
 
-def formula(case: Case, leaves: dict, dtype):
+def formula(case: Case, leaves: dict, dtype, keep=None):
     """The output from the definitions, computed in ``dtype`` (float64: the truth; fp32 on half inputs:
-    the rule's eager yardstick)."""
+    the rule's eager yardstick); with dropout, ``keep`` is the kernel's keep-mask Z: (Z P / (1 - p)) V."""
     q, k, v = leaves["q"], leaves["k"], leaves["v"]
     group = case.h // case.h_kv
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -115,12 +118,15 @@ def formula(case: Case, leaves: dict, dtype):
     if leaves.get("sinks") is not None:
         total = total + torch.exp(sink - top)
     p = e / torch.where(total > 0, total, torch.ones_like(total))
+    if keep is not None:
+        p = keep.to(dtype) * p / (1.0 - case.dropout)
     return p @ v
 
 
 def run_triton(case: Case, leaves: dict):
     kw = dict(attn_mask=leaves["mask"], is_causal=case.causal, backend="triton", softcap=case.softcap,
-              sinks=leaves["sinks"], window_size=case.window, enable_gqa=case.h_kv != case.h)
+              sinks=leaves["sinks"], window_size=case.window, enable_gqa=case.h_kv != case.h,
+              dropout_p=case.dropout)
     if case.name == "fenchel":
         kw.update(log_u=leaves["log_u"], alpha=case.alpha)
     return getattr(AF, case.name)(leaves["q"], leaves["k"], leaves["v"], **kw)
@@ -158,18 +164,23 @@ def check(case: Case):
     inp = rounded_inputs(make_inputs(case), dtype)
     low_dtype = yardstick_dtype(dtype)
     tested = leaves_of(inp, dtype, torch.float32)
+    torch.manual_seed(SEED)  # the call draws its dropout seed first thing: drawn again below, Z is known
     out = run_triton(case, tested)
+    keep = None
+    if case.dropout:
+        torch.manual_seed(SEED)
+        keep = dropout_keep_mask(draw_seed(out.device), case.dropout, (BATCH, case.h, case.nq, case.nk))
     assert out.dtype == dtype and out.shape == (BATCH, case.h, case.nq, D)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     names, got = grads(out, tested, grad_out.to(dtype))
     for n, t in [("out", out)] + list(zip(names, got)):
         assert torch.isfinite(t).all(), f"{case}: {n} has NaN/inf"
     truth = leaves_of(inp, torch.float64)
-    want = formula(case, truth, torch.float64)
+    want = formula(case, truth, torch.float64, keep)
     _, want_g = grads(want, truth, grad_out)
     # the rule's yardstick: the same formula on the same rounded inputs, computed in fp32, stored in dtype
     low_leaves = leaves_of(inp, low_dtype, torch.float32)
-    low = formula(case, low_leaves, low_dtype)
+    low = formula(case, low_leaves, low_dtype, keep)
     _, low_g = grads(low, low_leaves, grad_out.to(dtype).to(low_dtype))
     logit_size = float(formula_logit_size(case, truth))
     triples = [("out", out, low.to(dtype), want)]
@@ -200,6 +211,8 @@ F32_CASES = [
     Case("l2", 30, 21, h=1, h_kv=1, mask="bool", softcap=3.0, sinks=True, window=(9, 4)),
     # l2 with sinks alone (the row constant's gradient without a cap), GQA, causal
     Case("l2", 17, 17, h=2, h_kv=1, causal=True, sinks=True),
+    # in-kernel dropout with all three (the normaliser and dsinks use the undropped weights)
+    Case("softmax", 20, 37, causal=True, softcap=2.0, sinks=True, window=(9, 0), dropout=0.3),
 ]
 
 HALF_CASES = [
