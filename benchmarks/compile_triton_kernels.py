@@ -98,8 +98,9 @@ class Result:
 #   (masks as tiles, L2, preferences, T5 with its fixed dK/dV tiles, row biases), widths 64 and 128.
 
 INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}  # GROUP: query heads per key/value head (GQA)
-FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p"}
-_SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False)
+FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p", "softcap"}
+_SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False,
+                SOFTCAP=False, HAS_SINKS=False, WINDOW=False)
 _POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
 # (label, flags, which configurations: "all" | "default", dtypes, widths)
 SOFTMAX_JOBS = [
@@ -115,6 +116,19 @@ SOFTMAX_JOBS = [
     # packed sequences (kernels/flash_softmax/varlen.py): the same kernels with the offsets read at entry
     ("varlen+causal", dict(_SOFTMAX, VARLEN=True), "all", ("bf16", "fp32"), (64, 128)),
     ("varlen+l2+causal", dict(_SOFTMAX, L2=True, VARLEN=True), "default", ("bf16",), (64, 128)),
+    # softcap, sinks and the window's band fused (issue 29; labels "extras:..." for --match extras): the window
+    # replaces the causal stages (CAUSAL is folded into its right bound by the host), every configuration of
+    # the band's loops; the rest default
+    ("extras:window", dict(_SOFTMAX, CAUSAL=False, WINDOW=True), "all", ("bf16",), (64, 128)),
+    ("extras:softcap+sinks+causal", dict(_SOFTMAX, SOFTCAP=True, HAS_SINKS=True), "default", ("bf16",), (64, 128)),
+    ("extras:softcap+sinks+window+key-padding+dropout",
+     dict(_SOFTMAX, CAUSAL=False, SOFTCAP=True, HAS_SINKS=True, WINDOW=True, MASK_KIND=1, MASK_SHAPE=1,
+          DROPOUT=True), "default", ("bf16", "fp32"), (64, 128)),
+    ("extras:l2+softcap+sinks+window+bool-tile-mask",
+     dict(_SOFTMAX, CAUSAL=False, L2=True, SOFTCAP=True, HAS_SINKS=True, WINDOW=True, MASK_KIND=1), "default",
+     ("bf16",), (64, 128)),
+    ("extras:pref+softcap+sinks+causal+float-tile-mask",
+     dict(_SOFTMAX, HAS_PREF=True, SOFTCAP=True, HAS_SINKS=True, MASK_KIND=2), "default", ("bf16",), (64, 128)),
 ]
 # the softmax forward's, dQ's and dK/dV's Hopper rows (kernels/flash_softmax/hopper_kernels.py, offered on
 # sm_90 only): every row of triton_tuning.FORWARD_HOPPER / QUERIES_BACKWARD_HOPPER / KEYS_BACKWARD_HOPPER in
@@ -162,7 +176,7 @@ def signature(fn, dtype, pointer_types, constexprs):
 def hopper_specs(dtype, precision):
     """The Hopper rows of the forward, dQ and dK/dV (none where this Triton cannot build them)."""
     pointers = {"LSE": "*fp32", "DELTA": "*fp32", "PREF": "*fp32", "BIAS": "*fp32", "LUT": "*i32", "SEED": "*i64",
-                "DPREF": "*fp32", "DTABLE": "*fp32"}
+                "DPREF": "*fp32", "DTABLE": "*fp32", "SINKS": "*fp32"}
     for (name, flags, dtypes, widths), tuned in itertools.product(
             HOPPER_JOBS, (softmax_host.FORWARD, softmax_host.QUERIES_BACKWARD, softmax_host.KEYS_BACKWARD)):
         if dtype not in dtypes:
@@ -200,7 +214,7 @@ def softmax_family_specs(dtype):
             mask = "*fp32" if flags["MASK_KIND"] == 2 else "*u8"
             pointers = {"LSE": "*fp32", "DELTA": "*fp32", "DPREF": "*fp32", "DTABLE": "*fp32", "PREF": "*fp32",
                         "LUT": "*i32", "SEED": "*i64", "MASK": mask, "N_ROWS": "*fp32",
-                        "BIAS": "*fp32", "DBIAS": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
+                        "BIAS": "*fp32", "DBIAS": "*fp32", "SINKS": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
             for tuned in kernels:
                 for width in widths:
                     configs = tuned.configs_for(TORCH_DTYPES[dtype], width, width, flags["DROPOUT"])
@@ -567,7 +581,7 @@ def main(argv=None):
                         help="run the captured Sinkhorn / linear / OT host paths plainly, under CPU bf16 autocast "
                              "(what CUDA autocast hands the kernels), or both")
     parser.add_argument("--match", default=None,
-                        help="compile only the captured jobs with a call label containing this text (e.g. 'D=64 ')")
+                        help="compile only the jobs with a label containing this text (e.g. 'D=64 ', 'window')")
     parser.add_argument("--scalars", default="fp32", choices=("fp32", "fp64", "both"),
                         help="type of float scalar arguments: fp32 as the JIT launches them, fp64 as inductor does "
                              "under torch.compile, or both")
@@ -579,10 +593,9 @@ def main(argv=None):
     limit = SHARED_LIMIT.get(args.arch, SHARED_LIMIT[80])
     start = time.perf_counter()
     jobs = softmax_family_jobs(args.dtypes) if "softmax" in args.families else []
-    captured = captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"], args.autocast)
+    jobs += captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"], args.autocast)
     if args.match is not None:
-        captured = [job for job in captured if any(args.match in label for label in job.labels)]
-    jobs += captured
+        jobs = [job for job in jobs if any(args.match in label for label in job.labels)]
     if args.scalars != "fp32":
         jobs = (jobs if args.scalars == "both" else []) + with_fp64_scalars(jobs)
     print(f"{len(jobs)} kernel specialisations to compile for sm_{args.arch} (shared memory limit {limit} B)", flush=True)

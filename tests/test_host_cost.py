@@ -224,8 +224,9 @@ def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
 
 # Arguments per launch: each one is bound by Triton on every call (about 1.5-2 us per tensor argument,
 # triton#11880). These are the current signatures; a new argument must be worth its cost.
-MAX_ARGUMENTS = {SOFTMAX_FWD: 62 if TENSOR_DESCRIPTORS else 60, SOFTMAX_DKDV: 66 if TENSOR_DESCRIPTORS else 65,
-                 SOFTMAX_DQ: 63 if TENSOR_DESCRIPTORS else 62,
+# softmax family: + SINKS, softcap, the window's two bounds and the three switches (issue 29: fused extras)
+MAX_ARGUMENTS = {SOFTMAX_FWD: 69 if TENSOR_DESCRIPTORS else 67, SOFTMAX_DKDV: 73 if TENSOR_DESCRIPTORS else 72,
+                 SOFTMAX_DQ: 70 if TENSOR_DESCRIPTORS else 69,
                  # delta: + the T5 half-input rounding residual of O and its switch (issue 21)
                  "softmax_bwd_delta_kernel": 18, "pointwise_fwd_kernel": 57, "pointwise_bwd_dkdv_kernel": 59,
                  "pointwise_bwd_dq_kernel": 59}

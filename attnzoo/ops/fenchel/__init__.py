@@ -53,7 +53,7 @@ def per_key_log_u(q, k, v, **kw):
 register_triton("fenchel", flash.fenchel_attention, all_of(call_reason, triton_first_order, per_key_log_u),
                 gqa=True, specialize=flash_bound.specializer(),
                 description="Triton fused softmax(alpha s + log u) with a per-key log u and its gradient (first "
-                            "order), in-kernel dropout")
+                            "order), in-kernel dropout", extras=flash.FUSED_EXTRAS)
 sdpa.register("fenchel", fenchel_torch, first_order_only, priority=15,
               description=sdpa.DESCRIPTION + ", log u as an additive mask")
 blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", "sinks", "window_size"))

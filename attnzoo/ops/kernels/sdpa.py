@@ -179,12 +179,13 @@ def specialize_plain(q, k, v, *, attn_mask=None, is_causal=False, sinks=None, **
 
 
 def register(variant: str, fn, supports=None, *, priority: int, description: str = DESCRIPTION, gqa: bool = False,
-             specialize=None, extras=()):
+             specialize=None, extras=(), auto_prefers=None):
     """Register ``fn`` (a variant's form of SDPA) as its "torch" backend. SDPA's fused CPU kernel
     returns a zero row for a query holding NaN, so the dispatcher puts the NaN back on CPU tensors
     (on CUDA that would cost a pass over q and the output per call; benchmarks/gpu_speed.py's
-    "nan-query" rows check cuDNN / FlashAttention there)."""
-    from ..dispatch import register_backend
+    "nan-query" rows check cuDNN / FlashAttention there). ``auto_prefers``: the variant's own veto under
+    auto, checked after ``mask_grad_on_cpu``."""
+    from ..dispatch import all_of, register_backend
     register_backend(variant, "torch", fn, supports=supports, priority=priority, description=description,
-                     auto_prefers=mask_grad_on_cpu, hides_query_nan_on=("cpu",), gqa=gqa, specialize=specialize,
-                     extras=extras)
+                     auto_prefers=all_of(mask_grad_on_cpu, auto_prefers) if auto_prefers else mask_grad_on_cpu,
+                     hides_query_nan_on=("cpu",), gqa=gqa, specialize=specialize, extras=extras)

@@ -23,7 +23,8 @@ from .layer import L2Hook
 from .reference import l2_attention
 
 register_triton("l2", flash.l2_attention, gqa=True, specialize=flash_bound.specializer(l2=True),
-                description="Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout")
+                description="Triton fused L2 softmax (-scale ||q-k||^2 via row/column norms), fwd+bwd, in-kernel dropout",
+                extras=flash.FUSED_EXTRAS)
 sdpa.register("l2", l2_torch, priority=15, gqa=True, description=sdpa.DESCRIPTION + ", q and k augmented by one coordinate")
 blockwise.register("l2", l2_cpu)
 blockwise_varlen.register("l2", l2_cpu_varlen)

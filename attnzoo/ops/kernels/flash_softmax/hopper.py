@@ -5,7 +5,8 @@ The variants' rows are offered to the forward's (and the dQ and dK/dV launches')
 - Triton can build it (``hopper_kernels.TENSOR_DESCRIPTORS``; the warp-specialised rows also need
   ``WARP_SPECIALIZE``) -- checked once at import;
 - the device is sm_90 or newer -- once per device;
-- the flavour is one it computes: fp16 / bf16, heads up to 128 wide, no dropout, no T5 bias, no mask
+- the flavour is one it computes: fp16 / bf16, heads up to 128 wide, no dropout, no T5 bias, no softcap,
+  sinks or window (fused in the classic kernels only), no mask
   that varies along both axes (causal, L2 logits, per-key preferences, key-padding or per-query
   masks, grouped heads are fine; a full (Nq, Nk) mask tile is loaded per key block like K and V and
   pushed the 128 x 128 row past sm_90's shared memory in the build check) -- once per flavour
@@ -107,6 +108,8 @@ def forward_variants(q, k, v, meta, flags) -> bool:
     # cheapest tests first; while tracing the tensors are fake (no data_ptr to test)
     if not FORWARD_VARIANTS or not HAVE_TRITON or torch.compiler.is_compiling() or not device_ready(q.device):
         return False
+    if flags.get("SOFTCAP") or flags.get("HAS_SINKS") or flags.get("WINDOW"):
+        return False  # softcap, sinks and windows are fused in the classic kernels only
     if not flavour_ready(q.dtype, meta["BLOCK_D"], meta["BLOCK_DV"], meta["DROPOUT"], flags["HAS_T5"],
                          flags["MASK_KIND"], flags["MASK_SHAPE"]):
         return False

@@ -65,8 +65,10 @@ if TENSOR_DESCRIPTORS:
         """(BLOCK_M, BLOCK_N) log2-unit logits of one tile: triton_kernels.scores without the T5 bias (its
         pointers are never read with HAS_T5 False; k arrives zero-filled past Nk, so only the logits need
         the bounds)."""
-        return scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, PREF, 0, PREF,
-                      L2, MASK_KIND, MASK_SHAPE, HAS_PREF, False, CAUSAL, EDGE, UPCAST, PRECISION)
+        s, _ = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, PREF, 0, PREF,
+                      0.0, 0.0, 0, 0, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, False, CAUSAL, EDGE, UPCAST, PRECISION,
+                      False, False, False)  # no softcap, sinks or window in the Hopper rows
+        return s
 
     @triton.jit
     def hopper_fwd_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, qi_at, Nq, Nk, qk_scale,
@@ -157,17 +159,21 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
-            HOPPER: tl.constexpr = False, WARP_SPEC: tl.constexpr = False):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, HOPPER: tl.constexpr = False,
+            WARP_SPEC: tl.constexpr = False):
         """The forward the autotuner launches: the classic kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_fwd_kernel's plus HOPPER and WARP_SPEC (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
                              "the Hopper forward computes neither T5, dropout nor packed sequences")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper forward computes no softcap, sinks or window (the host declines)")
             softmax_fwd_hopper(Q, K, V, O, LSE, MASK, PREF,
                                sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -178,8 +184,10 @@ if TENSOR_DESCRIPTORS:
                                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                                smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                               SINKS, softcap, win_left, win_right,
                                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CU_Q, CU_K, VARLEN)
+                               CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, SOFTCAP, HAS_SINKS, WINDOW,
+                               CU_Q, CU_K, VARLEN)
 
     # --- dQ: the backward's query-block kernel, K / V through descriptors --------------------------------
 
@@ -250,17 +258,20 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
-            HOPPER: tl.constexpr = False):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, HOPPER: tl.constexpr = False):
         """The dQ launch the autotuner runs: softmax_bwd_dq_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dq_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
                              "the Hopper dQ computes neither T5, dropout nor packed sequences")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper dQ computes no softcap, sinks or window (the host declines)")
             softmax_dq_hopper(Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF,
                               sqb, sqh, sqm, sqd, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdod,
                               smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -271,8 +282,10 @@ if TENSOR_DESCRIPTORS:
                                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
                                   smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                   H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                  SINKS, softcap, win_left, win_right,
                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CU_Q, CU_K, VARLEN)
+                                  CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, SOFTCAP, HAS_SINKS, WINDOW,
+                               CU_Q, CU_K, VARLEN)
 
     # --- dK / dV: the backward's key-block kernel, Q / dO through descriptors ---------------------------
 
@@ -383,17 +396,20 @@ if TENSOR_DESCRIPTORS:
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
             H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False,
-            HOPPER: tl.constexpr = False):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+            WINDOW: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, HOPPER: tl.constexpr = False):
         """The dK/dV launch the autotuner runs: softmax_bwd_dkdv_kernel, or (HOPPER) the descriptor variant.
         The argument list is softmax_bwd_dkdv_kernel's plus HOPPER (a test keeps them equal)."""
         if HOPPER:
             tl.static_assert(not HAS_T5 and not DROPOUT and not VARLEN,
                              "the Hopper dK/dV computes neither T5, dropout nor packed sequences")
+            tl.static_assert(not SOFTCAP and not HAS_SINKS and not WINDOW,
+                             "the Hopper dK/dV computes no softcap, sinks or window (the host declines)")
             softmax_dkdv_hopper(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, MASK, PREF,
                                 sqb, sqh, sqm, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
                                 smb, smh, smm, smn, spb, sph, spn, H, Nq, Nk, D, DV, GROUP, scale,
@@ -404,5 +420,7 @@ if TENSOR_DESCRIPTORS:
                                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom,
                                     sdod, smb, smh, smm, smn, spb, sph, spn, slut, sbh,
                                     H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+                                    SINKS, softcap, win_left, win_right,
                                     BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5,
-                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS, CU_Q, CU_K, VARLEN)
+                                    CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, BUCKETS, SOFTCAP, HAS_SINKS,
+                                    WINDOW, CU_Q, CU_K, VARLEN)

@@ -17,6 +17,11 @@ are opaque custom ops: triton_utils.kernel_op), and autograd uses the fused back
 tensor is allocated: masks are passed broadcast (stride 0), the offset bias as an (Nq + Nk - 1)
 offset -> bucket vector plus the table.
 
+softcap, sinks and window_size (ops/logit_extras.py) are fused in the kernels for the three backends
+(``FUSED_EXTRAS``): ``extras_args`` turns them into the kernels' arguments and switches, the window's
+unbounded sides into bounds past every key and is_causal into its right bound; the backward returns
+delta, from which ``sinks_grad`` reduces dsinks with lse.
+
 Dropout on the weights (``dropout_p > 0``) happens in the kernels (see ops/triton_dropout.py): each
 forward call draws one seed from torch's generator of q's device and the backward regenerates the
 same keep-mask from it; ``dropout_p == 0`` launches the kernels without any dropout code.
@@ -45,7 +50,7 @@ if HAVE_TRITON:
 
     # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
     TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "L2", "MASK_KIND", "MASK_SHAPE", "HAS_PREF", "HAS_T5", "CAUSAL",
-                  "DROPOUT", "PRECISION"]
+                  "DROPOUT", "PRECISION", "SOFTCAP", "HAS_SINKS", "WINDOW"]
     # on Triton versions that can build it, the forward is a selector between the classic kernel and
     # the Hopper variant, whose rows a launch offers the autotuner when hopper.forward_variants says so
     FORWARD = tuning.TunedKernel(hopper.forward_kernel(softmax_fwd_kernel), tuning.FORWARD, tuning.FORWARD_DROPOUT,
@@ -59,6 +64,38 @@ if HAVE_TRITON:
                                           tuning.QUERIES_BACKWARD, tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY,
                                           variants=hopper.QUERIES_BACKWARD_VARIANTS,
                                           constants={**hopper.QUERIES_BACKWARD_CONSTANTS, **DENSE_LAUNCH})
+
+
+def window_args(window_left: int, window_right: int, is_causal: bool, Nq: int, Nk: int):
+    """(WINDOW, left, right, is_causal) as the kernels take them: without a window (-1, -1) the causal
+    flag as it is; with one, an unbounded side becomes a bound past every key (Nq + Nk) and is_causal is
+    folded into ``right`` (the band then holds the causal triangle), so the kernels' causal path is off."""
+    if window_left < 0 and window_right < 0:
+        return False, 0, 0, is_causal
+    past = Nq + Nk  # beyond any offset j - i - (Nk - Nq); also keeps a huge bound an int32 argument
+    left = min(window_left, past) if window_left >= 0 else past
+    right = min(window_right, past) if window_right >= 0 else past
+    if is_causal:
+        right = min(right, 0)
+    return True, left, right, False
+
+
+def extras_args(q, sinks, softcap: float, window_left: int, window_right: int, is_causal: bool, Nq: int, Nk: int):
+    """(the kernels' SINKS, softcap, left, right arguments, their SOFTCAP / HAS_SINKS / WINDOW flags, the
+    causal flag to launch with)."""
+    window, left, right, causal = window_args(window_left, window_right, is_causal, Nq, Nk)
+    sinks_arg = sinks.to(torch.float32).contiguous() if sinks is not None else stand_in(q, torch.float32)
+    flags = dict(SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, WINDOW=window)
+    return (sinks_arg, float(softcap), left, right), flags, causal
+
+
+def sinks_grad(sinks, lse, delta):
+    """d loss / d sinks[h] = -sum_{b, i} p_sink(b, h, i) delta(b, h, i), p_sink = exp(sink_h - lse_i) (the
+    sink's weight in the row; its value is 0, so its dP is 0 and dS_sink = p_sink (0 - delta)). lse is the
+    kernels' base-2 one; rows with no key have lse = the sink and delta = 0."""
+    log2e = 1.4426950408889634
+    p_sink = torch.exp2(sinks.to(torch.float32)[None, :, None] * log2e - lse)
+    return -(p_sink * delta).sum((0, 2))
 
 
 def _prepare(q, k, mask, pref, table, lut):
@@ -115,7 +152,8 @@ def _sizes_of(H, H_kv, Nq, Nk, D, DV):
 def _shape_key(meta, flags, sizes):
     """What the autotuner keys on for these launches (ops/triton_tuning.TunedKernel.run freezes it)."""
     return (sizes[3], sizes[4], sizes[6], sizes[7], meta["L2"], meta["CAUSAL"], meta["PRECISION"],
-            flags["MASK_KIND"], flags["MASK_SHAPE"], flags["HAS_PREF"], flags["HAS_T5"])
+            flags["MASK_KIND"], flags["MASK_SHAPE"], flags["HAS_PREF"], flags["HAS_T5"], flags["SOFTCAP"],
+            flags["HAS_SINKS"], flags["WINDOW"])
 
 
 def _keeps_residual(q, table) -> bool:
@@ -124,21 +162,28 @@ def _keeps_residual(q, table) -> bool:
 
 
 DELTA_ROWS = 64  # rows of dO . O per program of the backward's first launch
+# what the softmax / l2 / fenchel Triton backends take from ops/logit_extras.py, fused in the kernels
+FUSED_EXTRAS = ("softcap", "sinks", "window_size")
 
 
 if HAVE_TRITON:
     @kernel_op("attnzoo::softmax_family_fwd", mutates_args=())
     def softmax_family_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pref: Optional[Tensor],
                            table: Optional[Tensor], lut: Optional[Tensor], scale: float, is_causal: bool,
-                           l2: bool, dropout_p: float = 0.0,
-                           seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                           l2: bool, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None, softcap: float = 0.0, window_left: int = -1,
+                           window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
         """(out (B, H, Nq, Dv) in q's dtype, lse (B, H, Nq) fp32 in base 2: log2 sum_j exp(l_ij), the
-        kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2, see
-        triton_kernels.py); +inf for rows with no key; residual: with a T5 table and half inputs the
+        kernels' units (l the logits; the L2 logits without the row constant -scale ||q_i||^2 unless a cap
+        or sinks need it, see triton_kernels.py); +inf for rows with no key (the sink's logit with sinks,
+        which also joins every row's sum); residual: with a T5 table and half inputs the
         rounding residual of out (the unrounded output minus out, in q's dtype, for the backward's
         delta), else an empty placeholder. With dropout_p > 0, ``seed`` (1-element int64)
         picks the keep-mask; lse is the undropped one. k and v may hold fewer heads than q (grouped-query
-        attention: query head h reads key/value head h // (H / H_kv)). One launch."""
+        attention: query head h reads key/value head h // (H / H_kv)). ``sinks`` (H,): each head's sink
+        logit joins the normaliser (and lse); ``softcap`` > 0: the logits capped; ``window_left`` /
+        ``window_right`` >= 0: the sliding window (ops/logit_extras.py), fused: key blocks outside the
+        band are never visited. One launch."""
         B, H, Nq, D = q.shape
         DV = v.shape[3]
         out = torch.empty((B, H, Nq, DV), dtype=q.dtype, device=q.device)
@@ -147,6 +192,9 @@ if HAVE_TRITON:
         # dS sums over a bucket cancel to delta's error); the other flavours keep FlashAttention's rounded O
         residual = torch.empty(out.shape if _keeps_residual(q, table) else (0,), dtype=q.dtype, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
+        extras, extra_flags, is_causal = extras_args(q, sinks, softcap, window_left, window_right, is_causal, Nq,
+                                                     k.shape[2])
+        flags.update(extra_flags)
         dropout = dropout_flag(dropout_p, seed)
         meta = _flags(q, v, is_causal, l2, dropout)
         if tracing_only(q):
@@ -154,7 +202,8 @@ if HAVE_TRITON:
         sizes = _sizes(q, k, v)
         FORWARD.run(lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), B * H),
                     (q, k, v, out, lse, residual if residual.numel() else out, m, p, t, lut, seed if dropout else lut,
-                     *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p),
+                     *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p,
+                     *extras),
                     {**meta, **flags}, dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
                     dropout=dropout, shape_key=_shape_key(meta, flags, sizes),
                     variants=hopper.forward_variants(q, k, v, meta, flags))
@@ -164,9 +213,11 @@ if HAVE_TRITON:
     def softmax_family_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            residual: Tensor, mask: Optional[Tensor], pref: Optional[Tensor], table: Optional[Tensor],
                            lut: Optional[Tensor], scale: float, is_causal: bool, l2: bool,
-                           dropout_p: float = 0.0,
-                           seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty). Three launches:
+                           dropout_p: float = 0.0, seed: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                           softcap: float = 0.0, window_left: int = -1,
+                           window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(dq, dk, dv, dpref (B, H, Nk) fp32 or empty, dtable fp32 like table or empty, delta (B, H, Nq)
+        fp32: dO . O per row, from which the caller reduces dsinks with lse, ``sinks_grad``). Three launches:
         delta = rowsum(dO * O) (O plus ``residual``, the forward's third output, where that is not
         empty), then dK/dV (one program per key block of a key/value head, walking the
         query heads that share it), then dQ."""
@@ -177,6 +228,8 @@ if HAVE_TRITON:
         dk = torch.empty((B, H_kv, Nk, D), dtype=k.dtype, device=q.device)
         dv = torch.empty((B, H_kv, Nk, DV), dtype=v.dtype, device=q.device)
         m, ms, p, ps, t, ts, lut, flags = _prepare(q, k, mask, pref, table, lut)
+        extras, extra_flags, is_causal = extras_args(q, sinks, softcap, window_left, window_right, is_causal, Nq, Nk)
+        flags.update(extra_flags)
         dpref = (torch.empty((B, H, Nk), dtype=torch.float32, device=q.device) if flags["HAS_PREF"]
                  else torch.empty(0, dtype=torch.float32, device=q.device))
         dropout = dropout_flag(dropout_p, seed)
@@ -193,7 +246,7 @@ if HAVE_TRITON:
         if tracing_only(q):
             dtable = (torch.empty(table.shape, dtype=torch.float32, device=q.device) if flags["HAS_T5"]
                       else torch.empty(0, dtype=torch.float32, device=q.device))
-            return dq, dk, dv, dpref, dtable
+            return dq, dk, dv, dpref, dtable, delta
         # delta_i = dO_i . O_i, also with dropout (O is the dropped output; proof in triton_kernels.py)
         rows = 16 if INTERPRETED else DELTA_ROWS
         launcher(softmax_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * H)](
@@ -201,7 +254,8 @@ if HAVE_TRITON:
             DV, BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=residual.numel() > 0, CU_Q=None, VARLEN=False)
         seed_ptr = seed if dropout else lut
         sizes = _sizes(q, k, v)
-        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p)
+        common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p,
+                  *extras)
         shape_key = _shape_key(meta, flags, sizes)
         tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], dropout=dropout)
         dq_variants = hopper.forward_variants(q, k, v, meta, flags)  # one answer for both launches below
@@ -217,21 +271,26 @@ if HAVE_TRITON:
                              variants=dq_variants, **tiles)
         dtable = (partials.sum((0, 1))[:table.shape[0]] if flags["HAS_T5"]
                   else torch.empty(0, dtype=torch.float32, device=q.device))
-        return dq, dk, dv, dpref, dtable
+        return dq, dk, dv, dpref, dtable, delta
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, mask, pref, table, lut, scale, is_causal, l2, dropout_p, seed = inputs
+        (q, k, v, mask, pref, table, lut, scale, is_causal, l2, dropout_p, seed, sinks, softcap, window_left,
+         window_right) = inputs
         out, lse, residual = output
-        ctx.save_for_backward(q, k, v, out, lse, residual, mask, pref, table, lut, seed)  # the seed regenerates Z
+        # the seed regenerates Z
+        ctx.save_for_backward(q, k, v, out, lse, residual, mask, pref, table, lut, seed, sinks)
         ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p = scale, is_causal, l2, dropout_p
+        ctx.softcap, ctx.window = softcap, (window_left, window_right)
 
     def _backward(ctx, grad_out, grad_lse, grad_residual):
-        q, k, v, out, lse, residual, mask, pref, table, lut, seed = ctx.saved_tensors
-        dq, dk, dv, dpref, dtable = softmax_family_bwd(grad_out, q, k, v, out, lse, residual, mask, pref, table, lut,
-                                                       ctx.scale, ctx.is_causal, ctx.l2, ctx.dropout_p, seed)
+        q, k, v, out, lse, residual, mask, pref, table, lut, seed, sinks = ctx.saved_tensors
+        dq, dk, dv, dpref, dtable, delta = softmax_family_bwd(
+            grad_out, q, k, v, out, lse, residual, mask, pref, table, lut, ctx.scale, ctx.is_causal, ctx.l2,
+            ctx.dropout_p, seed, sinks, ctx.softcap, *ctx.window)
         g_pref = reduce_to_shape(dpref, pref.shape).to(pref.dtype) if pref is not None else None
         g_table = dtable.to(table.dtype) if table is not None else None  # (num_buckets, H) already
-        return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None
+        g_sinks = sinks_grad(sinks, lse, delta).to(sinks.dtype) if sinks is not None else None
+        return dq, dk, dv, None, g_pref, g_table, None, None, None, None, None, None, g_sinks, None, None, None
 
     softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
 
@@ -244,10 +303,15 @@ def _check_runnable(q, k, v, attn_mask, dropout_p=0.0):
         raise ValueError(f"the Triton softmax kernel cannot run this call: {why}")
 
 
-def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None, dropout_p=0.0):
+def _run(q, k, v, attn_mask, is_causal, scale, l2=False, pref=None, table=None, lut=None, dropout_p=0.0,
+         softcap=None, sinks=None, window_size=None):
     seed = call_seed(q, dropout_p)
+    left, right = window_size if window_size is not None else (-1, -1)
+    if softcap is not None and l2 and pref is not None:  # the kernels' one column sum serves one of the two
+        raise ValueError("softcap with L2 logits and a per-key preference together is not implemented in the "
+                         "Triton kernels")
     out, _, _ = softmax_family_fwd(q, k, v, attn_mask, pref, table, lut, float(scale), bool(is_causal), bool(l2),
-                                float(dropout_p), seed)
+                                   float(dropout_p), seed, sinks, float(softcap or 0.0), int(left), int(right))
     return out
 
 
@@ -266,18 +330,24 @@ def key_preference(log_u, q, k):
 # the variant's own) already accepted the call: they do not check again. enable_gqa: k and v may hold
 # fewer heads than q; the kernels index the shared head.
 
-def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
-    """Backend ``triton`` of the ``softmax`` variant."""
-    return _run(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p)
+def softmax_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False,
+                      softcap=None, sinks=None, window_size=None):
+    """Backend ``triton`` of the ``softmax`` variant; softcap, sinks and window_size fused."""
+    return _run(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                window_size=window_size)
 
 
-def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False):
-    """Backend ``triton`` of the ``l2`` variant: softmax_j(-scale ||q_i - k_j||^2 + mask) v_j."""
-    return _run(q, k, v, attn_mask, is_causal, scale, l2=True, dropout_p=dropout_p)
+def l2_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False,
+                 softcap=None, sinks=None, window_size=None):
+    """Backend ``triton`` of the ``l2`` variant: softmax_j(cap(-scale ||q_i - k_j||^2) + mask) v_j (with a cap
+    or sinks the kernels keep the row constant -scale ||q_i||^2, which then no longer cancels)."""
+    return _run(q, k, v, attn_mask, is_causal, scale, l2=True, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                window_size=window_size)
 
 
 def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                      solve="first_order", dropout_p=0.0, enable_gqa=False):
+                      solve="first_order", dropout_p=0.0, enable_gqa=False, softcap=None, sinks=None,
+                      window_size=None):
     """Backend ``triton`` of the ``fenchel`` variant, first order only: softmax(alpha s_ij + log u_j)."""
     if solve != "first_order":
         raise ValueError(f"the Triton kernel computes solve='first_order' only, got solve={solve!r}")
@@ -285,7 +355,8 @@ def fenchel_attention(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=
     if log_u is not None and pref is None:
         raise ValueError(f"log_u of shape {tuple(log_u.shape)} varies with the query; the Triton kernel takes "
                          "a per-key preference (B|1, H|1, 1, Nk) (T5 tables: ops/fenchel/t5.py)")
-    return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref, dropout_p=dropout_p)
+    return _run(q, k, v, attn_mask, is_causal, scale * alpha, pref=pref, dropout_p=dropout_p, softcap=softcap,
+                sinks=sinks, window_size=window_size)
 
 
 def preference_attention(q, k, v, log_pref, *, attn_mask=None, is_causal=False, scale=None, l2=False,

@@ -39,6 +39,14 @@ ops/triton_dropout.py, and the backward regenerates the same Z:
 delta_i = dO_i . O_i still holds: the softmax backward needs sum_k P_ik dP_ik, and
     sum_k P_ik Z_ik (dO_i . v_k) / (1 - p) = dO_i . sum_k (Z_ik P_ik / (1 - p)) v_k = dO_i . O_i
 because O_i is exactly that dropped, rescaled sum. With DROPOUT False no random number is drawn.
+Softcap, sinks and windows (SOFTCAP, HAS_SINKS, WINDOW; docs/kernels_softmax_family.md): the cap
+cap2 tanh(s / cap2), cap2 = softcap * log2(e), acts on the log2-unit q.k term before the preference,
+T5 bias and mask, and the backward multiplies the dS reaching q.k by 1 - tanh^2; each head's sink joins
+the final normaliser and lse (a row with no key: zeros, lse = the sink), dsinks is reduced on the host
+from lse and delta; L2 with either keeps its row constant -scale ||q||^2 (FULL_L2) and dQ its gradient.
+The window's band (left, right; the host folds is_causal into right and passes CAUSAL False) bounds the
+key loops per query block (band_keys) and the query loop per key block (band_queries): blocks outside
+it are never visited, whole blocks inside it run unmasked, the edge blocks are masked.
 Packed sequences (VARLEN, the arguments at the end of each signature; kernels/flash_softmax/varlen.py
 launches them): a program's batch index is its sequence; at its entry it reads the sequence's start and
 Nq / Nk from the cu_seq offsets, moves its base pointers there (lse, delta and the gradients to the
@@ -78,6 +86,60 @@ if HAVE_TRITON:
         if BOUND:
             t = tl.where(offs_n < Nk, t, float("-inf"))
         return t
+
+    @triton.jit
+    def cap_logits(s, cap2, SOFTCAP: tl.constexpr):
+        """(cap2 tanh(s / cap2), d/ds of it = 1 - tanh^2) on log2-unit logits: with cap2 = softcap * log2(e)
+        this is log2(e) * softcap * tanh(l / softcap) of the natural logits l (s = log2(e) l), Gemma 2's cap
+        in the kernels' units. tanh from one exp2 of -2|x| (never overflows; +-1 at +-inf)."""
+        if SOFTCAP:
+            x = s / cap2
+            e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+            t = (1.0 - e) / (1.0 + e)
+            t = tl.where(x < 0.0, -t, t)
+            return cap2 * t, 1.0 - t * t
+        else:
+            return s, 1.0
+
+    @triton.jit
+    def band(s, qi, kj, Nq, Nk, left, right):
+        """-inf outside the sliding window: key j takes part for query i iff
+        i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right (bottom-right aligned; the host passes an
+        unbounded side as a bound past every key, and folds is_causal into ``right``). The bounds are per
+        query (a vector), compared with the key indices by broadcasting: no int tile of offsets is built."""
+        first = qi + (Nk - Nq - left)
+        last = qi + (Nk - Nq + right)
+        return tl.where((kj >= first) & (kj <= last), s, float("-inf"))
+
+    @triton.jit
+    def band_keys(start_m, Nq, Nk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(lo, a, b, hi) for the query block [start_m, start_m + BLOCK_M) under a window: key blocks before
+        ``lo`` and keys from ``hi`` on lie outside every row's band (never visited); [a, b) are whole key
+        blocks inside every row's band and in bounds (no masking); [lo, a) and [b, hi) are the band's edge
+        blocks (masked). lo, a, b are multiples of BLOCK_N (or hi)."""
+        off = Nk - Nq
+        lo = (tl.maximum(start_m + off - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(start_m + BLOCK_M + off + right, Nk), lo)
+        inner_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + off - left, 0), BLOCK_N) * BLOCK_N
+        inner_hi = (tl.maximum(tl.minimum(start_m + off + right + 1, Nk), 0) // BLOCK_N) * BLOCK_N
+        a = tl.minimum(tl.maximum(inner_lo, lo), hi)
+        b = tl.minimum(tl.maximum(inner_hi, a), hi)
+        return lo, a, b, hi
+
+    @triton.jit
+    def band_queries(start_n, Nq, Nk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(first, a, b, hi) for the key block [start_n, start_n + BLOCK_N) under a window: query blocks
+        before ``first`` and queries from ``hi`` on see none of its keys (never visited); [a, b) are whole
+        query blocks whose every row sees every key of the block (no masking); [first, a) and [b, hi) are
+        the edge blocks (masked, query bounds)."""
+        off = Nk - Nq
+        first = (tl.maximum(start_n - off - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(start_n + BLOCK_N - off + left, Nq), first)
+        inner_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - off - right, 0), BLOCK_M) * BLOCK_M
+        inner_hi = (tl.maximum(tl.minimum(start_n - off + left + 1, Nq), 0) // BLOCK_M) * BLOCK_M
+        a = tl.minimum(tl.maximum(inner_lo, first), hi)
+        b = tl.minimum(tl.maximum(inner_hi, a), hi)
+        return first, a, b, hi
 
     @triton.jit
     def offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK: tl.constexpr):
@@ -146,17 +208,27 @@ if HAVE_TRITON:
     @triton.jit
     def scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale,
                mask_ptr, stride_mm, stride_mn, pref_ptr, stride_pn, bias_ptr, lut_rows, lut_ptr,
+               q_term, cap2, left, right,
                L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
                HAS_T5: tl.constexpr,
-               CAUSAL: tl.constexpr, EDGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """(BLOCK_M, BLOCK_N) log2-unit logits of queries offs_m against keys offs_n; EDGE applies the
-        key bounds and the causal diagonal (diagonal and partial blocks only)."""
+               CAUSAL: tl.constexpr, EDGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               SOFTCAP: tl.constexpr, FULL_L2: tl.constexpr, WINDOW: tl.constexpr):
+        """((BLOCK_M, BLOCK_N) log2-unit logits of queries offs_m against keys offs_n, d cap / d logit);
+        EDGE applies the key bounds, the causal diagonal and the window's band (edge and partial blocks
+        only). FULL_L2: the L2 logits with the row constant (``q_term`` = -scale log2(e) ||q_i||^2), which
+        softcap's tanh and a sink's comparison with the keys need; the cap comes before the preference,
+        the T5 bias and the mask."""
         if L2:
             s = mm(q, tl.trans(k), UPCAST, PRECISION) * (2.0 * qk_scale)
         else:
             s = mm(q, tl.trans(k), UPCAST, PRECISION) * qk_scale
-        if L2 or HAS_PREF:
-            s = s + key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale, L2, HAS_PREF, EDGE)[None, :]
+        if FULL_L2:
+            s = s + key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale, True, False, False)[None, :] \
+                + q_term[:, None]
+        s, dcap = cap_logits(s, cap2, SOFTCAP)
+        if (L2 and not FULL_L2) or HAS_PREF:
+            s = s + key_terms(k, offs_n, Nk, pref_ptr, stride_pn, qk_scale, L2 and not FULL_L2, HAS_PREF,
+                              EDGE)[None, :]
         if EDGE:
             kj_at = tl.minimum(offs_n, Nk - 1)
         else:
@@ -165,24 +237,39 @@ if HAVE_TRITON:
             r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL and EDGE)
             one_run = tl.load(lut_ptr + lut_rows + r_lo) >= r_hi
             s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, bias_ptr, lut_ptr, lut_rows, False)
-        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
-                           mask_ptr, stride_mm, stride_mn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        s = tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                        mask_ptr, stride_mm, stride_mn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        if WINDOW and EDGE:
+            s = band(s, offs_m[:, None], offs_n[None, :], Nq, Nk, left, right)
+        return s, dcap
+
+    @triton.jit
+    def row_term(q, qk_scale, FULL_L2: tl.constexpr):
+        """-scale log2(e) ||q_i||^2 per row (the L2 logits' row constant) when FULL_L2, else 0."""
+        if FULL_L2:
+            qf = q.to(tl.float32)
+            return -qk_scale * tl.sum(qf * qf, 1)
+        else:
+            return 0.0
 
     @triton.jit
     def fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
                   Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
+                  q_term, cap2, left, right,
                   BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                   HAS_PREF: tl.constexpr,
                   HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
+                  PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+                  SOFTCAP: tl.constexpr, FULL_L2: tl.constexpr, WINDOW: tl.constexpr):
         """Online softmax over the key blocks [lo, hi) (FlashAttention-2's inner loop, base 2)."""
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT,
-                       L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
+            s, _ = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut,
+                          LUT, q_term, cap2, left, right, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE,
+                          UPCAST, PRECISION, SOFTCAP, FULL_L2, WINDOW)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
             p = tl.math.exp2(s - m_safe[:, None])
@@ -199,12 +286,16 @@ if HAVE_TRITON:
             Q, K, V, O, LSE, ORES, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
-            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p, SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+        # SINKS (H,) fp32: each head's sink logit (HAS_SINKS); softcap: the cap (SOFTCAP); win_left /
+        # win_right: the window's band (WINDOW; unbounded sides as bounds past every key, is_causal folded
+        # into win_right and CAUSAL False): extras.py's host side.
         # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
         # VARLEN (packed sequences, kernels/flash_softmax/varlen.py): see the module docstring.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
@@ -234,18 +325,50 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # keys from hi on are skipped
-        acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
-                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh,
-                                  dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
-                                  UPCAST, PRECISION, DROPOUT, False)
-        acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh,
-                                  dropout_p, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
-                                  UPCAST, PRECISION, DROPOUT, True)
-        nonempty = l_i > 0.0
-        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-        lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
+        cap2 = tl.cast(softcap, tl.float32) * LOG2E
+        q_term = row_term(q, qk_scale, L2 and (SOFTCAP or HAS_SINKS))
+        if WINDOW:  # key blocks outside the band are never visited; whole blocks inside it run unmasked
+            k_lo, k_in, k_out, k_hi = band_keys(start_m, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N)
+            acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_lo,
+                                      k_in, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed,
+                                      pid_bh, dropout_p, q_term, cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND,
+                                      MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True,
+                                      SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+            acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_in,
+                                      k_out, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed,
+                                      pid_bh, dropout_p, q_term, cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND,
+                                      MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
+                                      False, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+            acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_out,
+                                      k_hi, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed,
+                                      pid_bh, dropout_p, q_term, cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND,
+                                      MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True,
+                                      SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+        else:
+            lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)  # keys from hi on are skipped
+            acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0,
+                                      lo, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed,
+                                      pid_bh, dropout_p, q_term, cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND,
+                                      MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
+                                      False, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), False)
+            acc, l_i, m_i = fwd_stage(acc, l_i, m_i, q, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo,
+                                      hi, Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed,
+                                      pid_bh, dropout_p, q_term, cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND,
+                                      MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
+                                      True, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), False)
+        if HAS_SINKS:
+            # the head's sink joins the normaliser as one more logit with no value: lse = log2(sum_j 2^s_j +
+            # 2^sink); a row with no key left outputs zeros and stores lse = the sink (finite: p = 0 after)
+            sink2 = tl.load(SINKS + h).to(tl.float32) * LOG2E
+            m_fin = tl.maximum(m_i, sink2)
+            alpha = tl.math.exp2(m_i - m_fin)  # 0 for rows with no key (m_i = -inf)
+            l_fin = l_i * alpha + tl.math.exp2(sink2 - m_fin)
+            out = acc * (alpha / l_fin)[:, None]
+            lse2 = m_fin + tl.math.log2(l_fin)
+        else:
+            nonempty = l_i > 0.0
+            out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+            lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
         rounded = out.to(O.dtype.element_ty)
         if HAS_T5 and (O.dtype.element_ty == tl.float16 or O.dtype.element_ty == tl.bfloat16):
             # half inputs, T5: also the rounding residual out - rounded (in the dtype, O's strides), from
@@ -263,13 +386,17 @@ if HAVE_TRITON:
     def dkdv_stage(dk, dv, ds_colsum, dtab, k, v, key_bias, Q, DO, LSE, DELTA,
                    sqm, sqd, sdom, sdod, offs_n, kj_at, offs_d, offs_dv, lo, hi,
                    Nq, Nk, D, DV, qk_scale, MASK, smm, smn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
+                   key_pre, cap2, left, right,
                    BLOCK_M: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                    HAS_PREF: tl.constexpr,
                    HAS_T5: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr, QUERY_BOUND: tl.constexpr,
-                   BUCKETS: tl.constexpr):
+                   BUCKETS: tl.constexpr, SOFTCAP: tl.constexpr, FULL_L2: tl.constexpr, WINDOW_MASK: tl.constexpr):
         """dK, dV (and column sums of dS, the T5 table gradient per bucket in ``dtab``) over the query
-        blocks [lo, hi), on transposed (keys x queries) tiles."""
+        blocks [lo, hi), on transposed (keys x queries) tiles. With SOFTCAP, dS reaches the q.k product
+        through the cap's derivative (1 - tanh^2); the preference and T5 bias, added after the cap, take
+        dS itself. FULL_L2: ``key_pre`` (the keys' -scale log2(e) ||k||^2) and the queries' row constant
+        enter before the cap; ``key_bias`` holds what comes after it."""
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -285,7 +412,10 @@ if HAVE_TRITON:
                 s = mm(k, tl.trans(q), UPCAST, PRECISION) * (2.0 * qk_scale)
             else:
                 s = mm(k, tl.trans(q), UPCAST, PRECISION) * qk_scale
-            if L2 or HAS_PREF or HAS_T5:
+            if FULL_L2:
+                s = s + key_pre[:, None] + row_term(q, qk_scale, True)[None, :]
+            s, dcap = cap_logits(s, cap2, SOFTCAP)
+            if (L2 and not FULL_L2) or HAS_PREF or HAS_T5:
                 s = s + key_bias[:, None]  # also -inf for keys past Nk
             if HAS_T5:
                 r_lo, r_hi = offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK)
@@ -293,6 +423,8 @@ if HAVE_TRITON:
                 s = add_t5_bias(s, qi_at, kj_at, Nq, r_lo, r_hi, one_run, BIAS, LUT, slut, True)
             s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
                             MASK, smm, smn, LOG2E, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
+            if WINDOW_MASK:
+                s = band(s, offs_m[None, :], offs_n[:, None], Nq, Nk, left, right)
             p = tl.math.exp2(s - lse2[None, :])  # -inf logits and +inf lse (empty rows) both give 0
             dp = mm(v, tl.trans(do), UPCAST, PRECISION)
             if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
@@ -302,8 +434,14 @@ if HAVE_TRITON:
             else:
                 dv = mma(p.to(do.dtype), do, dv, UPCAST, PRECISION)
             ds = p * (dp - delta[None, :])
-            dk = mma(ds.to(q.dtype), q, dk, UPCAST, PRECISION)
-            if L2 or HAS_PREF:
+            if SOFTCAP:
+                ds_pre = ds * dcap  # through the tanh: what reaches q.k (and L2's norms)
+            else:
+                ds_pre = ds
+            dk = mma(ds_pre.to(q.dtype), q, dk, UPCAST, PRECISION)
+            if L2:  # L2's dK term (the host refuses L2 with a preference and a cap: two different sums)
+                ds_colsum += tl.sum(ds_pre, 1)
+            elif HAS_PREF:
                 ds_colsum += tl.sum(ds, 1)
             if HAS_T5:
                 # No atomics and no address derived from `keep` (p > 0): inductor's mutation analysis
@@ -320,12 +458,14 @@ if HAVE_TRITON:
             Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DPREF, DTABLE, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
-            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p, SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+            DROPOUT: tl.constexpr, BUCKETS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+            WINDOW: tl.constexpr, CU_Q=None, CU_K=None,
+            VARLEN: tl.constexpr = False):
         # One program per key block of one key/value head; it walks the GROUP query heads that share the
         # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         # T5 (BIAS: the per-head bias vectors, LUT: offset -> bucket and run end, slut apart): each query
@@ -358,7 +498,15 @@ if HAVE_TRITON:
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         colsum = tl.zeros([BLOCK_N], tl.float32)  # sum of dS over every query of the group (L2's dK term)
-        first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if WINDOW:
+            first, q_in, q_out, q_hi = band_queries(start_n, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N)
+        else:
+            first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        cap2 = tl.cast(softcap, tl.float32) * LOG2E
+        if L2 and (SOFTCAP or HAS_SINKS):  # the L2 norms enter before the cap (row constant included)
+            key_pre = key_terms(k, offs_n, Nk, PREF, spn, qk_scale, True, False, False)
+        else:
+            key_pre = 0.0
         for g in range(0, GROUP):
             h = h_kv * GROUP + g
             pid_bh = b * H + h
@@ -372,25 +520,51 @@ if HAVE_TRITON:
             # per-key logit terms, hoisted out of the query loop; -inf past Nk makes dS exactly 0 for those
             # keys, which keeps them out of the T5 table sums (other flavours let them compute gradients
             # that are never stored)
-            key_bias = key_terms(k, offs_n, Nk, PREFh, spn, qk_scale, L2, HAS_PREF, True)
+            key_bias = key_terms(k, offs_n, Nk, PREFh, spn, qk_scale, L2 and not (SOFTCAP or HAS_SINKS), HAS_PREF,
+                                 True)
             ds_colsum = tl.zeros([BLOCK_N], tl.float32)
             dtab = tl.zeros([BUCKETS], tl.float32)
-            if CAUSAL:  # diagonal blocks: causal masking
+            if WINDOW:  # query blocks outside the band never visited; whole blocks inside it unmasked
                 dk, dv, ds_colsum, dtab = dkdv_stage(
                     dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
-                    kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
-                    seed, pid_bh, dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST,
-                    PRECISION, DROPOUT, True, False, BUCKETS)
-            dk, dv, ds_colsum, dtab = dkdv_stage(  # whole query blocks that see every key of the block
-                dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n, kj_at,
-                offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed, pid_bh,
-                dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
-                DROPOUT, False, False, BUCKETS)
-            dk, dv, ds_colsum, dtab = dkdv_stage(  # the partial last query block
-                dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n, kj_at,
-                offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT, seed, pid_bh,
-                dropout_p, BLOCK_M, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION,
-                DROPOUT, CAUSAL, True, BUCKETS)
+                    kj_at, offs_d, offs_dv, first, q_in, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, True, BUCKETS, SOFTCAP, L2 and
+                    (SOFTCAP or HAS_SINKS), True)
+                dk, dv, ds_colsum, dtab = dkdv_stage(
+                    dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, q_in, q_out, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False, BUCKETS, SOFTCAP, L2 and
+                    (SOFTCAP or HAS_SINKS), False)
+                dk, dv, ds_colsum, dtab = dkdv_stage(
+                    dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, q_out, q_hi, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, True, BUCKETS, SOFTCAP, L2 and
+                    (SOFTCAP or HAS_SINKS), True)
+            else:
+                if CAUSAL:  # diagonal blocks: causal masking
+                    dk, dv, ds_colsum, dtab = dkdv_stage(
+                        dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                        kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut,
+                        LUT, seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND,
+                        MASK_SHAPE, HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, False, BUCKETS,
+                        SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), False)
+                # whole query blocks that see every key of the block
+                dk, dv, ds_colsum, dtab = dkdv_stage(
+                    dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False, BUCKETS, SOFTCAP, L2 and
+                    (SOFTCAP or HAS_SINKS), False)
+                # the partial last query block
+                dk, dv, ds_colsum, dtab = dkdv_stage(
+                    dk, dv, ds_colsum, dtab, k, v, key_bias, Qh, DOh, LSEh, DELTAh, sqm, sqd, sdom, sdod, offs_n,
+                    kj_at, offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, qk_scale, MASKh, smm, smn, BIASh, slut, LUT,
+                    seed, pid_bh, dropout_p, key_pre, cap2, win_left, win_right, BLOCK_M, L2, MASK_KIND, MASK_SHAPE,
+                    HAS_PREF, HAS_T5, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True, BUCKETS, SOFTCAP, L2 and
+                    (SOFTCAP or HAS_SINKS), False)
             if HAS_PREF:  # the preference is the query head's own: its gradient too
                 tl.store(DPREF + pid_bh * Nk + offs_n, ds_colsum, mask=offs_n < Nk)
             if HAS_T5:
@@ -409,39 +583,49 @@ if HAVE_TRITON:
         store_tile(DV_OUT, offs_n, offs_dv, DV, 1, Nk, DV, dv)
 
     @triton.jit
-    def dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+    def dq_stage(dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
                  Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
+                 q_term, cap2, left, right,
                  BLOCK_N: tl.constexpr, L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
                  HAS_PREF: tl.constexpr,
                  HAS_T5: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
-        """dQ (unscaled: sum_j dS_ij k_j) over the key blocks [lo, hi)."""
+                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+                 SOFTCAP: tl.constexpr, FULL_L2: tl.constexpr, WINDOW: tl.constexpr):
+        """dQ (unscaled: sum_j dS_ij k_j, dS through the cap's derivative with SOFTCAP) over the key blocks
+        [lo, hi); FULL_L2 also sums dS per row in ``rowsum`` (the row constant's gradient: with a cap or
+        a sink, a row's dS no longer sums to 0)."""
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT,
-                       L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, EDGE, UPCAST, PRECISION)
+            s, dcap = scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut,
+                             LUT, q_term, cap2, left, right, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL,
+                             EDGE, UPCAST, PRECISION, SOFTCAP, FULL_L2, WINDOW)
             p = tl.math.exp2(s - lse2[:, None])
             dp = mm(do, tl.trans(v), UPCAST, PRECISION)
             if DROPOUT:
                 dp = dp * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * dcap
             dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
-        return dq
+            if FULL_L2:
+                rowsum += tl.sum(ds, 1)
+        return dq, rowsum
 
     @triton.jit
     def softmax_bwd_dq_kernel(
             Q, K, V, DO, LSE, DELTA, DQ, MASK, PREF, BIAS, LUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, spb, sph, spn, slut, sbh,
-            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p,
+            H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, dropout_p, SINKS, softcap, win_left, win_right,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, HAS_PREF: tl.constexpr,
             HAS_T5: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-            DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+            DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+            CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         scale = tl.cast(scale, tl.float32)
         qk_scale = scale * LOG2E
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
@@ -472,15 +656,40 @@ if HAVE_TRITON:
         lse2 = load_rows(LSE + pid_bh * Nq, offs_m, Nq, float("inf"), True)
         delta = load_rows(DELTA + pid_bh * Nq, offs_m, Nq, 0.0, True)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-        dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
-                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
-                      BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
-                      DROPOUT, False)
-        dq = dq_stage(dq, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                      Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p,
-                      BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
-                      DROPOUT, True)
+        rowsum = tl.zeros([BLOCK_M], tl.float32)
+        cap2 = tl.cast(softcap, tl.float32) * LOG2E
+        q_term = row_term(q, qk_scale, L2 and (SOFTCAP or HAS_SINKS))
+        if WINDOW:  # the forward's key blocks: outside the band never visited, inside it unmasked
+            k_lo, k_in, k_out, k_hi = band_keys(start_m, Nq, Nk, win_left, win_right, BLOCK_M, BLOCK_N)
+            dq, rowsum = dq_stage(
+                dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_lo, k_in,
+                Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p, q_term,
+                cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK,
+                UPCAST, PRECISION, DROPOUT, True, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+            dq, rowsum = dq_stage(
+                dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_in, k_out,
+                Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p, q_term,
+                cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK,
+                UPCAST, PRECISION, DROPOUT, False, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+            dq, rowsum = dq_stage(
+                dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, k_out, k_hi,
+                Nq, Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p, q_term,
+                cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, False, HEAD_MASK,
+                UPCAST, PRECISION, DROPOUT, True, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), True)
+        else:
+            lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            dq, rowsum = dq_stage(
+                dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo, Nq,
+                Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p, q_term,
+                cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
+                UPCAST, PRECISION, DROPOUT, False, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), False)
+            dq, rowsum = dq_stage(
+                dq, rowsum, q, do, lse2, delta, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi, Nq,
+                Nk, D, DV, qk_scale, MASK, smm, smn, PREF, spn, BIAS, slut, LUT, seed, pid_bh, dropout_p, q_term,
+                cap2, win_left, win_right, BLOCK_N, L2, MASK_KIND, MASK_SHAPE, HAS_PREF, HAS_T5, CAUSAL, HEAD_MASK,
+                UPCAST, PRECISION, DROPOUT, True, SOFTCAP, L2 and (SOFTCAP or HAS_SINKS), False)
+        if L2 and (SOFTCAP or HAS_SINKS):  # the row constant -scale ||q_i||^2's gradient: -2 scale q_i sum_j dS_ij
+            dq = dq - q.to(tl.float32) * rowsum[:, None]
         if L2:
             dq = (2.0 * scale) * dq
         else:

@@ -46,8 +46,9 @@ if HAVE_TRITON:
     QUERIES_BACKWARD = tuning.TunedKernel(softmax_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
                                           tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
 
-# the flavour constexprs a packed launch never sets (the kernels static_assert them off)
-_PLAIN = dict(MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False)
+# the flavour constexprs a packed launch never sets (the kernels static_assert them off); softcap, sinks
+# and the window (their arguments: a stand-in sinks pointer, cap 0, band 0, 0) are declined by the route
+_PLAIN = dict(MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, SOFTCAP=False, HAS_SINKS=False, WINDOW=False)
 
 
 def _shape_key(meta, sizes):
@@ -71,7 +72,7 @@ if HAVE_TRITON:
         FORWARD.run(lambda META: (triton.cdiv(max_q, META["BLOCK_M"]), n_seq * H),
                     (q, k, v, out, lse, out, stand_in(q, torch.uint8), f32, f32, i32, i32,
                      *packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
-                     0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0),
+                     0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0, f32, 0.0, 0, 0),
                     {**meta, **_PLAIN, "CU_Q": cu_q, "CU_K": cu_k, "VARLEN": True}, dtype=q.dtype,
                     block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"], shape_key=_shape_key(meta, sizes))
         return out, lse
@@ -98,7 +99,7 @@ if HAVE_TRITON:
             BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=False, CU_Q=cu_q, VARLEN=True)
         sizes = packed_sizes(q, k, v, max_q, max_k)
         common = (*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(grad_out),
-                  0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0)
+                  0, 0, 0, 0, 0, 0, 0, 0, 0, *sizes, scale, 0.0, f32, 0.0, 0, 0)
         consts = {**meta, **_PLAIN, "CU_Q": cu_q, "CU_K": cu_k, "VARLEN": True}
         tiles = dict(dtype=q.dtype, block_d=meta["BLOCK_D"], block_dv=meta["BLOCK_DV"],
                      shape_key=_shape_key(meta, sizes))
