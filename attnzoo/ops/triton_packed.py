@@ -15,12 +15,6 @@ from torch import Tensor
 
 from . import triton_tuning as tuning
 
-# The packed-sequence arguments at the end of the softmax-family and pointwise kernels, as a dense launch
-# passes them: explicitly, not as signature defaults, because inductor's analysis of a launch under
-# torch.compile binds every argument itself (a missing one makes it treat every input as written).
-DENSE_LAUNCH = {"CU_Q": None, "CU_K": None, "VARLEN": False}
-
-
 def packed_strides(t: Tensor) -> tuple[int, int, int, int]:
     """(batch, head, token, dim) strides of a packed (T, H, D) tensor in the kernels' (b, h, n, d) order:
     no batch stride (a program moves its base to its sequence's start)."""

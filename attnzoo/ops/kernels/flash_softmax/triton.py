@@ -37,7 +37,6 @@ from torch import Tensor
 from ... import validate as V
 from ...triton_dropout import call_seed, dropout_flag
 from ... import triton_tuning as tuning
-from ...triton_packed import DENSE_LAUNCH
 from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
                             kernel_op, launcher, mask_shape, reduce_to_shape, stand_in, tracing_only)
 
@@ -55,15 +54,15 @@ if HAVE_TRITON:
     # the Hopper variant, whose rows a launch offers the autotuner when hopper.forward_variants says so
     FORWARD = tuning.TunedKernel(hopper.forward_kernel(softmax_fwd_kernel), tuning.FORWARD, tuning.FORWARD_DROPOUT,
                                  TUNING_KEY, variants=hopper.FORWARD_VARIANTS,
-                                 constants={**hopper.FORWARD_CONSTANTS, **DENSE_LAUNCH})
+                                 constants=hopper.FORWARD_CONSTANTS)
     KEYS_BACKWARD = tuning.TunedKernel(hopper.keys_backward_kernel(softmax_bwd_dkdv_kernel), tuning.KEYS_BACKWARD,
                                        tuning.KEYS_BACKWARD_DROPOUT, TUNING_KEY,
                                        variants=hopper.KEYS_BACKWARD_VARIANTS,
-                                       constants={**hopper.KEYS_BACKWARD_CONSTANTS, **DENSE_LAUNCH})
+                                       constants=hopper.KEYS_BACKWARD_CONSTANTS)
     QUERIES_BACKWARD = tuning.TunedKernel(hopper.queries_backward_kernel(softmax_bwd_dq_kernel),
                                           tuning.QUERIES_BACKWARD, tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY,
                                           variants=hopper.QUERIES_BACKWARD_VARIANTS,
-                                          constants={**hopper.QUERIES_BACKWARD_CONSTANTS, **DENSE_LAUNCH})
+                                          constants=hopper.QUERIES_BACKWARD_CONSTANTS)
 
 
 def window_args(window_left: int, window_right: int, is_causal: bool, Nq: int, Nk: int):
@@ -251,7 +250,7 @@ if HAVE_TRITON:
         rows = 16 if INTERPRETED else DELTA_ROWS
         launcher(softmax_bwd_delta_kernel)[(triton.cdiv(Nq, rows), B * H)](
             out, residual if residual.numel() else out, grad_out, delta, *out.stride(), *grad_out.stride(), H, Nq,
-            DV, BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=residual.numel() > 0, CU_Q=None, VARLEN=False)
+            DV, BLOCK_M=rows, BLOCK_DV=meta["BLOCK_DV"], RESIDUAL=residual.numel() > 0)
         seed_ptr = seed if dropout else lut
         sizes = _sizes(q, k, v)
         common = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *ms, *ps, *ts, *sizes, scale, dropout_p,

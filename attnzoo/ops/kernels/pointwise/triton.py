@@ -19,7 +19,6 @@ from torch import Tensor
 
 from ... import triton_tuning as tuning
 from ...triton_dropout import call_seed, dropout_flag
-from ...triton_packed import DENSE_LAUNCH
 from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, dot_precision, kernel_mask, kernel_op,
                             mask_shape, reduce_to_shape, stand_in, tracing_only)
 from .triton_kernels import BIAS_DEFAULT, BIAS_ROWS, BIAS_SCALAR, SIGMOID_EXACT, SIGMOID_EXP2, SIGMOID_TANH
@@ -32,12 +31,11 @@ if HAVE_TRITON:
     # what the autotuner keys on besides the tensor dtypes, which Triton adds itself
     TUNING_KEY = ["tune_nq", "tune_nk", "D", "DV", "SIGMOID", "SIGMOID_IMPL", "BIAS_MODE", "MASK_KIND", "MASK_SHAPE",
                   "CAUSAL", "DROPOUT", "PRECISION"]
-    FORWARD = tuning.TunedKernel(pointwise_fwd_kernel, tuning.FORWARD, tuning.FORWARD_DROPOUT, TUNING_KEY,
-                                 constants=DENSE_LAUNCH)
+    FORWARD = tuning.TunedKernel(pointwise_fwd_kernel, tuning.FORWARD, tuning.FORWARD_DROPOUT, TUNING_KEY)
     KEYS_BACKWARD = tuning.TunedKernel(pointwise_bwd_dkdv_kernel, tuning.KEYS_BACKWARD, tuning.KEYS_BACKWARD_DROPOUT,
-                                       TUNING_KEY, constants=DENSE_LAUNCH)
+                                       TUNING_KEY)
     QUERIES_BACKWARD = tuning.TunedKernel(pointwise_bwd_dq_kernel, tuning.QUERIES_BACKWARD,
-                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY, constants=DENSE_LAUNCH)
+                                          tuning.QUERIES_BACKWARD_DROPOUT, TUNING_KEY)
 
 # How the kernels evaluate the sigmoid for fp16/bf16 inputs on a GPU (fp32 inputs and the interpreter
 # always use the exact evaluation): "exp2" (one exp2 and a Newton reciprocal, accurate for small
