@@ -1,0 +1,217 @@
+"""The blockwise CPU path's sliding window done in batches of query blocks (ops/kernels/blockwise.py).
+
+Under a window (left, right), query block g (rows qs..qs+bq-1) needs the keys qs + offset - left ..
+qs + bq - 1 + offset + right: bq + left + right keys, a run that starts at the same distance from qs
+for every block. Rounded up to L (a multiple of bq) and ending at the band's last key, every block whose
+run lies inside 0..Nk-1 (an "interior" block: all but the first and last few) sees its keys through one
+strided view of k, (B, H, G, L, D) with consecutive blocks bq keys apart, and the keys outside the band
+drop by one (bq, L) pattern shared by all of them. So G blocks take one batched matmul per product and
+one pass per elementwise step, instead of a Python loop body each (the per-block overhead that kept a
+window of 128 at N 4096 above 0.1x of the full causal call). The blocks at the edges keep the
+per-block loop of blockwise.py.
+
+One (bq, L) block holds the whole band of its rows, so the softmax needs no running max: the row's
+max, sum and log-sum-exp come from one block (the sink, softmax only, joins them as a key with no
+value). The backward adds a block's dK, dV and the gradient of a broadcast additive term into the
+overlapping runs of keys in L / bq pieces, each piece bq keys wide, which no two blocks share.
+
+Chunks hold G blocks with G * bq * L <= CHUNK_SCORES scores per head, so the largest temporary stays
+a few band blocks whatever N is.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Scores per head in one chunk (float32: 128 KiB). At w = 128, N = 4096 (blocks of 32 x 160: 6 per
+# chunk) chunks of 2^13 .. 2^16 scores were within noise of each other in time (~0.06 s fwd+bwd, one
+# core); the call's own temporaries grow with the chunk (0.8 MiB at 2^13, 3.5 at 2^15, 6.7 at 2^16,
+# against 17 MiB for the unwindowed call's 256 x 1024 blocks).
+CHUNK_SCORES = 2 ** 15
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def exp_(t: Tensor) -> Tensor:
+    """exp(t) in place, as 2^(t log2 e): aten's exp_ on one core measured 2-3x slower than mul_ + exp2_
+    here (1.9-3.1 ms against 1.1 ms on 786k float32 numbers, AVX512 build), for a relative error of
+    ~1e-6 in float32 (~1e-15 in float64); -inf still gives 0. (The batched softmax below folds log2 e
+    into q and needs no mul_ at all.)"""
+    return t.mul_(LOG2E).exp2_()
+
+
+def block_view(t: Tensor, q0: int, k0: int, blocks: int, rows: int, cols: int) -> Tensor:
+    """A (b, h, nq|1, nk|1) tensor read as (b, h, blocks|1, rows|1, cols|1): element [.., g, r, c] is
+    t[.., q0 + g rows + r, k0 + g rows + c] (a dimension t broadcasts stays 1). A strided view, no copy;
+    the caller keeps every index inside t."""
+    b, h, nq, nk = t.shape
+    s0, s1, s2, s3 = t.stride()
+    by_row, by_col = nq != 1, nk != 1
+    step = rows * s2 * by_row + rows * s3 * by_col
+    size = (b, h, blocks if step else 1, rows if by_row else 1, cols if by_col else 1)
+    offset = t.storage_offset() + q0 * s2 * by_row + k0 * s3 * by_col
+    return t.as_strided(size, (s0, s1, step, s2, s3), offset)
+
+
+def key_runs(t: Tensor, k0: int, blocks: int, rows: int, width: int) -> Tensor:
+    """k or v (B, H, N, D) as the runs of ``width`` keys that ``blocks`` query blocks of ``rows`` read, the
+    first from key k0, each ``rows`` keys after the last: (B, H, blocks, width, D), a view."""
+    s0, s1, s2, s3 = t.stride()
+    return t.as_strided((t.shape[0], t.shape[1], blocks, width, t.shape[3]), (s0, s1, rows * s2, s2, s3),
+                        t.storage_offset() + k0 * s2)
+
+
+def add_runs(target: Tensor, runs: Tensor, k0: int, rows: int) -> None:
+    """target (B, H, N, D) += runs (B, H, G, L, D) laid out as key_runs': in L / rows pieces, each of
+    which covers every key at most once (block g's piece t starts at k0 + (g + t) rows)."""
+    blocks, width = runs.shape[2], runs.shape[3]
+    for t in range(0, width, rows):
+        key_runs(target, k0 + t, blocks, rows, rows).add_(runs[:, :, :, t:t + rows])
+
+
+def add_blocks(target: Tensor, ds: Tensor, q0: int, k0: int, rows: int) -> None:
+    """The gradient of a broadcast additive term: target (b, h, nq|1, nk|1) += ds (B, H, G, rows, L) summed
+    over what target broadcasts, in pieces of ``rows`` keys (no two blocks write one element of a piece)."""
+    blocks, width = ds.shape[2], ds.shape[4]
+    for t in range(0, width, rows):
+        view = block_view(target, q0, k0 + t, blocks, rows, rows)
+        piece = ds[..., t:t + rows]
+        dims = [d for d in range(5) if view.shape[d] == 1 and piece.shape[d] != 1]
+        view.add_(piece.sum(dims, keepdim=True) if dims else piece)
+
+
+class Band:
+    """What a windowed call's batched blocks share, decided once per call (None from ``plan`` when the
+    call has no two-sided band or no interior block)."""
+
+    def __init__(self, rows: int, width: int, shift: int, first: int, stop: int, blocks: int, drop: Tensor):
+        self.rows, self.width, self.shift = rows, width, shift  # key run of the block at qs: qs + shift ..
+        self.first, self.stop = first, stop                     # interior blocks: rows first .. stop - 1
+        self.blocks = blocks                                    # blocks per chunk
+        self.drop = drop                                        # (rows, width) bool: outside the band
+
+    @staticmethod
+    def plan(masks, block_q: int, device) -> Optional["Band"]:
+        if masks.left is None or masks.right is None:
+            return None
+        rows = block_q
+        width = -(-(rows + masks.left + masks.right) // rows) * rows
+        shift = rows + masks.offset + masks.right - width  # the run ends at the band's last key + 1
+        # interior: qs a multiple of rows with qs + rows <= nq, qs + shift >= 0, qs + shift + width <= nk
+        lo = max(0, -shift)
+        first = -(-lo // rows) * rows
+        stop = min(masks.nq - masks.nq % rows, ((masks.nk - width - shift) // rows + 1) * rows)
+        if stop <= first:
+            return None
+        c = torch.arange(width, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+        d = c + shift - masks.offset  # j - i - offset
+        drop = (d > masks.right) | (d < -masks.left)
+        return Band(rows, width, shift, first, stop, max(1, CHUNK_SCORES // (rows * width)), drop)
+
+    def spans(self, nq: int, block_q: int):
+        """(qs, qe, batched) over the query rows: single blocks at the edges, chunks in between."""
+        qs = 0
+        while qs < nq:
+            if self.first <= qs < self.stop:
+                qe = min(self.stop, qs + self.blocks * self.rows)
+                yield qs, qe, True
+            else:
+                qe = min(qs + block_q, nq, self.first if qs < self.first else nq)
+                yield qs, qe, False
+            qs = qe
+
+    def scores(self, masks, qb: Tensor, kr: Tensor, qs: int, unit: float, tanh_out=None) -> Tensor:
+        """s = unit (cap(q kr^T scale) + add_a + add_b), -inf outside the band or a kept key, shape
+        (B, H, G, rows, width); qb holds q scale unit (unit: LOG2E for softmax, whose exp is then an
+        exp2 with no pass to rescale the block, else 1). With ``tanh_out``, tanh(raw / cap) is kept."""
+        s = qb @ kr.transpose(-1, -2)
+        if masks.softcap:
+            cap = masks.softcap * unit  # unit cap(x) = (unit cap) tanh(unit x / (unit cap))
+            t = s.div_(cap).tanh_()
+            if tanh_out is not None:
+                tanh_out.append(t.clone())
+            s = t.mul_(cap)
+        G, k0 = s.shape[2], qs + self.shift
+        for add in (masks.add_a, masks.add_b):
+            if add is not None:
+                view = block_view(add, qs, k0, G, self.rows, self.width)
+                s = s.add_(view) if unit == 1.0 else s.add_(view, alpha=unit)
+        drop = self.drop
+        if masks.keep is not None:
+            drop = drop | ~block_view(masks.keep, qs, k0, G, self.rows, self.width)
+        return s.masked_fill_(drop, -math.inf)
+
+    def forward(self, masks, kind, weights, q, k, v, scale, qs, qe, stat, sinks):
+        """out rows qs..qe-1 (B, H, qe - qs, Dv); softmax writes their log-sum-exp into stat."""
+        B, H, _, D = q.shape
+        G = (qe - qs) // self.rows
+        k0 = qs + self.shift
+        unit = LOG2E if kind == "softmax" else 1.0
+        qb = q[:, :, qs:qe].reshape(B, H, G, self.rows, D) * (scale * unit)
+        s = self.scores(masks, qb, key_runs(k, k0, G, self.rows, self.width), qs, unit)
+        vr = key_runs(v, k0, G, self.rows, self.width)
+        if kind == "softmax":  # in base 2 (s = LOG2E x the logits): the stat written back is natural
+            row_max = s.amax(-1, keepdim=True)
+            if sinks is not None:
+                sink = sinks.view(1, H, 1, 1, 1) * LOG2E
+                row_max = torch.maximum(row_max, sink)
+            safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
+            p = s.sub_(safe_max).exp2_()
+            total = p.sum(-1, keepdim=True)
+            if sinks is not None:
+                total = total + torch.exp2(sink - safe_max)
+            nonempty = total > 0
+            total = torch.where(nonempty, total, torch.ones_like(total))
+            out = (p @ vr).div_(total)
+            lse = torch.where(nonempty, (safe_max + torch.log2(total)) * LN2, torch.full_like(total, math.inf))
+            stat[:, :, qs:qe] = lse.reshape(B, H, qe - qs, 1)
+        else:
+            n = stat[:, :, qs:qe].reshape(B, H, G, self.rows, 1)
+            out = weights(kind, s, n) @ vr
+            if kind == "relu":
+                out = out.div_(n.clamp_min(1.0))
+        return out.reshape(B, H, qe - qs, v.shape[3])
+
+    def backward(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks):
+        """Adds rows qs..qe-1's part into grads = [dq, dk, dv, d_add_a, d_add_b, d_sinks (B, H, 1, 1)]."""
+        dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
+        B, H, _, D = q.shape
+        G, rows = (qe - qs) // self.rows, self.rows
+        k0 = qs + self.shift
+        unit = LOG2E if kind == "softmax" else 1.0
+        qb = q[:, :, qs:qe].reshape(B, H, G, rows, D) * (scale * unit)
+        kr = key_runs(k, k0, G, rows, self.width).contiguous()  # read twice: copied once
+        vr = key_runs(v, k0, G, rows, self.width)
+        do = grad_out[:, :, qs:qe].reshape(B, H, G, rows, -1)
+        tanh = []
+        s = self.scores(masks, qb, kr, qs, unit, tanh)
+        row_stat = stat[:, :, qs:qe].reshape(B, H, G, rows, 1)
+        if kind == "softmax":
+            delta = (do * out[:, :, qs:qe].reshape(B, H, G, rows, -1)).sum(-1, keepdim=True)
+            if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
+                d_sinks -= (torch.exp(sinks.view(1, H, 1, 1, 1) - row_stat) * delta).sum((2, 3)).view(B, H, 1, 1)
+            w = s.sub_(row_stat * LOG2E).exp2_()  # the weights, from the base-2 scores
+            ds = (do @ vr.transpose(-1, -2)).sub_(delta).mul_(w)
+        else:
+            if kind == "relu":
+                do = do / row_stat.clamp_min(1.0)
+            w = weights(kind, s, row_stat)
+            ds = do @ vr.transpose(-1, -2)
+            if kind == "relu":
+                ds = torch.ops.aten.threshold_backward(ds, w, 0.0)
+            else:
+                ds = torch.ops.aten.sigmoid_backward(ds, w)
+        add_runs(dv, w.transpose(-1, -2) @ do, k0, rows)
+        for add, d_add in ((masks.add_a, d_add_a), (masks.add_b, d_add_b)):
+            if add is not None:
+                add_blocks(d_add, ds, qs, k0, rows)
+        if tanh:
+            ds = ds.mul_(1.0 - tanh[0] * tanh[0])
+        dq[:, :, qs:qe] = (ds @ kr).mul_(scale).reshape(B, H, qe - qs, D)
+        dkr = ds.transpose(-1, -2) @ qb
+        add_runs(dk, dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
