@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Scores per head in one chunk (float32: 128 KiB). At w = 128, N = 4096 (blocks of 32 x 160: 6 per
-# chunk) chunks of 2^13 .. 2^16 scores were within noise of each other in time (~0.06 s fwd+bwd, one
-# core); the call's own temporaries grow with the chunk (0.8 MiB at 2^13, 3.5 at 2^15, 6.7 at 2^16,
-# against 17 MiB for the unwindowed call's 256 x 1024 blocks).
+# Scores per head in one chunk (float32: 128 KiB): time against memory. At w = 128, N = 4096, 32-row
+# blocks (runs of 160 keys), fwd+bwd on one core (/tmp sweeps beside benchmarks/cpu_window.py): 2^13
+# (1 block a chunk) ~0.081 s with 0.67 MiB of temporaries, 2^14 ~0.068 s / 1.45 MiB, 2^15 ~0.062 s /
+# 2.6 MiB, 2^16 ~0.065 s / 4.8 MiB; the unwindowed call: ~0.6 s / 17 MiB (its 256 x 1024 blocks).
 CHUNK_SCORES = 2 ** 15
 
 
@@ -185,33 +185,37 @@ class Band:
         k0 = qs + self.shift
         unit = LOG2E if kind == "softmax" else 1.0
         qb = q[:, :, qs:qe].reshape(B, H, G, rows, D) * (scale * unit)
-        kr = key_runs(k, k0, G, rows, self.width).contiguous()  # read twice: copied once
-        vr = key_runs(v, k0, G, rows, self.width)
+        # the runs of k and v are not kept: each matmul copies them for its own use and drops them, and
+        # every (G, rows, width) block is dropped as soon as it is used (the chunk's peak is ~3 of them)
         do = grad_out[:, :, qs:qe].reshape(B, H, G, rows, -1)
         tanh = []
-        s = self.scores(masks, qb, kr, qs, unit, tanh)
+        s = self.scores(masks, qb, key_runs(k, k0, G, rows, self.width), qs, unit, tanh)
         row_stat = stat[:, :, qs:qe].reshape(B, H, G, rows, 1)
+        if kind == "relu":
+            do = do / row_stat.clamp_min(1.0)
+        if kind == "softmax":
+            w = s.sub_(row_stat * LOG2E).exp2_()  # the weights, from the base-2 scores
+        else:
+            w = weights(kind, s, row_stat)
+        del s
+        dw = do @ key_runs(v, k0, G, rows, self.width).transpose(-1, -2)  # dL/dw
+        add_runs(dv, w.transpose(-1, -2) @ do, k0, rows)
         if kind == "softmax":
             delta = (do * out[:, :, qs:qe].reshape(B, H, G, rows, -1)).sum(-1, keepdim=True)
             if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
                 d_sinks -= (torch.exp(sinks.view(1, H, 1, 1, 1) - row_stat) * delta).sum((2, 3)).view(B, H, 1, 1)
-            w = s.sub_(row_stat * LOG2E).exp2_()  # the weights, from the base-2 scores
-            ds = (do @ vr.transpose(-1, -2)).sub_(delta).mul_(w)
+            ds = dw.sub_(delta).mul_(w)
+        elif kind == "relu":
+            ds = torch.ops.aten.threshold_backward(dw, w, 0.0)
         else:
-            if kind == "relu":
-                do = do / row_stat.clamp_min(1.0)
-            w = weights(kind, s, row_stat)
-            ds = do @ vr.transpose(-1, -2)
-            if kind == "relu":
-                ds = torch.ops.aten.threshold_backward(ds, w, 0.0)
-            else:
-                ds = torch.ops.aten.sigmoid_backward(ds, w)
-        add_runs(dv, w.transpose(-1, -2) @ do, k0, rows)
+            ds = torch.ops.aten.sigmoid_backward(dw, w)
+        del w, dw
         for add, d_add in ((masks.add_a, d_add_a), (masks.add_b, d_add_b)):
             if add is not None:
                 add_blocks(d_add, ds, qs, k0, rows)
-        if tanh:
-            ds = ds.mul_(1.0 - tanh[0] * tanh[0])
-        dq[:, :, qs:qe] = (ds @ kr).mul_(scale).reshape(B, H, qe - qs, D)
+        if tanh:  # d cap(x) / dx = 1 - tanh^2, in place in the kept tanh
+            ds = ds.mul_(tanh[0].mul_(tanh[0]).neg_().add_(1.0))
+            del tanh
+        dq[:, :, qs:qe] = (ds @ key_runs(k, k0, G, rows, self.width)).mul_(scale).reshape(B, H, qe - qs, D)
         dkr = ds.transpose(-1, -2) @ qb
         add_runs(dk, dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
