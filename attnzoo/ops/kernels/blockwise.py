@@ -190,7 +190,7 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     B, H, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[3]
     masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
-    out = q.new_zeros(B, H, nq, dv)
+    out = q.new_empty(B, H, nq, dv)  # every row block is written below
     if kind == "softmax":
         stat = q.new_full((B, H, nq, 1), math.inf)
     else:
@@ -259,7 +259,7 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
     masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
     d_sinks = q.new_zeros(B, H, 1, 1) if sinks is not None else q.new_empty(0)
     grad_out = grad_out.to(q.dtype)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # dq: every row block written
     d_adds = [torch.zeros_like(a) if a is not None else q.new_empty(0) for a in (add_a, add_b)]
     stat = stat.unsqueeze(-1)
     band = Band.plan(masks, block_q, q.device)
@@ -301,8 +301,10 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
                 ds = ds * (1.0 - tanh[0] * tanh[0])
             dqb = ds @ k[:, :, ks:ke] if dqb is None else dqb.add_(ds @ k[:, :, ks:ke])
             dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
-        if dqb is not None:  # else no key block: dq stays 0
+        if dqb is not None:
             dq[:, :, qs:qe] = dqb.mul_(scale)
+        else:  # no key block: no gradient
+            dq[:, :, qs:qe] = 0
     return dq, dk, dv, d_adds[0], d_adds[1], d_sinks.sum(0).reshape(-1) if sinks is not None else d_sinks
 
 
