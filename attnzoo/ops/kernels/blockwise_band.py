@@ -201,10 +201,12 @@ class Band:
         dw = do @ key_runs(v, k0, G, rows, self.width).transpose(-1, -2)  # dL/dw
         add_runs(dv, w.transpose(-1, -2) @ do, k0, rows)
         if kind == "softmax":
-            delta = (do * out[:, :, qs:qe].reshape(B, H, G, rows, -1)).sum(-1, keepdim=True)
             if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
+                delta = (do * out[:, :, qs:qe].reshape(B, H, G, rows, -1)).sum(-1, keepdim=True)
                 d_sinks -= (torch.exp(sinks.view(1, H, 1, 1, 1) - row_stat) * delta).sum((2, 3)).view(B, H, 1, 1)
-            ds = dw.sub_(delta).mul_(w)
+            # w (dw - delta) with delta_i = dO_i . O_i = sum_j w_ij dw_ij (the block holds the row's every key;
+            # a sink has no value): aten's fused softmax backward, one kernel for the block
+            ds = torch.ops.aten._softmax_backward_data(dw, w, -1, w.dtype)
         elif kind == "relu":
             ds = torch.ops.aten.threshold_backward(dw, w, 0.0)
         else:
