@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def main() -> None:
     print("window / no window: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python"] + sys.argv), "rows": rows, "ratios": ratios}, f, indent=1)
+            json.dump({"command": " ".join(["python"] + sys.argv), "rows": rows, "ratios": ratios,
+                       "load_average": os.getloadavg(), "cpus": os.cpu_count()}, f, indent=1)  # a shared machine
             f.write("\n")
 
 
