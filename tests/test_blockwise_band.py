@@ -123,12 +123,12 @@ def test_batched_rows_cover_the_interior_and_the_edges_take_the_loop(monkeypatch
     batched, looped = [], []
     real_band, real_loop = blockwise_band.Band.scores, blockwise._Masks.scores
     monkeypatch.setattr(blockwise_band.Band, "scores",
-                        lambda self, masks, qb, kr, qs, *a: batched.append((qs, qb.shape[2], kr.shape[3]))
+                        lambda self, masks, qb, kr, qs, *a: batched.append((qs, qb.shape[0], kr.shape[1]))
                         or real_band(self, masks, qb, kr, qs, *a))
     monkeypatch.setattr(blockwise._Masks, "scores",
                         lambda self, qb, k, qs, qe, ks, ke, *a: looped.append((qs, qe, ks, ke))
                         or real_loop(self, qb, k, qs, qe, ks, ke, *a))
-    monkeypatch.setattr(blockwise_band, "CHUNK_SCORES", 8 * 16 * 3)  # 3 blocks per chunk
+    monkeypatch.setattr(blockwise_band, "CHUNK_SCORES", 8 * 16 * 3)  # 3 blocks per chunk (one head: B = H = 1)
     q, k, v = (torch.randn(1, 1, 64, 4, dtype=torch.float64) for _ in range(3))
     blockwise.forward_impl(q, k, v, None, None, None, "softmax", 0.5, True, 8, 8, 8, -1)
     assert looped == [(0, 8, 0, 8)]
@@ -136,16 +136,17 @@ def test_batched_rows_cover_the_interior_and_the_edges_take_the_loop(monkeypatch
     assert {width for *_, width in batched} == {16}  # 8 rows + 8 keys to the left, rounded to 2 x 8
 
 
-def test_band_temporaries_stay_a_few_chunks():
-    """The largest tensor the windowed forward and backward allocate is a chunk's scores or a returned
-    (N, D) gradient, far below N x N (here N = 1024, window 32, CHUNK_SCORES scores per head)."""
+def test_band_temporaries_stay_a_few_chunks(monkeypatch):
+    """The largest tensor the windowed forward and backward allocate is a chunk's scores (CHUNK_SCORES, one
+    head at a time) or a returned (B, H, N, D) gradient, far below N x N (here N = 1024, window 32)."""
     n, d = 1024, 4
+    monkeypatch.setattr(blockwise_band, "CHUNK_SCORES", 2 ** 12)  # 2 blocks of 32 x 64 per chunk
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
     with LargestAllocation() as probe:
         out, stat = blockwise.forward_impl(q, k, v, None, None, None, "softmax", 0.5, True, 32, 32, 31, 0)
         blockwise.backward_impl(torch.ones_like(out), q, k, v, out, stat, None, None, None, "softmax", 0.5, True,
                                 32, 32, 31, 0)
-    chunk = 2 * blockwise_band.CHUNK_SCORES * 4  # bytes: float32 scores of both heads
+    chunk = blockwise_band.CHUNK_SCORES * 4  # bytes: a chunk's float32 scores (one head at a time)
     assert probe.largest <= max(chunk, 2 * n * d * 4), probe.largest
     assert probe.largest < 2 * n * n * 4 // 16

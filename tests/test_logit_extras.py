@@ -167,8 +167,8 @@ def test_the_blockwise_path_visits_only_the_blocks_in_the_band(monkeypatch):
         visited.append((qs, qe - qs, ke - ks))
         return real(self, q_scaled, k, qs, qe, ks, ke, *a)
 
-    def spy_band(self, masks, qb, kr, qs, *a):  # G blocks of rows at once, each with its run of keys
-        visited.extend((qs + g * qb.shape[3], qb.shape[3], kr.shape[3]) for g in range(qb.shape[2]))
+    def spy_band(self, masks, qb, kr, qs, *a):  # G blocks of rows at once (one head), each with its run of keys
+        visited.extend((qs + g * qb.shape[1], qb.shape[1], kr.shape[1]) for g in range(qb.shape[0]))
         return real_band(self, masks, qb, kr, qs, *a)
 
     monkeypatch.setattr(blockwise._Masks, "scores", spy)

@@ -198,7 +198,7 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     band = Band.plan(masks, block_q, q.device)
     for qs, qe, batched in band.spans(nq, block_q) if band is not None else _blocks(nq, block_q):
         if batched:  # interior query blocks of a window, G at a time (blockwise_band.py)
-            out[:, :, qs:qe] = band.forward(masks, kind, _pointwise_weights, q, k, v, scale, qs, qe, stat, sinks)
+            band.forward(masks, kind, _pointwise_weights, q, k, v, scale, qs, qe, out, stat, sinks)
             continue
         qb = q[:, :, qs:qe] * scale
         row_max = None  # softmax: None until the first key block (or the sink) sets the running max and sum

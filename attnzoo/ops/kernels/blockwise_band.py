@@ -4,19 +4,20 @@ Under a window (left, right), query block g (rows qs..qs+bq-1) needs the keys qs
 qs + bq - 1 + offset + right: bq + left + right keys, a run that starts at the same distance from qs
 for every block. Rounded up to L (a multiple of bq) and ending at the band's last key, every block whose
 run lies inside 0..Nk-1 (an "interior" block: all but the first and last few) sees its keys through one
-strided view of k, (B, H, G, L, D) with consecutive blocks bq keys apart, and the keys outside the band
-drop by one (bq, L) pattern shared by all of them. So G blocks take one batched matmul per product and
-one pass per elementwise step, instead of a Python loop body each (the per-block overhead that kept a
-window of 128 at N 4096 above 0.1x of the full causal call). The blocks at the edges keep the
-per-block loop of blockwise.py.
+strided view of one head's k, (G, L, D) with consecutive blocks bq keys apart, which bmm reads in place
+(a batch over heads as well would not be one stride, and matmul would copy every run), and the keys
+outside the band drop by one (bq, L) pattern shared by all of them. So G blocks of a head take one
+batched matmul per product and one pass per elementwise step, instead of a Python loop body each (the
+per-block overhead that kept a window of 128 at N 4096 above 0.1x of the full causal call). The blocks
+at the edges keep the per-block loop of blockwise.py.
 
 One (bq, L) block holds the whole band of its rows, so the softmax needs no running max: the row's
 max, sum and log-sum-exp come from one block (the sink, softmax only, joins them as a key with no
 value). The backward adds a block's dK, dV and the gradient of a broadcast additive term into the
 overlapping runs of keys in L / bq pieces, each piece bq keys wide, which no two blocks share.
 
-Chunks hold G blocks with G * bq * L <= CHUNK_SCORES scores per head, so the largest temporary stays
-a few band blocks whatever N is.
+Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores, so the largest temporary stays
+a few band blocks whatever N, B and H are.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Scores per head in one chunk (float32: 128 KiB): time against memory. At w = 128, N = 4096, 32-row
-# blocks (runs of 160 keys), fwd+bwd on one core (/tmp sweeps beside benchmarks/cpu_window.py): 2^13
-# (1 block a chunk) ~0.081 s with 0.67 MiB of temporaries, 2^14 ~0.068 s / 1.45 MiB, 2^15 ~0.062 s /
-# 2.6 MiB, 2^16 ~0.065 s / 4.8 MiB; the unwindowed call: ~0.6 s / 17 MiB (its 256 x 1024 blocks).
-CHUNK_SCORES = 2 ** 15
+# Scores in one chunk (one head; float32: 512 KiB): time against memory. At w = 128, N = 4096, H = 4,
+# 32-row blocks (runs of 160 keys), fwd+bwd on one core (sweeps in one process, the machine shared):
+# 2^15 ~0.072 s with 0.84 MiB of temporaries, 2^16 ~0.062 s / 1.4 MiB, 2^17 ~0.056 s / 2.5 MiB, 2^18
+# ~0.056 s / 4.7 MiB; the unwindowed call ~0.62 s / 17 MiB (its 256 x 1024 blocks).
+CHUNK_SCORES = 2 ** 17
 
 
 LOG2E = 1.4426950408889634
@@ -45,43 +46,45 @@ def exp_(t: Tensor) -> Tensor:
     return t.mul_(LOG2E).exp2_()
 
 
-def block_view(t: Tensor, q0: int, k0: int, blocks: int, rows: int, cols: int) -> Tensor:
-    """A (b, h, nq|1, nk|1) tensor read as (b, h, blocks|1, rows|1, cols|1): element [.., g, r, c] is
-    t[.., q0 + g rows + r, k0 + g rows + c] (a dimension t broadcasts stays 1). A strided view, no copy;
-    the caller keeps every index inside t."""
-    b, h, nq, nk = t.shape
+def block_view(t: Tensor, q0: int, k0: int, blocks: int, rows: int, cols: int, b: int, h: int) -> Tensor:
+    """Head (b, h) of a (b|1, h|1, nq|1, nk|1) tensor read as (blocks|1, rows|1, cols|1): element [g, r, c]
+    is t[b, h, q0 + g rows + r, k0 + g rows + c] (a dimension t broadcasts stays 1). A strided view, no
+    copy; the caller keeps every index inside t."""
+    _, _, nq, nk = t.shape
     s0, s1, s2, s3 = t.stride()
     by_row, by_col = nq != 1, nk != 1
     step = rows * s2 * by_row + rows * s3 * by_col
-    size = (b, h, blocks if step else 1, rows if by_row else 1, cols if by_col else 1)
-    offset = t.storage_offset() + q0 * s2 * by_row + k0 * s3 * by_col
-    return t.as_strided(size, (s0, s1, step, s2, s3), offset)
+    size = (blocks if step else 1, rows if by_row else 1, cols if by_col else 1)
+    offset = (t.storage_offset() + (b if t.shape[0] != 1 else 0) * s0 + (h if t.shape[1] != 1 else 0) * s1
+              + q0 * s2 * by_row + k0 * s3 * by_col)
+    return t.as_strided(size, (step, s2, s3), offset)
 
 
 def key_runs(t: Tensor, k0: int, blocks: int, rows: int, width: int) -> Tensor:
-    """k or v (B, H, N, D) as the runs of ``width`` keys that ``blocks`` query blocks of ``rows`` read, the
-    first from key k0, each ``rows`` keys after the last: (B, H, blocks, width, D), a view."""
-    s0, s1, s2, s3 = t.stride()
-    return t.as_strided((t.shape[0], t.shape[1], blocks, width, t.shape[3]), (s0, s1, rows * s2, s2, s3),
-                        t.storage_offset() + k0 * s2)
+    """One head's k or v (N, D) as the runs of ``width`` keys that ``blocks`` query blocks of ``rows`` read,
+    the first from key k0, each ``rows`` keys after the last: (blocks, width, D), a view with overlapping
+    runs that bmm reads in place (its batch stride is free; a 5-D batch over heads would be copied)."""
+    s0, s1 = t.stride()
+    return t.as_strided((blocks, width, t.shape[1]), (rows * s0, s0, s1), t.storage_offset() + k0 * s0)
 
 
 def add_runs(target: Tensor, runs: Tensor, k0: int, rows: int) -> None:
-    """target (B, H, N, D) += runs (B, H, G, L, D) laid out as key_runs': in L / rows pieces, each of
-    which covers every key at most once (block g's piece t starts at k0 + (g + t) rows)."""
-    blocks, width = runs.shape[2], runs.shape[3]
+    """target (N, D) += runs (G, L, D) laid out as key_runs': in L / rows pieces, each of which covers
+    every key at most once (block g's piece t starts at k0 + (g + t) rows)."""
+    blocks, width = runs.shape[0], runs.shape[1]
     for t in range(0, width, rows):
-        key_runs(target, k0 + t, blocks, rows, rows).add_(runs[:, :, :, t:t + rows])
+        key_runs(target, k0 + t, blocks, rows, rows).add_(runs[:, t:t + rows])
 
 
-def add_blocks(target: Tensor, ds: Tensor, q0: int, k0: int, rows: int) -> None:
-    """The gradient of a broadcast additive term: target (b, h, nq|1, nk|1) += ds (B, H, G, rows, L) summed
-    over what target broadcasts, in pieces of ``rows`` keys (no two blocks write one element of a piece)."""
-    blocks, width = ds.shape[2], ds.shape[4]
+def add_blocks(target: Tensor, ds: Tensor, q0: int, k0: int, rows: int, b: int, h: int) -> None:
+    """The gradient of a broadcast additive term: head (b, h) of target (b|1, h|1, nq|1, nk|1) += ds
+    (G, rows, L) summed over what target broadcasts, in pieces of ``rows`` keys (no two blocks write one
+    element of a piece; heads that target broadcasts add into it one after another)."""
+    blocks, width = ds.shape[0], ds.shape[2]
     for t in range(0, width, rows):
-        view = block_view(target, q0, k0 + t, blocks, rows, rows)
+        view = block_view(target, q0, k0 + t, blocks, rows, rows, b, h)
         piece = ds[..., t:t + rows]
-        dims = [d for d in range(5) if view.shape[d] == 1 and piece.shape[d] != 1]
+        dims = [d for d in range(3) if view.shape[d] == 1 and piece.shape[d] != 1]
         view.add_(piece.sum(dims, keepdim=True) if dims else piece)
 
 
@@ -125,10 +128,10 @@ class Band:
                 yield qs, qe, False
             qs = qe
 
-    def scores(self, masks, qb: Tensor, kr: Tensor, qs: int, unit: float, tanh_out=None) -> Tensor:
-        """s = unit (cap(q kr^T scale) + add_a + add_b), -inf outside the band or a kept key, shape
-        (B, H, G, rows, width); qb holds q scale unit (unit: LOG2E for softmax, whose exp is then an
-        exp2 with no pass to rescale the block, else 1). With ``tanh_out``, tanh(raw / cap) is kept."""
+    def scores(self, masks, qb: Tensor, kr: Tensor, qs: int, b: int, h: int, unit: float, tanh_out=None) -> Tensor:
+        """Head (b, h): s = unit (cap(q kr^T scale) + add_a + add_b), -inf outside the band or a kept key,
+        shape (G, rows, width); qb holds q scale unit (unit: LOG2E for softmax, whose exp is then an exp2
+        with no pass to rescale the block, else 1). With ``tanh_out``, tanh(raw / cap) is kept."""
         s = qb @ kr.transpose(-1, -2)
         if masks.softcap:
             cap = masks.softcap * unit  # unit cap(x) = (unit cap) tanh(unit x / (unit cap))
@@ -136,61 +139,69 @@ class Band:
             if tanh_out is not None:
                 tanh_out.append(t.clone())
             s = t.mul_(cap)
-        G, k0 = s.shape[2], qs + self.shift
+        G, k0 = s.shape[0], qs + self.shift
         for add in (masks.add_a, masks.add_b):
             if add is not None:
-                view = block_view(add, qs, k0, G, self.rows, self.width)
+                view = block_view(add, qs, k0, G, self.rows, self.width, b, h)
                 s = s.add_(view) if unit == 1.0 else s.add_(view, alpha=unit)
         drop = self.drop
         if masks.keep is not None:
-            drop = drop | ~block_view(masks.keep, qs, k0, G, self.rows, self.width)
+            drop = drop | ~block_view(masks.keep, qs, k0, G, self.rows, self.width, b, h)
         return s.masked_fill_(drop, -math.inf)
 
-    def forward(self, masks, kind, weights, q, k, v, scale, qs, qe, stat, sinks):
-        """out rows qs..qe-1 (B, H, qe - qs, Dv); softmax writes their log-sum-exp into stat."""
-        B, H, _, D = q.shape
-        G = (qe - qs) // self.rows
-        k0 = qs + self.shift
-        unit = LOG2E if kind == "softmax" else 1.0
-        qb = q[:, :, qs:qe].reshape(B, H, G, self.rows, D) * (scale * unit)
-        s = self.scores(masks, qb, key_runs(k, k0, G, self.rows, self.width), qs, unit)
-        vr = key_runs(v, k0, G, self.rows, self.width)
-        if kind == "softmax":  # in base 2 (s = LOG2E x the logits): the stat written back is natural
-            row_max = s.amax(-1, keepdim=True)
-            if sinks is not None:
-                sink = sinks.view(1, H, 1, 1, 1) * LOG2E
-                row_max = torch.maximum(row_max, sink)
-            safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
-            p = s.sub_(safe_max).exp2_()
-            total = p.sum(-1, keepdim=True)
-            if sinks is not None:
-                total = total + torch.exp2(sink - safe_max)
-            nonempty = total > 0
-            total = torch.where(nonempty, total, torch.ones_like(total))
-            out = (p @ vr).div_(total)
-            lse = torch.where(nonempty, (safe_max + torch.log2(total)) * LN2, torch.full_like(total, math.inf))
-            stat[:, :, qs:qe] = lse.reshape(B, H, qe - qs, 1)
-        else:
-            n = stat[:, :, qs:qe].reshape(B, H, G, self.rows, 1)
-            out = weights(kind, s, n) @ vr
-            if kind == "relu":
-                out = out.div_(n.clamp_min(1.0))
-        return out.reshape(B, H, qe - qs, v.shape[3])
-
-    def backward(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks):
-        """Adds rows qs..qe-1's part into grads = [dq, dk, dv, d_add_a, d_add_b, d_sinks (B, H, 1, 1)]."""
-        dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
+    def forward(self, masks, kind, weights, q, k, v, scale, qs, qe, out, stat, sinks):
+        """Writes out[:, :, qs:qe] (and, softmax, their log-sum-exp into stat), one head at a time."""
         B, H, _, D = q.shape
         G, rows = (qe - qs) // self.rows, self.rows
         k0 = qs + self.shift
         unit = LOG2E if kind == "softmax" else 1.0
-        qb = q[:, :, qs:qe].reshape(B, H, G, rows, D) * (scale * unit)
-        # the runs of k and v are not kept: each matmul copies them for its own use and drops them, and
-        # every (G, rows, width) block is dropped as soon as it is used (the chunk's peak is ~3 of them)
-        do = grad_out[:, :, qs:qe].reshape(B, H, G, rows, -1)
+        for b in range(B):
+            for h in range(H):
+                qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
+                s = self.scores(masks, qb, key_runs(k[b, h], k0, G, rows, self.width), qs, b, h, unit)
+                vr = key_runs(v[b, h], k0, G, rows, self.width)
+                if kind == "softmax":  # in base 2 (s = LOG2E x the logits): the stat written back is natural
+                    row_max = s.amax(-1, keepdim=True)
+                    if sinks is not None:
+                        sink = sinks[h] * LOG2E
+                        row_max = torch.maximum(row_max, sink)
+                    safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
+                    p = s.sub_(safe_max).exp2_()
+                    total = p.sum(-1, keepdim=True)
+                    if sinks is not None:
+                        total = total + torch.exp2(sink - safe_max)
+                    nonempty = total > 0
+                    total = torch.where(nonempty, total, torch.ones_like(total))
+                    o = (p @ vr).div_(total)
+                    lse = torch.where(nonempty, (safe_max + torch.log2(total)) * LN2, torch.full_like(total, math.inf))
+                    stat[b, h, qs:qe] = lse.view(qe - qs, 1)
+                else:
+                    n = stat[b, h, qs:qe].reshape(G, rows, 1)
+                    o = weights(kind, s, n) @ vr
+                    if kind == "relu":
+                        o = o.div_(n.clamp_min(1.0))
+                out[b, h, qs:qe] = o.view(qe - qs, -1)
+
+    def backward(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks):
+        """Adds rows qs..qe-1's part into grads = [dq, dk, dv, d_add_a, d_add_b, d_sinks (B, H, 1, 1)]."""
+        B, H, _, D = q.shape
+        G, rows = (qe - qs) // self.rows, self.rows
+        k0 = qs + self.shift
+        unit = LOG2E if kind == "softmax" else 1.0
+        for b in range(B):
+            for h in range(H):
+                self._backward_head(masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads,
+                                    sinks, b, h, G, rows, k0, unit, D)
+
+    def _backward_head(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks,
+                       b, h, G, rows, k0, unit, D):
+        dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
+        qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
+        kr, vr = key_runs(k[b, h], k0, G, rows, self.width), key_runs(v[b, h], k0, G, rows, self.width)
+        do = grad_out[b, h, qs:qe].reshape(G, rows, -1)
         tanh = []
-        s = self.scores(masks, qb, key_runs(k, k0, G, rows, self.width), qs, unit, tanh)
-        row_stat = stat[:, :, qs:qe].reshape(B, H, G, rows, 1)
+        s = self.scores(masks, qb, kr, qs, b, h, unit, tanh)
+        row_stat = stat[b, h, qs:qe].reshape(G, rows, 1)
         if kind == "relu":
             do = do / row_stat.clamp_min(1.0)
         if kind == "softmax":
@@ -198,12 +209,12 @@ class Band:
         else:
             w = weights(kind, s, row_stat)
         del s
-        dw = do @ key_runs(v, k0, G, rows, self.width).transpose(-1, -2)  # dL/dw
-        add_runs(dv, w.transpose(-1, -2) @ do, k0, rows)
+        dw = do @ vr.transpose(-1, -2)  # dL/dw; every block is dropped as soon as it is used
+        add_runs(dv[b, h], w.transpose(-1, -2) @ do, k0, rows)
         if kind == "softmax":
             if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
-                delta = (do * out[:, :, qs:qe].reshape(B, H, G, rows, -1)).sum(-1, keepdim=True)
-                d_sinks -= (torch.exp(sinks.view(1, H, 1, 1, 1) - row_stat) * delta).sum((2, 3)).view(B, H, 1, 1)
+                delta = (do * out[b, h, qs:qe].reshape(G, rows, -1)).sum(-1, keepdim=True)
+                d_sinks[b, h] -= (torch.exp(sinks[h] - row_stat) * delta).sum()
             # w (dw - delta) with delta_i = dO_i . O_i = sum_j w_ij dw_ij (the block holds the row's every key;
             # a sink has no value): aten's fused softmax backward, one kernel for the block
             ds = torch.ops.aten._softmax_backward_data(dw, w, -1, w.dtype)
@@ -214,10 +225,10 @@ class Band:
         del w, dw
         for add, d_add in ((masks.add_a, d_add_a), (masks.add_b, d_add_b)):
             if add is not None:
-                add_blocks(d_add, ds, qs, k0, rows)
+                add_blocks(d_add, ds, qs, k0, rows, b, h)
         if tanh:  # d cap(x) / dx = 1 - tanh^2, in place in the kept tanh
             ds = ds.mul_(tanh[0].mul_(tanh[0]).neg_().add_(1.0))
             del tanh
-        dq[:, :, qs:qe] = (ds @ key_runs(k, k0, G, rows, self.width)).mul_(scale).reshape(B, H, qe - qs, D)
+        dq[b, h, qs:qe] = (ds @ kr).mul_(scale).view(qe - qs, D)
         dkr = ds.transpose(-1, -2) @ qb
-        add_runs(dk, dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
+        add_runs(dk[b, h], dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
