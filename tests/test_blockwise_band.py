@@ -150,3 +150,21 @@ def test_band_temporaries_stay_a_few_chunks(monkeypatch):
     chunk = blockwise_band.CHUNK_SCORES * 4  # bytes: a chunk's float32 scores (one head at a time)
     assert probe.largest <= max(chunk, 2 * n * d * 4), probe.largest
     assert probe.largest < 2 * n * n * 4 // 16
+
+
+def test_batched_band_reads_strided_heads():
+    """q, k, v as HF passes them, (B, N, H, D) transposed to (B, H, N, D) (rows H * D apart): the strided
+    runs of keys follow the tensors' own strides, forward and backward, against float64."""
+    nq = nk = 48
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, n, H, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for n in (nq, nk, nk))
+    assert not q.is_contiguous()
+    out = blockwise.blockwise_attention(q, k, v, kind="softmax", scale=SCALE, is_causal=True, block_q=8, block_k=8,
+                                        window_size=(7, 0), softcap=2.0)
+    want = reference("softmax", q, k, v, allowed(nq, nk, (7, 0), True).expand(B, H, nq, nk),
+                     torch.zeros((), dtype=torch.float64), 2.0, None)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
