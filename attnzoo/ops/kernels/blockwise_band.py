@@ -165,15 +165,16 @@ class Band:
                     if sinks is not None:
                         sink = sinks[h] * LOG2E
                         row_max = torch.maximum(row_max, sink)
-                    safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
+                    empty = row_max == -math.inf  # no key in the row (and no sink)
+                    safe_max = row_max.masked_fill(empty, 0.0)
                     p = s.sub_(safe_max).exp2_()
                     total = p.sum(-1, keepdim=True)
                     if sinks is not None:
-                        total = total + torch.exp2(sink - safe_max)
-                    nonempty = total > 0
-                    total = torch.where(nonempty, total, torch.ones_like(total))
+                        total = total.add_(torch.exp2(sink - safe_max))
+                    # a row with a key has total >= 1 (its max term is 2^0); an empty row's 0 becomes 1 (out 0)
+                    total = total.clamp_min_(1.0)
                     o = (p @ vr).div_(total)
-                    lse = torch.where(nonempty, (safe_max + torch.log2(total)) * LN2, torch.full_like(total, math.inf))
+                    lse = torch.log2(total).add_(safe_max).mul_(LN2).masked_fill_(empty, math.inf)
                     stat[b, h, qs:qe] = lse.view(qe - qs, 1)
                 else:
                     n = stat[b, h, qs:qe].reshape(G, rows, 1)
