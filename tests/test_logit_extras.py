@@ -159,20 +159,25 @@ def test_gradients_through_the_cap_into_the_sinks_and_inside_the_window(name, sm
 
 
 def test_the_blockwise_path_visits_only_the_blocks_in_the_band(monkeypatch):
-    from attnzoo.ops.kernels import blockwise
-    visited = []
-    real = blockwise._Masks.scores
+    from attnzoo.ops.kernels import blockwise, blockwise_band
+    visited = []  # (first row, rows, keys) of every score block built
+    real, real_band = blockwise._Masks.scores, blockwise_band.Band.scores
 
     def spy(self, q_scaled, k, qs, qe, ks, ke, *a):
-        visited.append((qs, ks))
+        visited.append((qs, qe - qs, ke - ks))
         return real(self, q_scaled, k, qs, qe, ks, ke, *a)
 
+    def spy_band(self, masks, qb, kr, qs, *a):  # G blocks of rows at once (one head), each with its run of keys
+        visited.extend((qs + g * qb.shape[1], qb.shape[1], kr.shape[1]) for g in range(qb.shape[0]))
+        return real_band(self, masks, qb, kr, qs, *a)
+
     monkeypatch.setattr(blockwise._Masks, "scores", spy)
+    monkeypatch.setattr(blockwise_band.Band, "scores", spy_band)
     q, k, v = (torch.randn(1, 1, 64, 4, dtype=torch.float64) for _ in range(3))
     out = blockwise.blockwise_attention(q, k, v, kind="softmax", scale=0.5, is_causal=True, window_size=(8, -1),
                                         block_q=8, block_k=8)
-    # rows qs..qs+7 see keys qs-8 .. qs+7: two blocks of 8 keys (one at the start), not qs/8 + 1
-    assert len(visited) == 15
+    # rows qs..qs+7 see keys qs-8 .. qs+7: 16 keys per row (8 at the start), not all qs + 8 before them
+    assert sorted(visited) == [(0, 8, 8)] + [(qs, 8, 16) for qs in range(8, 64, 8)]
     allow, add = F.allow_and_add(None, True, 1, 1, 64, 64)
     torch.testing.assert_close(out, F.softmax(q, k, v, allow & band(8, -1, 64, 64)[:1, :1], add, 0.5),
                                rtol=1e-10, atol=1e-10)

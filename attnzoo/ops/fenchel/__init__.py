@@ -60,7 +60,8 @@ blockwise.register("fenchel", fenchel_cpu, first_order_only, extras=("softcap", 
 blockwise_varlen.register("fenchel", fenchel_cpu_varlen)
 varlen_triton.register("fenchel", fenchel_triton_varlen)
 register_backend("fenchel", "flex", fenchel_flex, supports=all_of(flex_reason, first_order_only), priority=5,
-                 description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",))
+                 description="FlexAttention with log u as a score_mod (CUDA)", auto_devices=("cuda",),
+                 extras=("softcap", "sinks", "window_size"))
 
 register_flavour("fenchel", lambda kw: ["log_u"] if kw.get("log_u") is not None else [])
 

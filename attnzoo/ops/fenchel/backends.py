@@ -82,9 +82,12 @@ def fenchel_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, 
 
 
 def fenchel_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, log_u=None, alpha=1.0,
-                 solve="first_order", dropout_p=0.0):
+                 solve="first_order", dropout_p=0.0, softcap=None, sinks=None, window_size=None):
+    """First order: softmax(cap(alpha scale q.k) + log u + mask) on FlexAttention (log u and the mask
+    are added after the cap, as in the reference)."""
     mask = fenchel_additive_mask(attn_mask, log_u, q.dtype)
-    return flex_attention(q, k, v, mask, is_causal, alpha * scale)
+    return flex_attention(q, k, v, mask, is_causal, alpha * scale, softcap=softcap, sinks=sinks,
+                          window_size=window_size)
 
 
 def t5_flex(q, k, v, table, lut, *, attn_mask=None, is_causal=False, scale):

@@ -18,6 +18,9 @@ scores; -inf = the key does not take part), ``is_causal`` (bottom-right aligned,
 of ``ops.logit_extras``, bottom-right aligned too), all broadcastable to (B, H, Nq, Nk) and read
 block by block, so a broadcast (1, H, 1, Nk) preference vector costs nothing extra. Key blocks
 outside the causal triangle or the band are never visited: a window of w costs O(N w), not O(N^2).
+Under a window with both sides bounded (causal counts as right = 0), the query blocks whose run of
+keys lies inside 0..Nk-1 are done G at a time by ``blockwise_band.Band`` (one batched matmul per
+product over strided views of k and v); the blocks at the edges keep the loop below.
 n_i counts the keys allowed by keep, causal, the window and add_a (add_b is a bias, not a mask:
 sigmoid's b and Fenchel's log u go there).
 
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..first_order import first_order_only
+from .blockwise_band import Band, exp_
 
 KINDS = ("softmax", "sigmoid", "sigmoid_default", "relu")
 # Chosen by measurement (benchmarks/fused_softmax_family.py --mode blocks, docs/kernels_cpu_torch.md):
@@ -134,12 +138,13 @@ class _Masks:
 
     def counts(self, shape, dtype, device, block_q, block_k):
         """n_i, shape (B, H, Nq, 1): keys taking part in each row."""
-        plain_band = self.left is None and self.right == (0 if self.is_causal else None)  # no window
-        if self.keep is None and self.add_a is None and plain_band:
-            if not self.is_causal:
+        if self.keep is None and self.add_a is None:  # the band alone: its width at row i, clipped to 0..Nk-1
+            if self.left is None and self.right is None:
                 return torch.full(shape[:3] + (1,), float(self.nk), dtype=dtype, device=device)
-            i = torch.arange(self.nq, device=device, dtype=dtype)
-            n = (i + self.offset + 1).clamp(0, self.nk)
+            i = torch.arange(self.nq, device=device, dtype=dtype) + self.offset
+            last = i + self.right if self.right is not None else torch.full_like(i, self.nk - 1)
+            first = i - self.left if self.left is not None else torch.zeros_like(i)
+            n = (last.clamp(max=self.nk - 1) - first.clamp(min=0) + 1).clamp(min=0)
             return n.view(1, 1, -1, 1).expand(shape[:3] + (1,)).contiguous()
         n = torch.zeros(shape[:3] + (1,), dtype=dtype, device=device)
         for qs in range(0, self.nq, block_q):
@@ -154,6 +159,12 @@ class _Masks:
                     kept = kept * (ke - ks)
                 n[:, :, qs:qe] += kept
         return n
+
+
+def _blocks(nq, block_q):
+    """(qs, qe, batched=False) for every query block: the loop of a call without a band to batch."""
+    for qs in range(0, nq, block_q):
+        yield qs, min(qs + block_q, nq), False
 
 
 def _pointwise_weights(kind, s, n):
@@ -179,13 +190,16 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     B, H, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[3]
     masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
-    out = q.new_zeros(B, H, nq, dv)
+    out = q.new_empty(B, H, nq, dv)  # every row block is written below
     if kind == "softmax":
         stat = q.new_full((B, H, nq, 1), math.inf)
     else:
         stat = masks.counts((B, H, nq, nk), q.dtype, q.device, block_q, block_k)
-    for qs in range(0, nq, block_q):
-        qe = min(qs + block_q, nq)
+    band = Band.plan(masks, block_q, q.device)
+    for qs, qe, batched in band.spans(nq, block_q) if band is not None else _blocks(nq, block_q):
+        if batched:  # interior query blocks of a window, G at a time (blockwise_band.py)
+            band.forward(masks, kind, _pointwise_weights, q, k, v, scale, qs, qe, out, stat, sinks)
+            continue
         qb = q[:, :, qs:qe] * scale
         row_max = None  # softmax: None until the first key block (or the sink) sets the running max and sum
         if kind == "softmax" and sinks is not None:  # the sink: the first key, with no value
@@ -199,13 +213,13 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
                 # most query blocks have this one key block only)
                 row_max = s.amax(-1, keepdim=True)
                 safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
-                p = s.sub_(safe_max).exp_()
+                p = exp_(s.sub_(safe_max))
                 row_sum = p.sum(-1, keepdim=True)
                 acc = p @ v[:, :, ks:ke]
             elif kind == "softmax":
                 new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
                 safe_max = torch.where(new_max > -math.inf, new_max, torch.zeros_like(new_max))
-                p = s.sub_(safe_max).exp_()
+                p = exp_(s.sub_(safe_max))
                 rescale = torch.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
                 pv = p @ v[:, :, ks:ke]
@@ -245,11 +259,15 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
     masks = _Masks(keep, add_a, add_b, is_causal, nq, nk, (window_left, window_right), softcap)
     d_sinks = q.new_zeros(B, H, 1, 1) if sinks is not None else q.new_empty(0)
     grad_out = grad_out.to(q.dtype)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # dq: every row block written
     d_adds = [torch.zeros_like(a) if a is not None else q.new_empty(0) for a in (add_a, add_b)]
     stat = stat.unsqueeze(-1)
-    for qs in range(0, nq, block_q):
-        qe = min(qs + block_q, nq)
+    band = Band.plan(masks, block_q, q.device)
+    for qs, qe, batched in band.spans(nq, block_q) if band is not None else _blocks(nq, block_q):
+        if batched:
+            band.backward(masks, kind, _pointwise_weights, grad_out, q, k, v, out, stat, scale, qs, qe,
+                          (dq, dk, dv, *d_adds, d_sinks), sinks)
+            continue
         qb = q[:, :, qs:qe] * scale
         do = grad_out[:, :, qs:qe]
         if kind == "softmax":
@@ -266,7 +284,7 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
             vb = v[:, :, ks:ke]
             ds = do @ vb.transpose(-1, -2)  # dL/dw, turned into dL/ds in place below
             if kind == "softmax":
-                w = s.sub_(lse).exp_()  # lse = +inf on empty rows: w = 0 there
+                w = exp_(s.sub_(lse))  # lse = +inf on empty rows: w = 0 there
                 ds = ds.sub_(delta).mul_(w)
             else:
                 w = _pointwise_weights(kind, s, stat[:, :, qs:qe])
@@ -283,8 +301,10 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
                 ds = ds * (1.0 - tanh[0] * tanh[0])
             dqb = ds @ k[:, :, ks:ke] if dqb is None else dqb.add_(ds @ k[:, :, ks:ke])
             dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
-        if dqb is not None:  # else no key block: dq stays 0
+        if dqb is not None:
             dq[:, :, qs:qe] = dqb.mul_(scale)
+        else:  # no key block: no gradient
+            dq[:, :, qs:qe] = 0
     return dq, dk, dv, d_adds[0], d_adds[1], d_sinks.sum(0).reshape(-1) if sinks is not None else d_sinks
 
 
@@ -344,6 +364,17 @@ _blockwise_op.register_autograd(first_order_only(_backward, "the blockwise backw
                                 setup_context=_setup_context)
 
 
+def window_block_q(left: int, right: int, is_causal: bool, nk: int) -> int:
+    """Query rows per block under a window (left, right): a power of two near a quarter of the band's
+    width w. A block of r rows reads r + w keys per row (blockwise_band.py batches the blocks, so small
+    blocks cost little Python); measured at w = 128, N = 4096 (benchmarks/cpu_window.py): 32 rows
+    ~0.058 s fwd+bwd, 64 ~0.067 s, 128 ~0.080 s."""
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    width = (left if left >= 0 else nk) + (right if right >= 0 else nk)
+    return max(MIN_WINDOW_BLOCK_Q, min(DEFAULT_BLOCK_Q, 1 << (width // 4).bit_length()))
+
+
 def _as4d(t):
     return None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
@@ -364,11 +395,7 @@ def blockwise_attention(q, k, v, *, kind: str, scale: float, is_causal: bool = F
     keep = _as4d(keep)
     left, right = window_size if window_size is not None else (-1, -1)
     if block_q is None and window_size is not None:
-        # a band of w keys: query blocks of about w rows keep the visited scores near N w (256-row
-        # blocks would visit (256 + w) keys per row)
-        width = (left if left >= 0 else k.shape[2]) + (right if right >= 0 else k.shape[2])
-        # (a power of two near w / 2: measured fastest at w = 128, N = 4096, benchmarks/cpu_window.py)
-        block_q = max(MIN_WINDOW_BLOCK_Q, min(DEFAULT_BLOCK_Q, 1 << (width // 2).bit_length()))
+        block_q = window_block_q(left, right, is_causal, k.shape[2])
     out, _ = _blockwise_op(q, k, v, keep, add_a, add_b, kind, float(scale), bool(is_causal),
                            int(block_q or DEFAULT_BLOCK_Q), int(block_k or DEFAULT_BLOCK_K), int(left), int(right),
                            float(softcap or 0.0), None if sinks is None else sinks.to(work))

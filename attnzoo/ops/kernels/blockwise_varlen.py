@@ -119,6 +119,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, offsets_q: list[int], offsets_k: 
     else:
         bias = None if add_b is None else torch.full((1, 1, 1, 1), float(add_b), dtype=work, device=q.device)
     left, right = window_size if window_size is not None else (-1, -1)
+    if block_q is None and window_size is not None:
+        block_q = blockwise.window_block_q(left, right, is_causal, k.shape[2])
     config = (list(offsets_q), list(offsets_k), kind, float(scale), bool(is_causal),
               int(block_q or blockwise.DEFAULT_BLOCK_Q), int(block_k or blockwise.DEFAULT_BLOCK_K), int(left),
               int(right), float(softcap or 0.0))

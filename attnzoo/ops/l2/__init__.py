@@ -30,7 +30,8 @@ blockwise.register("l2", l2_cpu)
 blockwise_varlen.register("l2", l2_cpu_varlen)
 varlen_triton.register("l2", l2_triton_varlen)
 register_backend("l2", "flex", l2_flex, supports=flex_reason, priority=5,
-                 description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",))
+                 description="FlexAttention with an L2 score_mod (CUDA)", auto_devices=("cuda",),
+                 extras=("softcap", "sinks", "window_size"))
 
 RECORD = declare(Variant(
     name="l2", reference=l2_attention, functional=l2, hook=L2Hook(), class_name="L2Attention",

@@ -43,9 +43,14 @@ def l2_cpu(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, wi
                                window_size=window_size)
 
 
-def l2_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0):
+def l2_flex(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, softcap=None, sinks=None,
+            window_size=None):
+    """2 scale q.k - scale ||k||^2 on FlexAttention; with a cap or sinks also - scale ||q||^2, so the
+    capped value and the sink's rival are the true logit -scale ||q - k||^2."""
     kk = (k.float() * k.float()).sum(-1) * scale
-    return flex_attention(q, k, v, attn_mask, is_causal, 2.0 * scale, key_term=kk)
+    qq = (q.float() * q.float()).sum(-1) * scale if softcap is not None or sinks is not None else None
+    return flex_attention(q, k, v, attn_mask, is_causal, 2.0 * scale, key_term=kk, query_term=qq, softcap=softcap,
+                          sinks=sinks, window_size=window_size)
 
 
 def l2_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, options):

@@ -1,0 +1,235 @@
+"""The blockwise CPU path's sliding window done in batches of query blocks (ops/kernels/blockwise.py).
+
+Under a window (left, right), query block g (rows qs..qs+bq-1) needs the keys qs + offset - left ..
+qs + bq - 1 + offset + right: bq + left + right keys, a run that starts at the same distance from qs
+for every block. Rounded up to L (a multiple of bq) and ending at the band's last key, every block whose
+run lies inside 0..Nk-1 (an "interior" block: all but the first and last few) sees its keys through one
+strided view of one head's k, (G, L, D) with consecutive blocks bq keys apart, which bmm reads in place
+(a batch over heads as well would not be one stride, and matmul would copy every run), and the keys
+outside the band drop by one (bq, L) pattern shared by all of them. So G blocks of a head take one
+batched matmul per product and one pass per elementwise step, instead of a Python loop body each (the
+per-block overhead that kept a window of 128 at N 4096 above 0.1x of the full causal call). The blocks
+at the edges keep the per-block loop of blockwise.py.
+
+One (bq, L) block holds the whole band of its rows, so the softmax needs no running max: the row's
+max, sum and log-sum-exp come from one block (the sink, softmax only, joins them as a key with no
+value). The backward adds a block's dK, dV and the gradient of a broadcast additive term into the
+overlapping runs of keys in L / bq pieces, each piece bq keys wide, which no two blocks share.
+
+Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores, so the largest temporary stays
+a few band blocks whatever N, B and H are.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Scores in one chunk (one head; float32: 512 KiB): time against memory. At w = 128, N = 4096, H = 4,
+# 32-row blocks (runs of 160 keys), fwd+bwd on one core (sweeps in one process, the machine shared):
+# 2^15 ~0.072 s with 0.84 MiB of temporaries, 2^16 ~0.062 s / 1.4 MiB, 2^17 ~0.056 s / 2.5 MiB, 2^18
+# ~0.056 s / 4.7 MiB; the unwindowed call ~0.62 s / 17 MiB (its 256 x 1024 blocks).
+CHUNK_SCORES = 2 ** 17
+
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def exp_(t: Tensor) -> Tensor:
+    """exp(t) in place, as 2^(t log2 e): aten's exp_ on one core measured 2-3x slower than mul_ + exp2_
+    here (1.9-3.1 ms against 1.1 ms on 786k float32 numbers, AVX512 build), for a relative error of
+    ~1e-6 in float32 (~1e-15 in float64); -inf still gives 0. (The batched softmax below folds log2 e
+    into q and needs no mul_ at all.)"""
+    return t.mul_(LOG2E).exp2_()
+
+
+def block_view(t: Tensor, q0: int, k0: int, blocks: int, rows: int, cols: int, b: int, h: int) -> Tensor:
+    """Head (b, h) of a (b|1, h|1, nq|1, nk|1) tensor read as (blocks|1, rows|1, cols|1): element [g, r, c]
+    is t[b, h, q0 + g rows + r, k0 + g rows + c] (a dimension t broadcasts stays 1). A strided view, no
+    copy; the caller keeps every index inside t."""
+    _, _, nq, nk = t.shape
+    s0, s1, s2, s3 = t.stride()
+    by_row, by_col = nq != 1, nk != 1
+    step = rows * s2 * by_row + rows * s3 * by_col
+    size = (blocks if step else 1, rows if by_row else 1, cols if by_col else 1)
+    offset = (t.storage_offset() + (b if t.shape[0] != 1 else 0) * s0 + (h if t.shape[1] != 1 else 0) * s1
+              + q0 * s2 * by_row + k0 * s3 * by_col)
+    return t.as_strided(size, (step, s2, s3), offset)
+
+
+def key_runs(t: Tensor, k0: int, blocks: int, rows: int, width: int) -> Tensor:
+    """One head's k or v (N, D) as the runs of ``width`` keys that ``blocks`` query blocks of ``rows`` read,
+    the first from key k0, each ``rows`` keys after the last: (blocks, width, D), a view with overlapping
+    runs that bmm reads in place (its batch stride is free; a 5-D batch over heads would be copied)."""
+    s0, s1 = t.stride()
+    return t.as_strided((blocks, width, t.shape[1]), (rows * s0, s0, s1), t.storage_offset() + k0 * s0)
+
+
+def add_runs(target: Tensor, runs: Tensor, k0: int, rows: int) -> None:
+    """target (N, D) += runs (G, L, D) laid out as key_runs': in L / rows pieces, each of which covers
+    every key at most once (block g's piece t starts at k0 + (g + t) rows)."""
+    blocks, width = runs.shape[0], runs.shape[1]
+    for t in range(0, width, rows):
+        key_runs(target, k0 + t, blocks, rows, rows).add_(runs[:, t:t + rows])
+
+
+def add_blocks(target: Tensor, ds: Tensor, q0: int, k0: int, rows: int, b: int, h: int) -> None:
+    """The gradient of a broadcast additive term: head (b, h) of target (b|1, h|1, nq|1, nk|1) += ds
+    (G, rows, L) summed over what target broadcasts, in pieces of ``rows`` keys (no two blocks write one
+    element of a piece; heads that target broadcasts add into it one after another)."""
+    blocks, width = ds.shape[0], ds.shape[2]
+    for t in range(0, width, rows):
+        view = block_view(target, q0, k0 + t, blocks, rows, rows, b, h)
+        piece = ds[..., t:t + rows]
+        dims = [d for d in range(3) if view.shape[d] == 1 and piece.shape[d] != 1]
+        view.add_(piece.sum(dims, keepdim=True) if dims else piece)
+
+
+class Band:
+    """What a windowed call's batched blocks share, decided once per call (None from ``plan`` when the
+    call has no two-sided band or no interior block)."""
+
+    def __init__(self, rows: int, width: int, shift: int, first: int, stop: int, blocks: int, drop: Tensor):
+        self.rows, self.width, self.shift = rows, width, shift  # key run of the block at qs: qs + shift ..
+        self.first, self.stop = first, stop                     # interior blocks: rows first .. stop - 1
+        self.blocks = blocks                                    # blocks per chunk
+        self.drop = drop                                        # (rows, width) bool: outside the band
+
+    @staticmethod
+    def plan(masks, block_q: int, device) -> Optional["Band"]:
+        if masks.left is None or masks.right is None:
+            return None
+        rows = block_q
+        width = -(-(rows + masks.left + masks.right) // rows) * rows
+        shift = rows + masks.offset + masks.right - width  # the run ends at the band's last key + 1
+        # interior: qs a multiple of rows with qs + rows <= nq, qs + shift >= 0, qs + shift + width <= nk
+        lo = max(0, -shift)
+        first = -(-lo // rows) * rows
+        stop = min(masks.nq - masks.nq % rows, ((masks.nk - width - shift) // rows + 1) * rows)
+        if stop <= first:
+            return None
+        c = torch.arange(width, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+        d = c + shift - masks.offset  # j - i - offset
+        drop = (d > masks.right) | (d < -masks.left)
+        return Band(rows, width, shift, first, stop, max(1, CHUNK_SCORES // (rows * width)), drop)
+
+    def spans(self, nq: int, block_q: int):
+        """(qs, qe, batched) over the query rows: single blocks at the edges, chunks in between."""
+        qs = 0
+        while qs < nq:
+            if self.first <= qs < self.stop:
+                qe = min(self.stop, qs + self.blocks * self.rows)
+                yield qs, qe, True
+            else:
+                qe = min(qs + block_q, nq, self.first if qs < self.first else nq)
+                yield qs, qe, False
+            qs = qe
+
+    def scores(self, masks, qb: Tensor, kr: Tensor, qs: int, b: int, h: int, unit: float, tanh_out=None) -> Tensor:
+        """Head (b, h): s = unit (cap(q kr^T scale) + add_a + add_b), -inf outside the band or a kept key,
+        shape (G, rows, width); qb holds q scale unit (unit: LOG2E for softmax, whose exp is then an exp2
+        with no pass to rescale the block, else 1). With ``tanh_out``, tanh(raw / cap) is kept."""
+        s = qb @ kr.transpose(-1, -2)
+        if masks.softcap:
+            cap = masks.softcap * unit  # unit cap(x) = (unit cap) tanh(unit x / (unit cap))
+            t = s.div_(cap).tanh_()
+            if tanh_out is not None:
+                tanh_out.append(t.clone())
+            s = t.mul_(cap)
+        G, k0 = s.shape[0], qs + self.shift
+        for add in (masks.add_a, masks.add_b):
+            if add is not None:
+                view = block_view(add, qs, k0, G, self.rows, self.width, b, h)
+                s = s.add_(view) if unit == 1.0 else s.add_(view, alpha=unit)
+        drop = self.drop
+        if masks.keep is not None:
+            drop = drop | ~block_view(masks.keep, qs, k0, G, self.rows, self.width, b, h)
+        return s.masked_fill_(drop, -math.inf)
+
+    def forward(self, masks, kind, weights, q, k, v, scale, qs, qe, out, stat, sinks):
+        """Writes out[:, :, qs:qe] (and, softmax, their log-sum-exp into stat), one head at a time."""
+        B, H, _, D = q.shape
+        G, rows = (qe - qs) // self.rows, self.rows
+        k0 = qs + self.shift
+        unit = LOG2E if kind == "softmax" else 1.0
+        for b in range(B):
+            for h in range(H):
+                qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
+                s = self.scores(masks, qb, key_runs(k[b, h], k0, G, rows, self.width), qs, b, h, unit)
+                vr = key_runs(v[b, h], k0, G, rows, self.width)
+                if kind == "softmax":  # in base 2 (s = LOG2E x the logits): the stat written back is natural
+                    row_max = s.amax(-1, keepdim=True)
+                    if sinks is not None:
+                        sink = sinks[h] * LOG2E
+                        row_max = torch.maximum(row_max, sink)
+                    empty = row_max == -math.inf  # no key in the row (and no sink)
+                    safe_max = row_max.masked_fill(empty, 0.0)
+                    p = s.sub_(safe_max).exp2_()
+                    total = p.sum(-1, keepdim=True)
+                    if sinks is not None:
+                        total = total.add_(torch.exp2(sink - safe_max))
+                    # a row with a key has total >= 1 (its max term is 2^0); an empty row's 0 becomes 1 (out 0)
+                    total = total.clamp_min_(1.0)
+                    o = (p @ vr).div_(total)
+                    lse = torch.log2(total).add_(safe_max).mul_(LN2).masked_fill_(empty, math.inf)
+                    stat[b, h, qs:qe] = lse.view(qe - qs, 1)
+                else:
+                    n = stat[b, h, qs:qe].reshape(G, rows, 1)
+                    o = weights(kind, s, n) @ vr
+                    if kind == "relu":
+                        o = o.div_(n.clamp_min(1.0))
+                out[b, h, qs:qe] = o.view(qe - qs, -1)
+
+    def backward(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks):
+        """Adds rows qs..qe-1's part into grads = [dq, dk, dv, d_add_a, d_add_b, d_sinks (B, H, 1, 1)]."""
+        B, H, _, D = q.shape
+        G, rows = (qe - qs) // self.rows, self.rows
+        k0 = qs + self.shift
+        unit = LOG2E if kind == "softmax" else 1.0
+        for b in range(B):
+            for h in range(H):
+                self._backward_head(masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads,
+                                    sinks, b, h, G, rows, k0, unit, D)
+
+    def _backward_head(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks,
+                       b, h, G, rows, k0, unit, D):
+        dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
+        qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
+        kr, vr = key_runs(k[b, h], k0, G, rows, self.width), key_runs(v[b, h], k0, G, rows, self.width)
+        do = grad_out[b, h, qs:qe].reshape(G, rows, -1)
+        tanh = []
+        s = self.scores(masks, qb, kr, qs, b, h, unit, tanh)
+        row_stat = stat[b, h, qs:qe].reshape(G, rows, 1)
+        if kind == "relu":
+            do = do / row_stat.clamp_min(1.0)
+        if kind == "softmax":
+            w = s.sub_(row_stat * LOG2E).exp2_()  # the weights, from the base-2 scores
+        else:
+            w = weights(kind, s, row_stat)
+        del s
+        dw = do @ vr.transpose(-1, -2)  # dL/dw; every block is dropped as soon as it is used
+        add_runs(dv[b, h], w.transpose(-1, -2) @ do, k0, rows)
+        if kind == "softmax":
+            if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
+                delta = (do * out[b, h, qs:qe].reshape(G, rows, -1)).sum(-1, keepdim=True)
+                d_sinks[b, h] -= (torch.exp(sinks[h] - row_stat) * delta).sum()
+            # w (dw - delta) with delta_i = dO_i . O_i = sum_j w_ij dw_ij (the block holds the row's every key;
+            # a sink has no value): aten's fused softmax backward, one kernel for the block
+            ds = torch.ops.aten._softmax_backward_data(dw, w, -1, w.dtype)
+        elif kind == "relu":
+            ds = torch.ops.aten.threshold_backward(dw, w, 0.0)
+        else:
+            ds = torch.ops.aten.sigmoid_backward(dw, w)
+        del w, dw
+        for add, d_add in ((masks.add_a, d_add_a), (masks.add_b, d_add_b)):
+            if add is not None:
+                add_blocks(d_add, ds, qs, k0, rows, b, h)
+        if tanh:  # d cap(x) / dx = 1 - tanh^2, in place in the kept tanh
+            ds = ds.mul_(tanh[0].mul_(tanh[0]).neg_().add_(1.0))
+            del tanh
+        dq[b, h, qs:qe] = (ds @ kr).mul_(scale).view(qe - qs, D)
+        dkr = ds.transpose(-1, -2) @ qb
+        add_runs(dk[b, h], dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
