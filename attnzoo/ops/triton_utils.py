@@ -436,11 +436,11 @@ def call_reason(q, k, v, **kw):
 
 
 def register_triton(variant: str, fn, supports=call_reason, *, description: str, name: str = "triton",
-                    priority: int = TRITON_PRIORITY, gqa: bool = False, specialize=None) -> None:
+                    priority: int = TRITON_PRIORITY, gqa: bool = False, specialize=None, extras=()) -> None:
     """Register a Triton kernel as a backend: auto picks it on CUDA tensors only (under
     TRITON_INTERPRET=1 it also runs on CPU tensors, when asked for by name, far too slowly to be a
     default); its ``supports`` says why a call is refused (``attnzoo.explain`` prints it);
     ``specialize`` binds the launches to a kept plan's signature (ops/dispatch.Backend)."""
     from .dispatch import register_backend
     register_backend(variant, name, fn, supports=supports, priority=priority, description=description,
-                     auto_devices=("cuda",), gqa=gqa, specialize=specialize)
+                     auto_devices=("cuda",), gqa=gqa, specialize=specialize, extras=extras)
