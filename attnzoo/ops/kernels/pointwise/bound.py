@@ -52,10 +52,10 @@ class BoundLaunch:
         self.meta = pointwise._launch_flags(
             D, DV, bool(sigmoid), pointwise.sigmoid_impl(q.dtype) if sigmoid else 0, bias_mode, mask_kind,
             self.mask_layout, self.is_causal, self.dropout, q.dtype,
-            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, softcap is not None, False)
+            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, float(softcap or 0.0), False)
         sizes = (H, Nq, Nk, D, DV, H // H_kv, tuning.n_bucket(Nq), tuning.n_bucket(Nk))
-        # bias strides (no tensor), ..., the softcap and the unused window offsets (a window never binds)
-        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, float(softcap or 0.0), 0, 0, self.dropout_p)
+        # bias strides (no tensor), ..., the unused window offsets (a windowed call never binds a plan)
+        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, 0, 0, self.dropout_p)
         self.shape_key = (D, DV, sizes[6], sizes[7], tuple(self.meta.values()))
         self.tiles = dict(dtype=q.dtype, block_d=self.meta["BLOCK_D"], block_dv=self.meta["BLOCK_DV"],
                           dropout=self.dropout)

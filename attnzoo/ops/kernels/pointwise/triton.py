@@ -62,7 +62,7 @@ def sigmoid_impl(dtype) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _launch_flags(D, DV, sigmoid, sigmoid_impl_, bias_mode, mask_kind, mask_shape_, is_causal, dropout, dtype,
-                  allow_tf32, softcap=False, window=False):
+                  allow_tf32, softcap=0.0, window=False):
     """The constexprs every launch of a call shares, decided once per head dims and flavour."""
     bd, bdv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     return dict(BLOCK_D=bd, BLOCK_DV=bdv, SIGMOID=sigmoid, SIGMOID_IMPL=sigmoid_impl_, BIAS_MODE=bias_mode,
@@ -71,17 +71,18 @@ def _launch_flags(D, DV, sigmoid, sigmoid_impl_, bias_mode, mask_kind, mask_shap
 
 
 def logit_extras(softcap, window_size, is_causal, nq, nk):
-    """(is_causal as the kernels take it, the extras' constexprs (SOFTCAP, WINDOW), the kernel scalars
-    (softcap, window_left, window_right)). A window carries causality in its right offset."""
+    """(is_causal as the kernels take it, the extras' constexprs (SOFTCAP: the cap, 0.0 none; WINDOW),
+    the kernel scalars (window_left, window_right)). A window carries causality in its right offset.
+    The cap is a constexpr: a model has one, and a constant folds into the tile's arithmetic."""
     if window_size is None:
         left = right = 0
     else:
         left, right = band_bounds(window_size, is_causal, nq, nk)
-    flags = (bool(softcap), window_size is not None)
-    return bool(is_causal) and window_size is None, flags, (float(softcap or 0.0), left, right)
+    flags = (float(softcap or 0.0), window_size is not None)
+    return bool(is_causal) and window_size is None, flags, (left, right)
 
 
-def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout, extras=(False, False)):
+def _prepare(q, k, v, mask, bias, is_causal, sigmoid, bias_mode, dropout, extras=(0.0, False)):
     B, H, Nq, D = q.shape
     Nk, DV = k.shape[2], v.shape[3]
     m, mask_kind, mask_strides = kernel_mask(mask, B, H, Nq, Nk)
