@@ -134,7 +134,7 @@ if HAVE_TRITON:
         """((BLOCK_M, BLOCK_N) scores s = cap(scale q.k) + mask, -inf where the key does not take part
         (BAND: outside the window's band too), the cap's slope (1.0 without SOFTCAP))."""
         s = mm(q, tl.trans(k), UPCAST, PRECISION) * scale
-        if SOFTCAP:
+        if SOFTCAP > 0:
             s, slope = softcap_tile(s, softcap)
         else:
             slope = 1.0
@@ -244,7 +244,7 @@ if HAVE_TRITON:
             else:
                 qi_at = offs_m
             s = mm(k, tl.trans(q), UPCAST, PRECISION) * scale
-            if SOFTCAP:
+            if SOFTCAP > 0:
                 s, slope = softcap_tile(s, softcap)
             # keys past Nk (a partial last key block) compute gradients that are never stored
             s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
@@ -252,7 +252,7 @@ if HAVE_TRITON:
             if BAND:
                 s = tl.where(in_band(offs_m[None, :], offs_n[:, None], Nq, Nk, left, right), s, float("-inf"))
             w, dw = weights(s, bias[None, :], inv_n[None, :], SIGMOID, SIGMOID_IMPL)
-            if SOFTCAP:  # through the cap: dS_raw = dS * (1 - tanh^2)
+            if SOFTCAP > 0:  # through the cap: dS_raw = dS * (1 - tanh^2)
                 dw = dw * slope
             # rows past Nq (QUERY_BOUND) have finite w and zero dO: they add nothing to dV or dK
             if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
@@ -344,7 +344,7 @@ if HAVE_TRITON:
             ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
             if BIAS_MODE == 2:  # the bias is added after the cap: its gradient is dS before the slope
                 dbias += tl.sum(ds, 1)
-            if SOFTCAP:
+            if SOFTCAP > 0:
                 ds = ds * slope
             dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
         return dq, dbias
