@@ -140,8 +140,11 @@ def _scores(x, y, a2, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.con
             yf = y.to(tl.float32)
             d = d - 0.5 * (tl.sum(xf * xf, 1)[:, None] + tl.sum(yf * yf, 1)[None, :])
         capped, slope = softcap_tile(d * (a2 / LOG2E), CAP)
-        return capped * LOG2E, slope
-    return d * a2, 1.0
+        t = capped * LOG2E
+    else:  # one return: the compiler unifies every return's type, even in a branch it leaves out
+        t = d * a2
+        slope = 1.0
+    return t, slope
 
 
 @triton.jit
