@@ -149,13 +149,15 @@ if HAVE_TRITON:
         return s, slope
 
     @triton.jit
-    def fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+    def fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi, gap_at, gap,
                   Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, left, right,
                   BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, MASK_KIND: tl.constexpr,
                   MASK_SHAPE: tl.constexpr,
                   CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   DROPOUT: tl.constexpr, EDGE: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr):
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in range(lo, hi - gap, BLOCK_N):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_n = tl.where(start_n < gap_at, start_n, start_n + gap)
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
@@ -193,46 +195,49 @@ if HAVE_TRITON:
         V += b * svb + (h // GROUP) * svh
         MASK += b * smb + h * smh
 
-        # key blocks [inner, outer): whole, in bounds, visible to every row (no masking); [outer, end): the
-        # diagonal and partial blocks (causal) or the band's far edge; [first, inner): the band's near edge
+        # key blocks [inner, outer): whole, in bounds, visible to every row (no masking). The others are masked:
+        # [outer, end), the diagonal and partial blocks (causal); or, under a window, the band's two edges
+        # [first, inner) and [outer, end), walked as one loop (gap: the inside it jumps over)
         if WINDOW:
             first, inner, outer, end = band_keys(start_m, Nq, Nk, window_left, window_right, BLOCK_M, BLOCK_N)
+            edge_lo = first
+            gap = outer - inner
         else:
             first = 0
             inner = 0
             outer, end = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            edge_lo = outer
+            gap = 0
         n = key_count(offs_m, Nq, Nk, MASK, smm, smn, first, end, window_left, window_right, BLOCK_M, BLOCK_N,
                       MASK_KIND, CAUSAL, WINDOW)
         tl.store(N_ROWS + pid_bh * Nq + offs_m, n, mask=offs_m < Nq)
         bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, True)
         q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        if WINDOW:
-            acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, first,
-                            inner, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
-                            window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL,
-                            HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP, True)
         acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, inner, outer,
-                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                        0, 0, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
                         window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST,
                         PRECISION, DROPOUT, False, SOFTCAP, False)
-        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, outer, end,
-                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
-                        window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST,
-                        PRECISION, DROPOUT, True, SOFTCAP, WINDOW)
+        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, edge_lo, end,
+                        inner, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
+                        window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL,
+                        HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP, WINDOW)
         O += b * sob + h * soh
         store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, acc)
 
     @triton.jit
     def dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h, bias_scalar,
-                   offs_n, kj_at, offs_d, offs_dv, lo, hi, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh,
+                   offs_n, kj_at, offs_d, offs_dv, lo, hi, gap_at, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed,
+                   pid_bh,
                    dropout_p, softcap, left, right, BLOCK_M: tl.constexpr, SIGMOID: tl.constexpr,
                    SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
                    MASK_SHAPE: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISION: tl.constexpr, DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                    QUERY_BOUND: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr):
         """dK (unscaled), dV over the query blocks [lo, hi) on transposed (keys x queries) tiles."""
-        for start_m in range(lo, hi, BLOCK_M):
+        for start_m in range(lo, hi - gap, BLOCK_M):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_m = tl.where(start_m < gap_at, start_m, start_m + gap)
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, QUERY_BOUND, HEAD_MASK)
@@ -302,22 +307,29 @@ if HAVE_TRITON:
             Qh = Q + b * sqb + h * sqh
             DOh = DO + b * sdob + h * sdoh
             MASKh = MASK + b * smb + h * smh
-            if CAUSAL or WINDOW:  # diagonal blocks: causal masking; the band's near edge
+            if CAUSAL:  # diagonal blocks: causal masking
                 dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, scale,
-                                    MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left, window_right,
-                                    BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST,
-                                    PRECISION, DROPOUT, CAUSAL, WINDOW, SOFTCAP, WINDOW)
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, 0, 0, Nq, Nk, D, DV,
+                                    scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, False, SOFTCAP, False)
             dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, scale, MASKh,
-                                smm, smn, seed, pid_bh, dropout_p, softcap, window_left, window_right, BLOCK_M, SIGMOID,
-                                SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
-                                False, False, SOFTCAP, False)
-            dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, end, Nq, Nk, D, DV, scale, MASKh,
-                                smm, smn, seed, pid_bh, dropout_p, softcap, window_left, window_right, BLOCK_M, SIGMOID,
-                                SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT,
-                                CAUSAL, True, SOFTCAP, WINDOW)
+                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, 0, 0, Nq, Nk, D, DV, scale,
+                                MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left, window_right, BLOCK_M,
+                                SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION,
+                                DROPOUT, False, False, SOFTCAP, False)
+            if WINDOW:  # the band's two edges as one loop, jumping over the inside [mid, full)
+                dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, end, mid, full - mid, Nq, Nk,
+                                    D, DV, scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, True, SOFTCAP, True)
+            else:  # the partial last query block
+                dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, end, 0, 0, Nq, Nk, D, DV,
+                                    scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True, SOFTCAP, False)
         dk = scale * dk
         DK += pid_bkv * Nk * D  # gradients are written contiguous (B, H_kv, N, D)
         DV_OUT += pid_bkv * Nk * DV
@@ -326,12 +338,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
+                 gap_at, gap,
                  Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, left, right,
                  BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
                  SOFTCAP: tl.constexpr, BAND: tl.constexpr):
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in range(lo, hi - gap, BLOCK_N):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_n = tl.where(start_n < gap_at, start_n, start_n + gap)
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
@@ -380,22 +395,22 @@ if HAVE_TRITON:
         dbias = tl.zeros([BLOCK_M], tl.float32)
         if WINDOW:  # the key blocks of the forward's stages (pointwise_fwd_kernel)
             first, inner, outer, end = band_keys(start_m, Nq, Nk, window_left, window_right, BLOCK_M, BLOCK_N)
-            dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d,
-                                 offs_dv, first, inner, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p,
-                                 softcap, window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
-                                 MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP,
-                                 True)
+            edge_lo = first
+            gap = outer - inner
         else:
             inner = 0
             outer, end = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            edge_lo = outer
+            gap = 0
         dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
-                             inner, outer, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
+                             inner, outer, 0, 0, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
                              window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
                              MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, SOFTCAP, False)
         dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
-                             outer, end, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
-                             window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
-                             MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP, WINDOW)
+                             edge_lo, end, inner, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh,
+                             dropout_p, softcap, window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
+                             MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP,
+                             WINDOW)
         dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
         store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)
