@@ -186,7 +186,8 @@ def _lse_finish(m, l, out_shift):
 @triton.jit
 def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a, sm_x, sm_y,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, G0_MODE: tl.constexpr, BLOCK_X: tl.constexpr,
-                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                CAP_L2: tl.constexpr):
     """(m, l): running maximum and sum of exp2(t - m) over every y. G0_MODE 0: the per-y vector is
     read from OTHER; 1: it is 0 (g^0, cost dot); 2: it is -a |y|^2 (g^0, reduced l2), computed from
     the loaded rows; in modes 1 and 2 program g0_here (the first of each batch-head) stores it to
@@ -218,7 +219,8 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
 @triton.jit
 def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
-                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                 CAP_L2: tl.constexpr):
     """sum over y of exp2(t - s) (per_row: exp2(t - s_row_x)), the shift an upper bound of every t.
     One loop with a uniform branch per tile, not one loop per case: sm_90 would hold the pipelined
     buffers of both loops at once."""
@@ -240,7 +242,8 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, G0_MODE: tl.constexpr,
                 MIN_SUM: tl.constexpr, SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                CAP_L2: tl.constexpr):
     """OUT_x = out_shift - lse_y(A x.y + OTHER_y) over the y taking part (natural log; lse = 0 where
     none does): f = -lse (row pass, out_shift 0) or g = c - lse (column pass, out_shift c).
     BOUNDED: ref_shift - REF_x bounds every exponent of row x (module doc), the block is summed
@@ -273,7 +276,8 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
 @triton.jit
 def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
-               BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+               BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+               CAP_L2: tl.constexpr):
     """sum_y exp2(A' x.y + YP_y + s [+ inner_x if row_in_exp]) W_y, accumulated per logit (one FFMA);
     one loop with a uniform branch per tile (see _lse_shifted)."""
     acc = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
@@ -324,7 +328,8 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
 @triton.jit
 def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """(m, l, acc) of FlashAttention's online softmax over the tiles of A x.y + G_y."""
     m = tl.full([BLOCK_X], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_X], tl.float32)
@@ -375,7 +380,8 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
     the exponents of row x (the last column pass normalised the columns), so the block is summed
@@ -400,10 +406,12 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
                                  BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
+                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION,
+                                       CAP, CAP_L2)
     else:
         m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
+                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP,
+                                   CAP_L2)
     nonempty = l != 0  # a NaN l (a NaN logit) stays NaN, it is not an empty row
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
@@ -461,7 +469,8 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries).
@@ -573,7 +582,8 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
                     sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                     L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, KT: tl.constexpr,
                     BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
         dL_yx = P_yx (dout_y . v_x - DELTA_y - sum_t [XF^t_y UF^t_x]) - sum_{t slow} (C^t dg^t + R^t df^t)_yx
@@ -590,7 +600,8 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
     -q_y sum_x dL_yx, is omitted: every row of dL sums to zero (the outputs do not change when a
     constant is added to a row of logits), while the column sums are the adjoint of g^0 = -a|k|^2
     and stay. With a softcap (CAP) dL is multiplied by the cap's slope first (the gradient of the
-    uncapped logit -a|q - k|^2, whose rows no longer sum to zero: the dq term is kept, CAP_L2). Stacks: GS (T + 1, BH, Nx) = g^0..g^T, FS / DFS (T, BH, Ny), DGS (T, BH, Nx); factors
+    uncapped logit -a|q - k|^2, whose rows no longer sum to zero: the dq term is kept, CAP_L2). Stacks: GS (T + 1, BH,
+    Nx) = g^0..g^T, FS / DFS (T, BH, Ny), DGS (T, BH, Nx); factors
     XF (BH, Ny, 2T), UF (BH, Nx, 2T) and FAST (T, BH) from _factors_kernel (any tensors when T = 0)."""
     A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     c = tl.cast(c, tl.float32) * LOG2E

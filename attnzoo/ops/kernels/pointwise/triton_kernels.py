@@ -22,8 +22,9 @@ against two small dots. Three evaluations, all overflow-free at logits of +-1e4:
               on [1, 2] (FMAs only, relative error < 2e-5), w = r or e r: accurate for small w too.
 Loops run in stages as in the softmax-family kernels: whole, in-bounds blocks below the causal
 diagonal without masking arithmetic; the dK/dV kernel works on transposed (keys x queries) tiles.
-Softcap (SOFTCAP, the cap as a constexpr, 0.0 none): s = softcap tanh(scale q.k / softcap) + mask, and dS is multiplied by the slope
-1 - tanh^2 on its way to dq, dk (after the bias gradient, which sees the capped logit).
+Softcap (SOFTCAP, the cap as a constexpr, 0.0 none): s = softcap tanh(scale q.k / softcap) + mask, and
+dS is multiplied by the slope 1 - tanh^2 on its way to dq, dk (after the bias gradient, which sees the
+capped logit).
 Window (WINDOW, ops/triton_logit_extras.py): the band's offsets (left, right; causality folded in by
 the host as right <= 0) replace CAUSAL; a query block walks only the key blocks that meet its rows'
 bands (``band_keys``), a key block of the dK/dV kernel only the query blocks whose bands meet it
