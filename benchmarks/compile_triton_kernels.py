@@ -101,7 +101,8 @@ INT_ARGS = {"H", "Nq", "Nk", "D", "DV", "GROUP"}  # GROUP: query heads per key/v
 FLOAT_ARGS = {"scale", "bias_scalar", "dropout_p", "softcap"}
 _SOFTMAX = dict(L2=False, MASK_KIND=0, MASK_SHAPE=0, HAS_PREF=False, HAS_T5=False, CAUSAL=True, DROPOUT=False,
                 SOFTCAP=False, HAS_SINKS=False, WINDOW=False)
-_POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False)
+_POINTWISE = dict(SIGMOID=True, BIAS_MODE=0, MASK_KIND=0, MASK_SHAPE=0, CAUSAL=True, DROPOUT=False, SOFTCAP=0.0,
+                  WINDOW=False)
 # (label, flags, which configurations: "all" | "default", dtypes, widths)
 SOFTMAX_JOBS = [
     ("causal", dict(_SOFTMAX), "all", ("bf16", "fp16", "fp32"), (64, 128, 256)),
@@ -151,6 +152,12 @@ POINTWISE_JOBS = [
     # packed sequences (kernels/pointwise/varlen.py)
     ("varlen+sigmoid+causal", dict(_POINTWISE, VARLEN=True), "default", ("bf16", "fp32"), (64, 128)),
     ("varlen+relu+causal", dict(_POINTWISE, SIGMOID=False, VARLEN=True), "default", ("bf16",), (64, 128)),
+    # issue 29: the cap fused (a constexpr) and the window's band stages (causality folded into the band)
+    ("sigmoid+softcap+window", dict(_POINTWISE, SOFTCAP=30.0, WINDOW=True, CAUSAL=False), "all", ("bf16", "fp16"),
+     (64, 128, 256)),
+    ("relu+softcap+bool-tile-mask+window+dropout",
+     dict(_POINTWISE, SIGMOID=False, SOFTCAP=30.0, WINDOW=True, CAUSAL=False, MASK_KIND=1, DROPOUT=True), "default",
+     ("bf16", "fp32"), (64, 128)),
 ]
 # the sigmoid evaluation each dtype compiles (fp16: the hardware tanh; bf16: exp2 + Newton; fp32: exact)
 SIGMOID_IMPL_OF = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -324,6 +331,10 @@ SINKHORN_CASES = [  # (cost, mask, is_causal, grad_mode, large): every flag of t
     ("l2", "bool", True, "implicit", False),
     ("l2", "none", False, "unrolled", True),
     ("l2", "float", False, "unrolled", True),
+    # issue 29: the softcap (a constexpr) in every pass, forward and the unrolled backward
+    ("l2", "bool", False, "unrolled", False, 30.0),
+    ("dot", "none", True, "unrolled", False, 30.0),
+    ("l2", "float", False, "unrolled", True, 30.0),
 ]
 
 
@@ -332,19 +343,21 @@ def sinkhorn_calls(dtype_name):
         return  # sinkhorn/triton.py refuses float64
     dtype = TORCH_DTYPES[dtype_name]
     for d in SINKHORN_HEAD_DIMS:
-        for cost, mask, causal, grad_mode, large in SINKHORN_CASES:
+        for cost, mask, causal, grad_mode, large, *cap in SINKHORN_CASES:
             # causal runs the kernels of the non-causal call on every prefix: only the int
             # specialisations differ (Nq = Nk = 1, sizes that are no multiple of 16), so N = 15
             n = 15 if causal else 64
             q, k, v = qkv(dtype, n, n, d, d)
             label = f"sinkhorn {dtype_name} D=Dv={d} {cost} mask={mask} causal={causal} {grad_mode}" + " large" * large
+            label += f" softcap={cap[0]}" if cap else ""
 
             run = lambda q, k, v, **kw: sinkhorn_triton.sinkhorn_attention(q, k, v, **kw)
 
-            def call(q=q, k=k, v=v, mask=mask, causal=causal, cost=cost, grad_mode=grad_mode, large=large):
+            def call(q=q, k=k, v=v, mask=mask, causal=causal, cost=cost, grad_mode=grad_mode, large=large,
+                     softcap=cap[0] if cap else None):
                 with mock.patch.object(sinkhorn_triton, "FOLD_BELOW", 0) if large else contextlib.nullcontext():
                     forward_backward(run, q, k, v, attn_mask=masks(mask, dtype, n, n), is_causal=causal, cost=cost,
-                                     grad_mode=grad_mode, n_iters=3)
+                                     grad_mode=grad_mode, n_iters=3, softcap=softcap)
             yield label, call
 
 
@@ -581,7 +594,7 @@ def main(argv=None):
                         help="run the captured Sinkhorn / linear / OT host paths plainly, under CPU bf16 autocast "
                              "(what CUDA autocast hands the kernels), or both")
     parser.add_argument("--match", default=None,
-                        help="compile only the jobs with a label containing this text (e.g. 'D=64 ', 'window')")
+                        help="compile only the jobs with a label containing this text (e.g. 'D=64 ', 'window', 'softcap')")
     parser.add_argument("--scalars", default="fp32", choices=("fp32", "fp64", "both"),
                         help="type of float scalar arguments: fp32 as the JIT launches them, fp64 as inductor does "
                              "under torch.compile, or both")
@@ -593,7 +606,8 @@ def main(argv=None):
     limit = SHARED_LIMIT.get(args.arch, SHARED_LIMIT[80])
     start = time.perf_counter()
     jobs = softmax_family_jobs(args.dtypes) if "softmax" in args.families else []
-    jobs += captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"], args.autocast)
+    captured = captured_jobs(args.dtypes, target, [f for f in args.families if f != "softmax"], args.autocast)
+    jobs += captured
     if args.match is not None:
         jobs = [job for job in jobs if any(args.match in label for label in job.labels)]
     if args.scalars != "fp32":

@@ -228,8 +228,9 @@ def test_grouped_query_heads_add_no_launch_and_no_copy(launches):
 MAX_ARGUMENTS = {SOFTMAX_FWD: 69 if TENSOR_DESCRIPTORS else 67, SOFTMAX_DKDV: 73 if TENSOR_DESCRIPTORS else 72,
                  SOFTMAX_DQ: 70 if TENSOR_DESCRIPTORS else 69,
                  # delta: + the T5 half-input rounding residual of O and its switch (issue 21)
-                 "softmax_bwd_delta_kernel": 18, "pointwise_fwd_kernel": 57, "pointwise_bwd_dkdv_kernel": 59,
-                 "pointwise_bwd_dq_kernel": 59}
+                 "softmax_bwd_delta_kernel": 18,
+                 # pointwise: + SOFTCAP, WINDOW and the band's two offsets (issue 29: fused softcap, windows)
+                 "pointwise_fwd_kernel": 61, "pointwise_bwd_dkdv_kernel": 63, "pointwise_bwd_dq_kernel": 63}
 
 
 @needs_interpreter

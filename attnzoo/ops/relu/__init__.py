@@ -19,6 +19,7 @@ from .reference import relu_attention
 
 register_triton("relu", pointwise.relu_attention,
                 gqa=True, specialize=pointwise_bound.specializer(sigmoid=False),
+                extras=("softcap", "window_size"),
                 description="Triton fused ReLU(s)/n attention, no row statistics, fwd+bwd, in-kernel dropout")
 blockwise.register("relu", relu_cpu, extras=("softcap", "window_size"))
 blockwise_varlen.register("relu", relu_cpu_varlen)

@@ -27,6 +27,7 @@ def _bias_reason(q, k, v, **kw):
 
 register_triton("sigmoid", pointwise.sigmoid_attention, all_of(call_reason, _bias_reason),
                 gqa=True, specialize=pointwise_bound.specializer(sigmoid=True),
+                extras=("softcap", "window_size"),
                 description="Triton fused sigmoid attention, no row statistics, fwd+bwd with bias gradient, "
                             "in-kernel dropout")
 blockwise.register("sigmoid", sigmoid_cpu, extras=("softcap", "window_size"))

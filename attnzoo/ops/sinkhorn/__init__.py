@@ -8,6 +8,7 @@ Backends:
   about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
   faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
+  It computes ``softcap`` in its kernels; a window reaches it folded into the mask.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
 """
@@ -86,9 +87,10 @@ def _cpu_auto_prefers(q, k, v, is_causal=False, **_):
 
 def _backend(fn, grad_mode):
     @functools.wraps(fn)
-    def run(q, k, v, *, attn_mask, is_causal, scale, dropout_p, n_iters=3, eps=1.0, cost="l2"):
+    def run(q, k, v, *, attn_mask, is_causal, scale, dropout_p, n_iters=3, eps=1.0, cost="l2", **extras):
+        # extras: the softcap, passed only to a backend registered with it (dispatch declines the others)
         return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                  n_iters=n_iters, eps=eps, cost=cost, grad_mode=grad_mode)
+                  n_iters=n_iters, eps=eps, cost=cost, grad_mode=grad_mode, **extras)
     return run
 
 
@@ -102,6 +104,7 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
 if HAVE_TRITON:
     register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
                      _triton_supports, priority=20, auto_devices=("cuda",), specialize=sinkhorn_bound.specialize,
+                     extras=("softcap",),
                      description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",

@@ -214,7 +214,8 @@ class TritonEngine:
         s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
                  mask=mask, rows=rows, cols=cols, shape_rows=shape(rows), shape_cols=shape(cols),
                  fold=B * H * nq * nk < FOLD_BELOW, split_p=p.q.dtype in HALF,
-                 meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype)))
+                 meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype),
+                           CAP=float(p.softcap), CAP_L2=bool(p.softcap) and p.cost == "l2"))
         p._triton = s
         return s
 
@@ -243,7 +244,7 @@ class TritonEngine:
 
     def initial_g(self, p):
         s = self._setup(p)
-        if p.cost == "l2":
+        if p.cost == "l2" and not p.softcap:  # capped logits are formed whole in the kernels: g^0 = 0
             return self.row_dot(p.k, p.k, scale=-s["a"])
         return torch.zeros(s["B"], s["H"], s["nk"], dtype=torch.float32, device=p.q.device)
 
@@ -367,7 +368,7 @@ class TritonEngine:
         F = self._vec(p, s["nq"], T)
         G = self._vec(p, s["nk"], T + 1)
         f, g = F.unbind(0), G.unbind(0)   # one view op each, not one per pass
-        if p.cost == "dot":
+        if p.cost == "dot" or p.softcap:  # a capped logit carries its own norms (triton_kernels.py)
             g0_mode = 1
         elif s["fold"] and T > 0:
             g0_mode = 2
@@ -415,8 +416,8 @@ class TritonEngine:
 ENGINE = TritonEngine()
 
 
-def _problem(q, k, v, mask, scale, eps, l2, tune):
-    return Problem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", mask, tune)
+def _problem(q, k, v, mask, scale, eps, l2, tune, softcap=0.0):
+    return Problem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", mask, tune, softcap)
 
 
 def _empty(q, *shape):
@@ -425,22 +426,24 @@ def _empty(q, *shape):
 
 @kernel_op("attnzoo::sinkhorn_fwd", mutates_args=())
 def sinkhorn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, eps: float, l2: bool,
-                 n_iters: int, implicit: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 n_iters: int, implicit: bool, tune: bool,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, Nq, Dv) in q's dtype, final row lse (B, H, Nq), F = f^1..f^T (T, B, H, Nq),
     G = g^0..g^T (T + 1, B, H, Nk), float32 reduced potentials, and for half inputs the unrounded
     output (float32, (B, H, Nq, Dv); (0,) for float32 inputs), which the backward's delta is taken from.
-    ``implicit`` picks the backward, ``tune`` whether large launches may autotune (forward and backward)."""
+    ``implicit`` picks the backward, ``tune`` whether large launches may autotune (forward and backward);
+    ``softcap`` caps the logits (0: none; the unrolled backward only)."""
     B, H, nq, _ = q.shape
     nk = k.shape[2]
     if tracing_only(q):
         exact = (B, H, nq, v.shape[-1]) if q.dtype in HALF else (0,)
         return (q.new_empty(B, H, nq, v.shape[-1]), _empty(q, B, H, nq), _empty(q, n_iters, B, H, nq),
                 _empty(q, n_iters + 1, B, H, nk), _empty(q, *exact))
-    return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune), n_iters)
+    return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune, softcap), n_iters)
 
 
-def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode):
-    p = _problem(q, k, v, mask, scale, eps, l2, tune)
+def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode, softcap=0.0):
+    p = _problem(q, k, v, mask, scale, eps, l2, tune, softcap)
     if grad_mode == "unrolled":
         dq, dk, dv = ENGINE.backward_unrolled(p, dout, out, lse, F, G)
     else:
@@ -450,11 +453,12 @@ def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mo
 
 @kernel_op("attnzoo::sinkhorn_bwd", mutates_args=())
 def sinkhorn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                 F: Tensor, G: Tensor, scale: float, eps: float, l2: bool, tune: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 F: Tensor, G: Tensor, scale: float, eps: float, l2: bool, tune: bool,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the unrolled iterations (the exact gradient of what the forward computed)."""
     if tracing_only(q):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled")
+    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled", softcap)
 
 
 # Not a kernel_op: the implicit adjoint sums its Neumann series until the term's norm falls below a
@@ -475,19 +479,22 @@ def _(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, eps, l2, n_iters, implicit, tune = inputs
+    q, k, v, mask, scale, eps, l2, n_iters, implicit, tune, softcap = inputs
     out, lse, F, G, exact = output
     # the backward reads out only for delta = dout.out: the unrounded one where the output was rounded
     ctx.save_for_backward(q, k, v, mask, exact if q.dtype in HALF else out, lse, F, G)
     ctx.args = (scale, eps, l2, implicit, tune)
+    ctx.softcap = softcap
 
 
 def _grad(ctx, dout, _dlse, _dF, _dG, _dexact):
     q, k, v, mask, out, lse, F, G = ctx.saved_tensors
     scale, eps, l2, implicit, tune = ctx.args
-    op = sinkhorn_bwd_implicit if implicit and F.shape[0] > 0 else sinkhorn_bwd
-    dq, dk, dv = op(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    if implicit and F.shape[0] > 0:
+        dq, dk, dv = sinkhorn_bwd_implicit(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune)
+    else:
+        dq, dk, dv = sinkhorn_bwd(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 sinkhorn_fwd.register_autograd(_grad, setup_context=_setup_context)
@@ -512,14 +519,19 @@ def unsupported_reason(q, attn_mask=None, dropout_p=0.0, v=None) -> str | None:
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0, grad_mode="unrolled"):
+                       cost="l2", dropout_p=0.0, grad_mode="unrolled", softcap=None):
     """Same semantics as ``reference.sinkhorn_attention``, on Triton kernels.
+    ``softcap`` caps the logits in the kernels (forward and the unrolled backward; the implicit
+    backward is the fixed point of uncapped logits' passes and refuses it).
 
     The mask goes to the kernels as given (bool: False = masked; float: added, -inf = masked),
     broadcast by strides. k and v are taken in q's dtype (a no-op unless they differ, e.g. mixed
     autocast inputs); fp32 potentials whatever the dtype.
     """
     check_options(dropout_p, grad_mode)
+    if softcap is not None and grad_mode == "implicit":
+        raise ValueError("softcap is computed with grad_mode='unrolled' only (the Triton implicit backward takes "
+                         "uncapped logits): use backend='triton'")
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {list(COSTS)}, got {cost!r}")
     why = unsupported_reason(q, attn_mask, dropout_p, v=v)
@@ -528,7 +540,8 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
     # the causal prefix loop never autotunes: every prefix is a new shape
-    flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit", not is_causal)
+    flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit", not is_causal,
+             float(softcap or 0.0))
 
     def run(q, k, v, mask):
         return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags)[0]

@@ -6,6 +6,12 @@ reads a norm. Exponentials are base 2: a tile is t = A log2(e) x.y + (potentials
 logsumexps are converted back to natural logs when stored, so every potential kept between kernels
 is in natural-log units.
 
+Softcap (CAP > 0, a constexpr; CAP_L2 for cost l2): every kernel forms the whole logit of a tile,
+L = A x.y (dot) or -a |x - y|^2 from the dot and the two rows' norms (l2), and caps it, CAP tanh(L / CAP),
+before the potentials and the mask; the host then keeps the norms out of the potentials (g^0 = 0), so
+the passes above run unchanged on the capped logits. In _grad_qk_kernel dL is multiplied by the cap's
+slope 1 - tanh^2 before it meets q and k (_scores).
+
 Orientation. A kernel owns a block of BLOCK_X rows of X and streams over BLOCK_Y rows of Y; a row
 pass over queries is launched on (X, Y) = (q, k), a column pass on (k, q) with the mask's strides
 swapped: one kernel for both. Layout: X (BH, Nx, D), Y (BH, Ny, D) contiguous; per-row vectors
@@ -68,6 +74,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..triton_logit_extras import softcap_tile
 from ..triton_utils import mm, mma
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -120,11 +127,32 @@ def _apply_mask(t, MASK, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.const
 
 
 @triton.jit
+def _scores(x, y, a2, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+    """(the logit tile in log2 units, before potentials and mask; the softcap's slope, 1.0 without).
+    Without a cap: a2 x.y, the reduced logit (the norms live in the potentials). With CAP (the softcap,
+    a constexpr: one model has one) the whole logit is capped, so it is formed here: L = A x.y for
+    cost dot, L = A (x.y - |x|^2 / 2 - |y|^2 / 2) = -a |x - y|^2 for l2 (CAP_L2; the host then keeps
+    the norms out of the potentials, g^0 = 0), and CAP tanh(L / CAP) is returned."""
+    d = mm(x, tl.trans(y), UPCAST, PRECISION)
+    if CAP > 0:
+        if CAP_L2:
+            xf = x.to(tl.float32)
+            yf = y.to(tl.float32)
+            d = d - 0.5 * (tl.sum(xf * xf, 1)[:, None] + tl.sum(yf * yf, 1)[None, :])
+        capped, slope = softcap_tile(d * (a2 / LOG2E), CAP)
+        t = capped * LOG2E
+    else:  # one return: the compiler unifies every return's type, even in a branch it leaves out
+        t = d * a2
+        slope = 1.0
+    return t, slope
+
+
+@triton.jit
 def _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """The tile a2 x.y + col_y (log2 units: one FFMA per logit) with the mask applied."""
-    t = mm(x, tl.trans(y), UPCAST, PRECISION) * a2 + col[None, :]
-    return _apply_mask(t, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+    """The tile a2 x.y + col_y (log2 units: one FFMA per logit; capped: ``_scores``) with the mask applied."""
+    t, _ = _scores(x, y, a2, UPCAST, PRECISION, CAP, CAP_L2)
+    return _apply_mask(t + col[None, :], Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
 
 
 @triton.jit
@@ -158,7 +186,8 @@ def _lse_finish(m, l, out_shift):
 @triton.jit
 def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a, sm_x, sm_y,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, G0_MODE: tl.constexpr, BLOCK_X: tl.constexpr,
-                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                CAP_L2: tl.constexpr):
     """(m, l): running maximum and sum of exp2(t - m) over every y. G0_MODE 0: the per-y vector is
     read from OTHER; 1: it is 0 (g^0, cost dot); 2: it is -a |y|^2 (g^0, reduced l2), computed from
     the loaded rows; in modes 1 and 2 program g0_here (the first of each batch-head) stores it to
@@ -178,7 +207,8 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
                 g0 = -half_a * tl.sum(yf * yf, 1)
             tl.store(OTHER + offs_y, g0, mask=(offs_y < Ny) & g0_here)
             col = tl.where(offs_y < Ny, g0 * LOG2E, float("-inf"))
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(t - m_safe[:, None]), 1)
@@ -189,7 +219,8 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
 @triton.jit
 def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
-                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                 CAP_L2: tl.constexpr):
     """sum over y of exp2(t - s) (per_row: exp2(t - s_row_x)), the shift an upper bound of every t.
     One loop with a uniform branch per tile, not one loop per case: sm_90 would hold the pipelined
     buffers of both loops at once."""
@@ -198,7 +229,8 @@ def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D,
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(OTHER, offs_y, Ny, float("-inf")) * LOG2E - s
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         if per_row:
             t = t - s_row[:, None]
         l += tl.sum(tl.exp2(t), 1)
@@ -210,7 +242,8 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
                 sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, G0_MODE: tl.constexpr,
                 MIN_SUM: tl.constexpr, SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                CAP_L2: tl.constexpr):
     """OUT_x = out_shift - lse_y(A x.y + OTHER_y) over the y taking part (natural log; lse = 0 where
     none does): f = -lse (row pass, out_shift 0) or g = c - lse (column pass, out_shift c).
     BOUNDED: ref_shift - REF_x bounds every exponent of row x (module doc), the block is summed
@@ -230,20 +263,21 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
     if BOUNDED:
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
         l = _lse_shifted(x, Yh, OTHER, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d, Nx, Ny,
-                         D, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+                         D, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
-                               MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+                               MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
     else:
         m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
-                           MASK_KIND, MASK_SHAPE, G0_MODE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+                           MASK_KIND, MASK_SHAPE, G0_MODE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
     tl.store(OUT + bh * Nx + offs_x, _lse_finish(m, l, out_shift), mask=offs_x < Nx)
 
 
 @triton.jit
 def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
-               BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+               CAP_L2: tl.constexpr):
     """sum_y exp2(A' x.y + YP_y + s [+ inner_x if row_in_exp]) W_y, accumulated per logit (one FFMA);
     one loop with a uniform branch per tile (see _lse_shifted)."""
     acc = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
@@ -252,7 +286,8 @@ def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(YP, offs_y, Ny, float("-inf")) * LOG2E + s
         w = _load_vec(W, offs_y, Ny, 0.0)
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         if row_in_exp:
             t = t + inner[:, None]
         acc += tl.exp2(t) * w[None, :]
@@ -264,7 +299,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
                  sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, SPREAD_MAX: tl.constexpr,
                  BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """OUT_x = out_scale sum_y exp(A x.y + XP_x + YP_y + shift) W_y. The callers' exponents are
     entries of a transport plan (<= 1 up to rounding), so no running maximum is needed; with
     s = min over the block of XP_x, exp2(t + s) <= 1 too and the row factor exp2(XP_x - s) comes
@@ -285,7 +320,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
     factor_out = tl.max(tl.where(in_x, xp, float("-inf")), 0) - s <= SPREAD_MAX   # False for NaN: exact walk
     s = tl.where(factor_out, s, 0.0)
     out = _wsum_walk(x, Yh, YP + bh * Ny, W + bh * Ny, xp, s, not factor_out, Mh, offs_x, offs_d, Nx, Ny, D, a2,
-                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION)
+                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
     out = out * tl.exp2(tl.where(factor_out, xp - s, 0.0))
     tl.store(OUT + bh * Nx + offs_x, out * out_scale, mask=in_x)
 
@@ -293,7 +328,8 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
 @triton.jit
 def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """(m, l, acc) of FlashAttention's online softmax over the tiles of A x.y + G_y."""
     m = tl.full([BLOCK_X], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_X], tl.float32)
@@ -302,7 +338,8 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -318,7 +355,7 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
 def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
                     MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                     BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (per_row: s_row_x), the shift an upper
     bound of every t of its row (one loop, as _lse_shifted)."""
     l = tl.zeros([BLOCK_X], tl.float32)
@@ -327,7 +364,8 @@ def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E - s
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         if per_row:
             t = t - s_row[:, None]
         p = tl.exp2(t)
@@ -342,7 +380,8 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
     the exponents of row x (the last column pass normalised the columns), so the block is summed
@@ -364,13 +403,15 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
         l, acc = _attend_shifted(x, Yh, Vh, G, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d,
                                  offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y,
-                                 BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
+                                 BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
+                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION,
+                                       CAP, CAP_L2)
     else:
         m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION)
+                                   MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP,
+                                   CAP_L2)
     nonempty = l != 0  # a NaN l (a NaN logit) stays NaN, it is not an empty row
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
@@ -397,7 +438,7 @@ def _row_dot_kernel(A, B, OUT, R, D, scale, BLOCK_R: tl.constexpr, BLOCK_D: tl.c
 def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, Mh, offs_x, offs_d, offs_dv, Nx, Ny,
                  D, DV, a2, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                  BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """(sum_y P'_yx dout_y, sum_y P'_yx DELTA_y) with P'_yx = exp2(A' x.y - LSE_y + s [+ inner_x if
     row_in_exp]); one loop with a uniform branch per tile (see _lse_shifted)."""
     dv = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
@@ -406,7 +447,8 @@ def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, 
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = s - _load_vec(LSE, offs_y, Ny, float("inf")) * LOG2E
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
+                    PRECISION, CAP, CAP_L2)
         if row_in_exp:
             t = t + inner[:, None]
         p = tl.exp2(t)
@@ -427,7 +469,8 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
                    sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries).
@@ -451,7 +494,7 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     s = tl.where(factor_out, s, 0.0)
     dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, s, not factor_out, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx,
                           Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, BLOCK_X, BLOCK_Y, BLOCK_DV,
-                          SPLIT_P, UPCAST, PRECISION)
+                          SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
     row = tl.exp2(tl.where(factor_out, g - s, 0.0))
     dv = dv * row[:, None]
     pd = pd * row
@@ -539,7 +582,8 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
                     sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                     L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, KT: tl.constexpr,
                     BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    CAP: tl.constexpr, CAP_L2: tl.constexpr):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
         dL_yx = P_yx (dout_y . v_x - DELTA_y - sum_t [XF^t_y UF^t_x]) - sum_{t slow} (C^t dg^t + R^t df^t)_yx
@@ -555,7 +599,9 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
     over all key blocks (float32 atomics; the host multiplies by A). The l2 term of dq,
     -q_y sum_x dL_yx, is omitted: every row of dL sums to zero (the outputs do not change when a
     constant is added to a row of logits), while the column sums are the adjoint of g^0 = -a|k|^2
-    and stay. Stacks: GS (T + 1, BH, Nx) = g^0..g^T, FS / DFS (T, BH, Ny), DGS (T, BH, Nx); factors
+    and stay. With a softcap (CAP) dL is multiplied by the cap's slope first (the gradient of the
+    uncapped logit -a|q - k|^2, whose rows no longer sum to zero: the dq term is kept, CAP_L2). Stacks: GS (T + 1, BH,
+    Nx) = g^0..g^T, FS / DFS (T, BH, Ny), DGS (T, BH, Nx); factors
     XF (BH, Ny, 2T), UF (BH, Nx, 2T) and FAST (T, BH) from _factors_kernel (any tensors when T = 0)."""
     A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     c = tl.cast(c, tl.float32) * LOG2E
@@ -579,7 +625,8 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
         in_y = offs_y < Ny
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
-        t = _logits(x, y, a2, -lse, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST, PRECISION)
+        t, slope = _scores(x, y, a2, UPCAST, PRECISION, CAP, CAP_L2)
+        t = _apply_mask(t - lse[None, :], Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
         delta = _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)
         dp = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
         for k0 in range(0, 2 * T + 1, KT):   # KT factor columns at a time: one round up to n_iters = 3
@@ -610,10 +657,14 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
                 df = _load_vec(DFS + (it * BH + bh) * Ny, offs_y, Ny, 0.0)
                 w = tl.where(up, dg, dg * rho)[:, None] + tl.where(up, rho, 1.0)[:, None] * df[None, :]
                 dl -= tl.exp2(t + hk[:, None] + fq[None, :]) * w
+        if CAP > 0:  # through the cap: the gradient of the uncapped logit
+            dl = dl * slope
         dk += mm(dl.to(y.dtype), y, UPCAST, PRECISION)
         if L2:
             colsum += tl.sum(dl, 1)
         dq = mm(tl.trans(dl).to(x.dtype), x, UPCAST, PRECISION)
+        if CAP_L2 and CAP > 0:  # capped rows of dl no longer sum to zero: dq's -q_y sum_x dL_yx term stays
+            dq -= y.to(tl.float32) * tl.sum(dl, 0)[:, None]
         tl.atomic_add(DQ + bh * Ny * D + offs_y[:, None] * D + offs_d[None, :], dq,
                       mask=in_y[:, None] & (offs_d[None, :] < D), sem="relaxed")
     if L2:

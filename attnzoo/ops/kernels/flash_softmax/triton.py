@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ... import validate as V
 from ...triton_dropout import call_seed, dropout_flag
+from ...triton_logit_extras import band_bounds
 from ... import triton_tuning as tuning
 from ...triton_utils import (HAVE_TRITON, INTERPRETED, broadcast_rows, common_reason, dot_precision, kernel_mask,
                             kernel_op, launcher, mask_shape, reduce_to_shape, stand_in, tracing_only)
@@ -71,11 +72,7 @@ def window_args(window_left: int, window_right: int, is_causal: bool, Nq: int, N
     folded into ``right`` (the band then holds the causal triangle), so the kernels' causal path is off."""
     if window_left < 0 and window_right < 0:
         return False, 0, 0, is_causal
-    past = Nq + Nk  # beyond any offset j - i - (Nk - Nq); also keeps a huge bound an int32 argument
-    left = min(window_left, past) if window_left >= 0 else past
-    right = min(window_right, past) if window_right >= 0 else past
-    if is_causal:
-        right = min(right, 0)
+    left, right = band_bounds((window_left, window_right), is_causal, Nq, Nk)
     return True, left, right, False
 
 

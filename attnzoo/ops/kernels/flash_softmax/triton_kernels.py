@@ -63,6 +63,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
+    from ...triton_logit_extras import band_keys, band_queries, softcap_tile
     from ...triton_utils import (key_block, load_rows, load_tile, mm, mma, packed_sequence, query_block, store_tile,
                                 tile_logits, visible_keys, visible_queries)
 
@@ -91,13 +92,9 @@ if HAVE_TRITON:
     def cap_logits(s, cap2, SOFTCAP: tl.constexpr):
         """(cap2 tanh(s / cap2), d/ds of it = 1 - tanh^2) on log2-unit logits: with cap2 = softcap * log2(e)
         this is log2(e) * softcap * tanh(l / softcap) of the natural logits l (s = log2(e) l), Gemma 2's cap
-        in the kernels' units. tanh from one exp2 of -2|x| (never overflows; +-1 at +-inf)."""
+        in the kernels' units (ops/triton_logit_extras.softcap_tile)."""
         if SOFTCAP:
-            x = s / cap2
-            e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
-            t = (1.0 - e) / (1.0 + e)
-            t = tl.where(x < 0.0, -t, t)
-            return cap2 * t, 1.0 - t * t
+            return softcap_tile(s, cap2)
         else:
             return s, 1.0
 
@@ -110,36 +107,6 @@ if HAVE_TRITON:
         first = qi + (Nk - Nq - left)
         last = qi + (Nk - Nq + right)
         return tl.where((kj >= first) & (kj <= last), s, float("-inf"))
-
-    @triton.jit
-    def band_keys(start_m, Nq, Nk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(lo, a, b, hi) for the query block [start_m, start_m + BLOCK_M) under a window: key blocks before
-        ``lo`` and keys from ``hi`` on lie outside every row's band (never visited); [a, b) are whole key
-        blocks inside every row's band and in bounds (no masking); [lo, a) and [b, hi) are the band's edge
-        blocks (masked). lo, a, b are multiples of BLOCK_N (or hi)."""
-        off = Nk - Nq
-        lo = (tl.maximum(start_m + off - left, 0) // BLOCK_N) * BLOCK_N
-        hi = tl.maximum(tl.minimum(start_m + BLOCK_M + off + right, Nk), lo)
-        inner_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + off - left, 0), BLOCK_N) * BLOCK_N
-        inner_hi = (tl.maximum(tl.minimum(start_m + off + right + 1, Nk), 0) // BLOCK_N) * BLOCK_N
-        a = tl.minimum(tl.maximum(inner_lo, lo), hi)
-        b = tl.minimum(tl.maximum(inner_hi, a), hi)
-        return lo, a, b, hi
-
-    @triton.jit
-    def band_queries(start_n, Nq, Nk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(first, a, b, hi) for the key block [start_n, start_n + BLOCK_N) under a window: query blocks
-        before ``first`` and queries from ``hi`` on see none of its keys (never visited); [a, b) are whole
-        query blocks whose every row sees every key of the block (no masking); [first, a) and [b, hi) are
-        the edge blocks (masked, query bounds)."""
-        off = Nk - Nq
-        first = (tl.maximum(start_n - off - right, 0) // BLOCK_M) * BLOCK_M
-        hi = tl.maximum(tl.minimum(start_n + BLOCK_N - off + left, Nq), first)
-        inner_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - off - right, 0), BLOCK_M) * BLOCK_M
-        inner_hi = (tl.maximum(tl.minimum(start_n - off + left + 1, Nq), 0) // BLOCK_M) * BLOCK_M
-        a = tl.minimum(tl.maximum(inner_lo, first), hi)
-        b = tl.minimum(tl.maximum(inner_hi, a), hi)
-        return first, a, b, hi
 
     @triton.jit
     def offset_range(qi_at, kj_at, Nq, Nk, CAUSAL_MASK: tl.constexpr):

@@ -1,7 +1,7 @@
 """The pointwise kernels (sigmoid, ReLU / n) bound to one call signature: what a kept plan runs.
 
 As kernels/flash_softmax/bound.py: ``specializer(sigmoid)`` is the Triton backends' ``specialize``
-hook; for a signature with no bias tensor (the default -log n or a float bias) it returns a
+hook; for a signature with no bias tensor (the default -log n or a float bias; a softcap or none) it returns a
 :class:`BoundLaunch` holding the constexprs, the stand-ins, the sizes, the output shapes, the grids
 and, once each kernel's first launch froze them, its tiles. Per call: the strides, the mask's layout
 (one laid out unlike the bound one takes the general route), the dropout seed and ``FAST_SIGMOID``
@@ -25,10 +25,12 @@ if HAVE_TRITON:
 class BoundLaunch:
     """One signature's forward and backward pointwise launches."""
 
-    def __init__(self, generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias):
+    def __init__(self, generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap=None):
         B, H, Nq, D = q.shape
         H_kv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
         self.generic, self.generic_options = generic, ({"bias": bias} if sigmoid else {})
+        if softcap is not None:
+            self.generic_options["softcap"] = softcap
         self.scale, self.dropout_p, self.is_causal = float(scale), float(dropout_p), bool(is_causal)
         self.dropout = self.dropout_p > 0
         self.record_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -50,9 +52,10 @@ class BoundLaunch:
         self.meta = pointwise._launch_flags(
             D, DV, bool(sigmoid), pointwise.sigmoid_impl(q.dtype) if sigmoid else 0, bias_mode, mask_kind,
             self.mask_layout, self.is_causal, self.dropout, q.dtype,
-            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, float(softcap or 0.0), False)
         sizes = (H, Nq, Nk, D, DV, H // H_kv, tuning.n_bucket(Nq), tuning.n_bucket(Nk))
-        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, self.dropout_p)  # bias strides: no tensor
+        # bias strides (no tensor), ..., the unused window offsets (a windowed call never binds a plan)
+        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, 0, 0, self.dropout_p)
         self.shape_key = (D, DV, sizes[6], sizes[7], tuple(self.meta.values()))
         self.tiles = dict(dtype=q.dtype, block_d=self.meta["BLOCK_D"], block_dv=self.meta["BLOCK_DV"],
                           dropout=self.dropout)
@@ -126,10 +129,10 @@ def specializer(sigmoid: bool):
     """The ``specialize`` hook of the sigmoid (``sigmoid=True``) or relu Triton backend: a
     :class:`BoundLaunch` for signatures without a bias tensor, else None."""
     def specialize(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False, bias=None,
-                   **others):
+                   softcap=None, **others):
         if (not HAVE_TRITON or isinstance(bias, torch.Tensor) or others or type(q) is not torch.Tensor
                 or torch.compiler.is_compiling()):
             return None  # a bias tensor (its gradient), or torch.compile tracing: the ops
         generic = pointwise.sigmoid_attention if sigmoid else pointwise.relu_attention
-        return BoundLaunch(generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias)
+        return BoundLaunch(generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap)
     return specialize

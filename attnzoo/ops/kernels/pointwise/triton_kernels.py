@@ -25,6 +25,13 @@ batch index is its sequence, whose start and lengths it reads from the offsets a
 counted within the sequence, so relu's 1/n and sigmoid's -log n are per sequence.
 Loops run in stages as in the softmax-family kernels: whole, in-bounds blocks below the causal
 diagonal without masking arithmetic; the dK/dV kernel works on transposed (keys x queries) tiles.
+Softcap (SOFTCAP, the cap as a constexpr, 0.0 none): s = softcap tanh(scale q.k / softcap) + mask, and
+dS is multiplied by the slope 1 - tanh^2 on its way to dq, dk (after the bias gradient, which sees the
+capped logit).
+Window (WINDOW, ops/triton_logit_extras.py): the band's offsets (left, right; causality folded in by
+the host as right <= 0) replace CAUSAL; a query block walks only the key blocks that meet its rows'
+bands (``band_keys``), a key block of the dK/dV kernel only the query blocks whose bands meet it
+(``band_queries``), and only the band's edge blocks are masked; n_i counts the keys in the band.
 The eager version is ops/kernels/pointwise/reference.py.
 """
 from __future__ import annotations
@@ -39,26 +46,34 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from ...triton_dropout import dropout_args, dropout_scale_at
+    from ...triton_logit_extras import band_keys, band_queries, in_band, softcap_tile
     from ...triton_utils import (causal_end, key_block, load_rows, load_tile, mask_tile, mm, mma, packed_sequence,
                                 query_block, store_tile, tile_logits, visible_keys, visible_queries)
 
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def key_count(offs_m, Nq, Nk, mask_ptr, stride_mm, stride_mn, end_n,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr):
-        """n_i: keys taking part in each row of the block (a pass over the mask only when there is one)."""
+    def key_count(offs_m, Nq, Nk, mask_ptr, stride_mm, stride_mn, start_n, end_n, left, right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
+        """n_i: keys taking part in each row of the block (a pass over the mask's blocks [start_n, end_n)
+        only when there is one; under a window, the keys of the band)."""
         if MASK_KIND == 0:
-            if CAUSAL:
+            if WINDOW:
+                diag = offs_m + (Nk - Nq)
+                n = tl.maximum(tl.minimum(diag + right, Nk - 1) - tl.maximum(diag - left, 0) + 1, 0)
+            elif CAUSAL:
                 n = tl.minimum(tl.maximum(offs_m + (Nk - Nq) + 1, 0), Nk)
             else:
                 n = tl.zeros([BLOCK_M], tl.int32) + Nk
             return n.to(tl.float32)
         n = tl.zeros([BLOCK_M], tl.float32)
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
+        for block_n in range(start_n, end_n, BLOCK_N):
+            offs_n = block_n + tl.arange(0, BLOCK_N)
             _, keep = mask_tile(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), offs_m, offs_n, Nq, Nk,
                                 mask_ptr, stride_mm, stride_mn, MASK_KIND, CAUSAL)
+            if WINDOW:
+                keep = keep & in_band(offs_m[:, None], offs_n[None, :], Nq, Nk, left, right)
             n += tl.sum(keep.to(tl.float32), 1)
         return n
 
@@ -116,32 +131,43 @@ if HAVE_TRITON:
         return bias, 1.0 / n
 
     @triton.jit
-    def key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, mask_ptr, stride_mm, stride_mn,
-                        MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr, EDGE: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """(BLOCK_M, BLOCK_N) scores s = scale q.k + mask, -inf where the key does not take part."""
+    def key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, mask_ptr, stride_mm, stride_mn, softcap, left,
+                        right, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr,
+                        EDGE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                        BAND: tl.constexpr):
+        """((BLOCK_M, BLOCK_N) scores s = cap(scale q.k) + mask, -inf where the key does not take part
+        (BAND: outside the window's band too), the cap's slope (1.0 without SOFTCAP))."""
         s = mm(q, tl.trans(k), UPCAST, PRECISION) * scale
+        if SOFTCAP > 0:
+            s, slope = softcap_tile(s, softcap)
+        else:
+            slope = 1.0
         if EDGE:
             kj_at = tl.minimum(offs_n, Nk - 1)
         else:
             kj_at = offs_n
-        return tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
-                           mask_ptr, stride_mm, stride_mn, 1.0, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        s = tile_logits(s, offs_m[:, None], offs_n[None, :], qi_at[:, None], kj_at[None, :], Nq, Nk,
+                        mask_ptr, stride_mm, stride_mn, 1.0, MASK_KIND, MASK_SHAPE, CAUSAL and EDGE, EDGE)
+        if BAND:
+            s = tl.where(in_band(offs_m[:, None], offs_n[None, :], Nq, Nk, left, right), s, float("-inf"))
+        return s, slope
 
     @triton.jit
-    def fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                  Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p,
+    def fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi, gap_at, gap,
+                  Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, left, right,
                   BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, MASK_KIND: tl.constexpr,
                   MASK_SHAPE: tl.constexpr,
                   CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                  DROPOUT: tl.constexpr, EDGE: tl.constexpr):
-        for start_n in range(lo, hi, BLOCK_N):
+                  DROPOUT: tl.constexpr, EDGE: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr):
+        for start_n in range(lo, hi - gap, BLOCK_N):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_n = tl.where(start_n < gap_at, start_n, start_n + gap)
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, MASK_KIND, MASK_SHAPE,
-                                CAUSAL, EDGE, UPCAST, PRECISION)
+            s, _ = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, softcap, left, right,
+                                   MASK_KIND, MASK_SHAPE, CAUSAL, EDGE, UPCAST, PRECISION, SOFTCAP, BAND)
             w, _ = weights(s, bias[:, None], inv_n[:, None], SIGMOID, SIGMOID_IMPL)
             if DROPOUT:
                 w = w * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
@@ -153,16 +179,19 @@ if HAVE_TRITON:
             Q, K, V, O, N_ROWS, MASK, BIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
             smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            window_left, window_right,
             dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # tune_nq / tune_nk: the autotuning key's length buckets (ops/triton_tuning.py), unused here.
         # inductor passes Python floats as fp64 scalars: keep the fp32 loop-carried types
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        softcap = SOFTCAP  # a constexpr (one model has one cap); 0.0: none
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         if VARLEN:  # b is the packed sequence (kernels/pointwise/varlen.py): its own rows, lengths and n block
@@ -181,32 +210,49 @@ if HAVE_TRITON:
         V += b * svb + (h // GROUP) * svh
         MASK += b * smb + h * smh
 
-        n = key_count(offs_m, Nq, Nk, MASK, smm, smn, causal_end(start_m, Nq, Nk, BLOCK_M, CAUSAL),
-                      BLOCK_M, BLOCK_N, MASK_KIND, CAUSAL)
+        # key blocks [inner, outer): whole, in bounds, visible to every row (no masking). The others are masked:
+        # [outer, end), the diagonal and partial blocks (causal); or, under a window, the band's two edges
+        # [first, inner) and [outer, end), walked as one loop (gap: the inside it jumps over)
+        if WINDOW:
+            first, inner, outer, end = band_keys(start_m, Nq, Nk, window_left, window_right, BLOCK_M, BLOCK_N)
+            edge_lo = first
+            gap = outer - inner
+        else:
+            first = 0
+            inner = 0
+            outer, end = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            edge_lo = outer
+            gap = 0
+        n = key_count(offs_m, Nq, Nk, MASK, smm, smn, first, end, window_left, window_right, BLOCK_M, BLOCK_N,
+                      MASK_KIND, CAUSAL, WINDOW)
         tl.store(N_ROWS + pid_bh * Nq + offs_m, n, mask=offs_m < Nq)
         bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, True)
         q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, True, HEAD_MASK)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
-        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, 0, lo,
-                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID, SIGMOID_IMPL,
-                        MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False)
-        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                        Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID, SIGMOID_IMPL,
-                        MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True)
+        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, inner, outer,
+                        0, 0, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                        window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST,
+                        PRECISION, DROPOUT, False, SOFTCAP, False)
+        acc = fwd_stage(acc, q, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, edge_lo, end,
+                        inner, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
+                        window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, MASK_KIND, MASK_SHAPE, CAUSAL,
+                        HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP, WINDOW)
         O += b * sob + h * soh
         store_tile(O, offs_m, offs_dv, som, sod, Nq, DV, acc)
 
     @triton.jit
     def dkdv_stage(dk, dv, k, v, Q, DO, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h, bias_scalar,
-                   offs_n, kj_at, offs_d, offs_dv, lo, hi, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh,
-                   dropout_p, BLOCK_M: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr,
-                   BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
-                   HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                   offs_n, kj_at, offs_d, offs_dv, lo, hi, gap_at, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed,
+                   pid_bh,
+                   dropout_p, softcap, left, right, BLOCK_M: tl.constexpr, SIGMOID: tl.constexpr,
+                   SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
+                   MASK_SHAPE: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISION: tl.constexpr, DROPOUT: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                   QUERY_BOUND: tl.constexpr):
+                   QUERY_BOUND: tl.constexpr, SOFTCAP: tl.constexpr, BAND: tl.constexpr):
         """dK (unscaled), dV over the query blocks [lo, hi) on transposed (keys x queries) tiles."""
-        for start_m in range(lo, hi, BLOCK_M):
+        for start_m in range(lo, hi - gap, BLOCK_M):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_m = tl.where(start_m < gap_at, start_m, start_m + gap)
             start_m = tl.multiple_of(start_m, BLOCK_M)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = load_tile(Q, offs_m, offs_d, sqm, sqd, Nq, D, QUERY_BOUND, HEAD_MASK)
@@ -218,10 +264,16 @@ if HAVE_TRITON:
             else:
                 qi_at = offs_m
             s = mm(k, tl.trans(q), UPCAST, PRECISION) * scale
+            if SOFTCAP > 0:
+                s, slope = softcap_tile(s, softcap)
             # keys past Nk (a partial last key block) compute gradients that are never stored
             s = tile_logits(s, offs_m[None, :], offs_n[:, None], qi_at[None, :], kj_at[:, None], Nq, Nk,
                             MASK, smm, smn, 1.0, MASK_KIND, MASK_SHAPE, CAUSAL_MASK, False)
+            if BAND:
+                s = tl.where(in_band(offs_m[None, :], offs_n[:, None], Nq, Nk, left, right), s, float("-inf"))
             w, dw = weights(s, bias[None, :], inv_n[None, :], SIGMOID, SIGMOID_IMPL)
+            if SOFTCAP > 0:  # through the cap: dS_raw = dS * (1 - tanh^2)
+                dw = dw * slope
             # rows past Nq (QUERY_BOUND) have finite w and zero dO: they add nothing to dV or dK
             if DROPOUT:  # the same Z as the forward: same seed, same (b, h, i, j) offsets
                 z = dropout_scale_at(seed, pid_bh, offs_m[None, :], offs_n[:, None], Nq, Nk, dropout_p)
@@ -237,16 +289,19 @@ if HAVE_TRITON:
             Q, K, V, DO, N_ROWS, MASK, BIAS, DK, DV_OUT, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            window_left, window_right,
             dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         # One program per key block of one key/value head; it walks the GROUP query heads that share the
         # head (grouped-query attention; GROUP = 1 otherwise) and accumulates their dK, dV in registers.
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        softcap = SOFTCAP  # a constexpr (one model has one cap); 0.0: none
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         H_kv = H // GROUP
         pid_bkv, b, h_kv, start_n, offs_n, kj_at, offs_d, offs_dv = key_block(H_kv, Nk, BLOCK_N, BLOCK_D, BLOCK_DV)
@@ -269,7 +324,11 @@ if HAVE_TRITON:
         v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, True, HEAD_MASK)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if WINDOW:  # query blocks [first, mid) and [full, end) are the band's edges, [mid, full) inside it
+            first, mid, full, end = band_queries(start_n, Nq, Nk, window_left, window_right, BLOCK_M, BLOCK_N)
+        else:
+            first, mid, full = visible_queries(start_n, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            end = Nq
         for g in range(0, GROUP):
             h = h_kv * GROUP + g
             pid_bh = b * H + h
@@ -278,18 +337,27 @@ if HAVE_TRITON:
             MASKh = MASK + b * smb + h * smh
             if CAUSAL:  # diagonal blocks: causal masking
                 dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, Nq, Nk, D, DV, scale,
-                                    MASKh, smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL,
-                                    BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True,
-                                    False)
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, mid, 0, 0, Nq, Nk, D, DV,
+                                    scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, False, SOFTCAP, False)
             dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, Nq, Nk, D, DV, scale, MASKh,
-                                smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
-                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, False)
-            dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
-                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, Nq, Nq, Nk, D, DV, scale, MASKh,
-                                smm, smn, seed, pid_bh, dropout_p, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
-                                MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True)
+                                bias_scalar, offs_n, kj_at, offs_d, offs_dv, mid, full, 0, 0, Nq, Nk, D, DV, scale,
+                                MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left, window_right, BLOCK_M,
+                                SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, HEAD_MASK, UPCAST, PRECISION,
+                                DROPOUT, False, False, SOFTCAP, False)
+            if WINDOW:  # the band's two edges as one loop, jumping over the inside [mid, full)
+                dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, first, end, mid, full - mid, Nq, Nk,
+                                    D, DV, scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, True, SOFTCAP, True)
+            else:  # the partial last query block
+                dk, dv = dkdv_stage(dk, dv, k, v, Qh, DOh, N_ROWS, BIAS, sqm, sqd, sdom, sdod, sbb, sbh, sbm, b, h,
+                                    bias_scalar, offs_n, kj_at, offs_d, offs_dv, full, end, 0, 0, Nq, Nk, D, DV,
+                                    scale, MASKh, smm, smn, seed, pid_bh, dropout_p, softcap, window_left,
+                                    window_right, BLOCK_M, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE,
+                                    HEAD_MASK, UPCAST, PRECISION, DROPOUT, CAUSAL, True, SOFTCAP, False)
         dk = scale * dk
         DK += pid_bkv * Nk * D  # gradients are written contiguous (B, H_kv, N, D)
         DV_OUT += pid_bkv * Nk * DV
@@ -298,24 +366,30 @@ if HAVE_TRITON:
 
     @triton.jit
     def dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv, lo, hi,
-                 Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p,
+                 gap_at, gap,
+                 Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap, left, right,
                  BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr):
-        for start_n in range(lo, hi, BLOCK_N):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+                 SOFTCAP: tl.constexpr, BAND: tl.constexpr):
+        for start_n in range(lo, hi - gap, BLOCK_N):
+            if BAND:  # the band's two edges in one loop: from gap_at on, blocks jump over the inside
+                start_n = tl.where(start_n < gap_at, start_n, start_n + gap)
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = load_tile(K, offs_n, offs_d, skn, skd, Nk, D, EDGE, HEAD_MASK)
             v = load_tile(V, offs_n, offs_dv, svn, svd, Nk, DV, EDGE, HEAD_MASK)
-            s = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, MASK_KIND, MASK_SHAPE,
-                                CAUSAL, EDGE, UPCAST, PRECISION)
+            s, slope = key_tile_scores(q, k, offs_m, offs_n, qi_at, Nq, Nk, scale, MASK, smm, smn, softcap, left,
+                                       right, MASK_KIND, MASK_SHAPE, CAUSAL, EDGE, UPCAST, PRECISION, SOFTCAP, BAND)
             _, dw = weights(s, bias[:, None], inv_n[:, None], SIGMOID, SIGMOID_IMPL)
             if DROPOUT:
                 dw = dw * dropout_scale_at(seed, pid_bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
             ds = mm(do, tl.trans(v), UPCAST, PRECISION) * dw
-            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
-            if BIAS_MODE == 2:
+            if BIAS_MODE == 2:  # the bias is added after the cap: its gradient is dS before the slope
                 dbias += tl.sum(ds, 1)
+            if SOFTCAP > 0:
+                ds = ds * slope
+            dq = mma(ds.to(k.dtype), k, dq, UPCAST, PRECISION)
         return dq, dbias
 
     @triton.jit
@@ -323,14 +397,17 @@ if HAVE_TRITON:
             Q, K, V, DO, N_ROWS, MASK, BIAS, DQ, DBIAS, SEED,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             smb, smh, smm, smn, sbb, sbh, sbm, H, Nq, Nk, D, DV, GROUP, tune_nq, tune_nk, scale, bias_scalar,
+            window_left, window_right,
             dropout_p,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
             SIGMOID: tl.constexpr, SIGMOID_IMPL: tl.constexpr, BIAS_MODE: tl.constexpr, MASK_KIND: tl.constexpr,
             MASK_SHAPE: tl.constexpr,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
             CAUSAL: tl.constexpr, HEAD_MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             DROPOUT: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
         scale = tl.cast(scale, tl.float32)
         bias_scalar = tl.cast(bias_scalar, tl.float32)
+        softcap = SOFTCAP  # a constexpr (one model has one cap); 0.0: none
         seed, dropout_p = dropout_args(SEED, dropout_p, DROPOUT)
         pid_bh, b, h, start_m, offs_m, qi_at, offs_d, offs_dv = query_block(H, Nq, BLOCK_M, BLOCK_D, BLOCK_DV)
         if VARLEN:  # b is the packed sequence: its own rows and lengths; n and dQ in per-sequence blocks
@@ -356,15 +433,24 @@ if HAVE_TRITON:
         bias, inv_n = row_bias(n, BIAS, b, h, offs_m, Nq, sbb, sbh, sbm, bias_scalar, BIAS_MODE, True)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         dbias = tl.zeros([BLOCK_M], tl.float32)
-        lo, hi = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+        if WINDOW:  # the key blocks of the forward's stages (pointwise_fwd_kernel)
+            first, inner, outer, end = band_keys(start_m, Nq, Nk, window_left, window_right, BLOCK_M, BLOCK_N)
+            edge_lo = first
+            gap = outer - inner
+        else:
+            inner = 0
+            outer, end = visible_keys(start_m, Nq, Nk, BLOCK_M, BLOCK_N, CAUSAL)
+            edge_lo = outer
+            gap = 0
         dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
-                             0, lo, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID,
-                             SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
-                             DROPOUT, False)
+                             inner, outer, 0, 0, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, softcap,
+                             window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE, MASK_KIND,
+                             MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, False, SOFTCAP, False)
         dq, dbias = dq_stage(dq, dbias, q, do, bias, inv_n, K, V, skn, skd, svn, svd, offs_m, qi_at, offs_d, offs_dv,
-                             lo, hi, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh, dropout_p, BLOCK_N, SIGMOID,
-                             SIGMOID_IMPL, BIAS_MODE, MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION,
-                             DROPOUT, True)
+                             edge_lo, end, inner, gap, Nq, Nk, D, DV, scale, MASK, smm, smn, seed, pid_bh,
+                             dropout_p, softcap, window_left, window_right, BLOCK_N, SIGMOID, SIGMOID_IMPL, BIAS_MODE,
+                             MASK_KIND, MASK_SHAPE, CAUSAL, HEAD_MASK, UPCAST, PRECISION, DROPOUT, True, SOFTCAP,
+                             WINDOW)
         dq = scale * dq
         DQ += pid_bh * Nq * D  # contiguous (B, H, Nq, D)
         store_tile(DQ, offs_m, offs_d, D, 1, Nq, D, dq)

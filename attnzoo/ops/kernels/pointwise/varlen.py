@@ -66,7 +66,7 @@ if HAVE_TRITON:
         _run(FORWARD, lambda META: (triton.cdiv(max_q, META["BLOCK_M"]), n_seq * H),
              (q, k, v, out, n_rows, stand_in(q, torch.uint8), absent, absent,
               *packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
-              0, 0, 0, 0, 0, 0, 0, *sizes, scale, bias_scalar, 0.0), meta, sizes, cu_q, cu_k, q.dtype)
+              0, 0, 0, 0, 0, 0, 0, *sizes, scale, bias_scalar, 0, 0, 0.0), meta, sizes, cu_q, cu_k, q.dtype)
         return out, n_rows
 
     @kernel_op("attnzoo::pointwise_varlen_bwd", mutates_args=())
@@ -86,7 +86,7 @@ if HAVE_TRITON:
         n_seq, absent, mask = cu_q.shape[0] - 1, stand_in(q, torch.float32), stand_in(q, torch.uint8)
         strides = (*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(grad_out),
                    0, 0, 0, 0, 0, 0, 0)
-        scalars = (scale, bias_scalar, 0.0)
+        scalars = (scale, bias_scalar, 0, 0, 0.0)   # no window (the route declines one), no dropout
         _run(KEYS_BACKWARD, lambda META: (triton.cdiv(max_k, META["BLOCK_N"]), n_seq * H_kv),
              (q, k, v, grad_out, n_rows, mask, absent, dk, dv, mask, *strides, *sizes, *scalars), meta, sizes,
              cu_q, cu_k, q.dtype)
