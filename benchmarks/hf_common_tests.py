@@ -38,7 +38,7 @@ import sys
 ARCHITECTURES = ("gemma2", "gpt_oss", "mistral", "qwen2")
 
 
-def test_files(tree: str, architectures) -> list[str]:
+def model_test_files(tree: str, architectures) -> list[str]:
     files = [os.path.join(tree, "tests", "models", a, f"test_modeling_{a}.py") for a in architectures]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
@@ -61,6 +61,15 @@ class AttentionRoute:
         self.outcomes = collections.defaultdict(collections.Counter)   # architecture -> outcome -> count
         self.calls_by = collections.defaultdict(collections.Counter)   # architecture -> {"tests", "calls"}
         self._before = {}
+        self._undo = []   # (mapping or class, key, previous value): what pytest_unconfigure puts back
+
+    def _set(self, where, key: str, value) -> None:
+        if isinstance(where, dict):
+            self._undo.append((where, key, where[key]))
+            where[key] = value
+        else:
+            self._undo.append((where, key, where.__dict__[key]))
+            setattr(where, key, value)
 
     def pytest_configure(self, config):
         from transformers.masking_utils import AttentionMaskInterface
@@ -69,7 +78,8 @@ class AttentionRoute:
             from attnzoo.adapters.hf import register_hf_attention
             register_hf_attention("softmax")
             function = AttentionInterface._global_mapping["attnzoo_softmax"]
-            AttentionMaskInterface._global_mapping["sdpa"] = AttentionMaskInterface._global_mapping["attnzoo_softmax"]
+            masks = AttentionMaskInterface._global_mapping
+            self._set(masks, "sdpa", masks["attnzoo_softmax"])
             self._claim_sdpa()
         else:
             function = AttentionInterface._global_mapping["sdpa"]
@@ -78,7 +88,15 @@ class AttentionRoute:
             self.calls += 1
             return function(*args, **kwargs)
         counted.__name__ = getattr(function, "__name__", "attention")
-        AttentionInterface._global_mapping["sdpa"] = counted
+        self._set(AttentionInterface._global_mapping, "sdpa", counted)
+
+    def pytest_unconfigure(self, config):
+        while self._undo:
+            where, key, value = self._undo.pop()
+            if isinstance(where, dict):
+                where[key] = value
+            else:
+                setattr(where, key, value)
 
     def _claim_sdpa(self) -> None:
         """Gemma 2's and gpt-oss's models turn SDPA off for what torch's SDPA lacks (softcap, sinks),
@@ -89,7 +107,7 @@ class AttentionRoute:
             for value in vars(module).values():
                 if (isinstance(value, type) and issubclass(value, PreTrainedModel)
                         and value.__dict__.get("_supports_sdpa") is False):
-                    value._supports_sdpa = True
+                    self._set(value, "_supports_sdpa", True)
 
     def pytest_runtest_setup(self, item):
         self._before[item.nodeid] = self.calls
@@ -132,7 +150,7 @@ def main(argv=None) -> int:
     if not args.tree:
         parser.error("--tree (or $TRANSFORMERS_SOURCE) is required: the root of a transformers source tree")
     import pytest
-    files = test_files(os.path.abspath(args.tree), args.models)
+    files = model_test_files(os.path.abspath(args.tree), args.models)
     report = os.path.abspath(args.json) if args.json else None
     route = AttentionRoute(args.attention, args.models)
     # transformers' tests import each other as the package `tests`: run from the tree's root so that
