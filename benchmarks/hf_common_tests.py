@@ -23,8 +23,9 @@ and transformers' test dependencies (pytest, parameterized). Run the same select
     PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --tree ~/src/transformers --attention sdpa -k "not slow"
     PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --tree ~/src/transformers --attention attnzoo -k "not slow"
 
-(``--tree`` defaults to $TRANSFORMERS_SOURCE.) Arguments after the known ones go to pytest. With
-``--json FILE`` the per-architecture counts are written there too.
+(``--tree`` defaults to $TRANSFORMERS_SOURCE.) Arguments after the known ones go to pytest (not
+pytest-xdist's ``-n``: the route is a plugin of this one process). With ``--json FILE`` the
+per-architecture counts are written there too.
 """
 from __future__ import annotations
 
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
     args, pytest_args = parser.parse_known_args(argv)
     if not args.tree:
         parser.error("--tree (or $TRANSFORMERS_SOURCE) is required: the root of a transformers source tree")
+    if any(a == "-n" or a.startswith(("-n=", "--numprocesses", "--dist")) for a in pytest_args):
+        # pytest-xdist's workers would load neither the route nor the counter
+        parser.error("the tests run in this one process (the route to attnzoo is this process's plugin): drop -n")
     import pytest
     files = model_test_files(os.path.abspath(args.tree), args.models)
     report = os.path.abspath(args.json) if args.json else None
