@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install clean test-oldest-torch
+.PHONY: test demo install clean test-oldest-torch test-hf-common
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,3 +42,13 @@ $(OLD_STAMP): pyproject.toml
 test-oldest-torch: $(OLD_STAMP)
 	TRITON_INTERPRET=1 $(OLD)/bin/python -m pytest -q -p no:cacheprovider -k "not under_the_interpreter" \
 		tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py
+
+# transformers' own model tests (test_modeling_common, for Gemma 2, gpt-oss, Mistral, Qwen 2) as transformers
+# runs them, then with attnzoo's softmax as the attention (benchmarks/hf_common_tests.py; docs/swapping.md).
+# Not part of `make test`: it needs TRANSFORMERS_SOURCE, the root of a transformers git checkout at the
+# installed version, and transformers' test dependency parameterized. The target's status is the attnzoo run's.
+test-hf-common: $(STAMP)
+	@test -n "$(TRANSFORMERS_SOURCE)" || { echo "set TRANSFORMERS_SOURCE to a transformers checkout"; exit 2; }
+	$(BIN)/python -m pip install -q parameterized
+	-$(BIN)/python benchmarks/hf_common_tests.py --tree "$(TRANSFORMERS_SOURCE)" --attention sdpa -q -rf
+	$(BIN)/python benchmarks/hf_common_tests.py --tree "$(TRANSFORMERS_SOURCE)" --attention attnzoo -q -rf
