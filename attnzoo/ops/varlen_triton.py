@@ -11,9 +11,10 @@ Taken when the variant registered a Triton varlen form here (from its folder's `
 backend asked for is "triton", or "auto" on a CUDA tensor (auto never picks an interpreted kernel, as
 for the dense Triton backends; on CPU under TRITON_INTERPRET=1 a call asks for "triton" by name, which
 is how the tests run this route), the kernels can run the call (``triton_utils.common_reason``:
-device, dtype, head dims), it drops nothing (``dropout_p == 0``), it has no ``softcap``, ``sinks`` or
-``window_size`` (the varlen kernels do not take them yet), and the form can express the variant's
-options. Nothing here reads the offsets' values: under torch.compile the route traces with them as
+device, dtype, head dims), it drops nothing (``dropout_p == 0``), and the form can express the
+variant's options. ``softcap``, ``sinks`` and ``window_size`` are checked here (logit_extras) and handed
+to the form, which fuses them in the kernels (the pointwise forms decline sinks: their variants refuse
+them on the per-length route, by name). Nothing here reads the offsets' values: under torch.compile the route traces with them as
 tensors and ``max_q`` / ``max_k`` as ints. Otherwise: None, and the caller takes its other routes (the
 blockwise CPU path, the sequences per length, or the padded batch while compiling), where the variant's
 own function checks and dispatches the call.
@@ -40,20 +41,12 @@ def register_route(variant: str, route: Callable) -> None:
 
 
 def register(variant: str, form: Callable) -> None:
-    """``form(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options)``: the variant on packed
-    (T, H, D) inputs through a varlen kernel (k, v with H or fewer heads, checked), or None when
-    ``options`` (the variant's other keyword arguments) hold something it cannot take; reached through
+    """``form(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size,
+    options)``: the variant on packed (T, H, D) inputs through a varlen kernel (k, v with H or fewer
+    heads, checked; softcap, sinks and window_size checked, None when absent), or None when ``options``
+    (the variant's other keyword arguments) or an extra hold something it cannot take; reached through
     the shared checks of the softmax and pointwise families (``family_route``)."""
     register_route(variant, lambda *args: family_route(form, *args))
-
-
-def _no_extras(options: dict) -> bool:
-    """Pops softcap, sinks and window_size; True when none of them changes the call (the varlen
-    kernels compute none of them)."""
-    softcap = options.pop("softcap", None)
-    sinks = options.pop("sinks", None)
-    window = logit_extras.check_window_size(options.pop("window_size", None))
-    return softcap is None and sinks is None and window is None
 
 
 def chosen(name: str, q: torch.Tensor, backend: Optional[str]) -> bool:
@@ -69,14 +62,17 @@ def family_route(form: Callable, q, k, v, cu_q, cu_k, max_q: int, max_k: int, is
                  ) -> Optional[torch.Tensor]:
     """The softmax and pointwise families' route: the shared checks (see the module), then ``form``."""
     options = dict(kwargs)
-    if options.pop("dropout_p", 0.0) != 0.0 or not _no_extras(options) or common_reason(q, k, v) is not None:
+    if options.pop("dropout_p", 0.0) != 0.0 or common_reason(q, k, v) is not None:
         return None
     options.pop("backend", None)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))                 # (1, H, T, D) views
     V.check_qkv(q4, k4, v4, V.check_flag("enable_gqa", options.pop("enable_gqa", False)))
     scale = V.resolve_scale(options.pop("scale", None), q4)
+    softcap = logit_extras.check_softcap(options.pop("softcap", None))
+    sinks = logit_extras.check_sinks(options.pop("sinks", None), q4)
+    window = logit_extras.check_window_size(options.pop("window_size", None))
     return form(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=V.check_flag("is_causal", is_causal),
-                scale=scale, options=options)
+                scale=scale, softcap=softcap, sinks=sinks, window_size=window, options=options)
 
 
 def run(name: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict

@@ -114,12 +114,14 @@ def fenchel_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
                   window_size=window_size, add_b=add_b)
 
 
-def fenchel_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+def fenchel_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size,
+                          options):
     """The varlen Triton form (ops/varlen_triton.py): first order with no preference, as the packed
     blockwise form (a packed call has no (B, H, Nq, Nk) log u), on the online-softmax kernels with the
-    logit scale alpha * scale."""
+    logit scale alpha * scale; softcap, sinks and the window fused."""
     if (set(options) - {"alpha", "solve", "log_u", "relative_bias"} or options.get("log_u") is not None
             or options.get("relative_bias") is not None or options.get("solve", "first_order") != "first_order"):
         return None
     alpha = V.check_positive("alpha", options.get("alpha", 1.0))   # the variant's own rule: alpha > 0
-    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=alpha * scale, is_causal=is_causal)
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=alpha * scale, is_causal=is_causal,
+                                  softcap=softcap, sinks=sinks, window_size=window_size)

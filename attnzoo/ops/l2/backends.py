@@ -64,9 +64,11 @@ def l2_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, option
     return packed(qa, ka, v.to(work), kind="softmax", scale=scale, window_size=window_size).to(v.dtype)
 
 
-def l2_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+def l2_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size, options):
     """The varlen Triton form (ops/varlen_triton.py): the online-softmax kernels with L2 logits on packed
-    sequences (the norms computed in the kernel, as the dense ``triton`` backend)."""
+    sequences (the norms computed in the kernel, as the dense ``triton`` backend), softcap, sinks and
+    the window fused."""
     if options:
         return None
-    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal, l2=True)
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal, l2=True,
+                                  softcap=softcap, sinks=sinks, window_size=window_size)

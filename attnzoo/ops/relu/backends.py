@@ -19,10 +19,11 @@ def relu_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, opti
     return packed(q, k, v, kind="relu", scale=scale, softcap=softcap, window_size=window_size)
 
 
-def relu_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+def relu_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size,
+                       options):
     """The varlen Triton form (ops/varlen_triton.py): the pointwise kernels on packed sequences, n_i per
-    sequence."""
-    if options:
+    sequence, softcap and the window fused; sinks declined (the per-length route refuses them by name)."""
+    if options or sinks is not None:
         return None
     return pointwise_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
-                                      sigmoid=False)
+                                      sigmoid=False, softcap=softcap, window_size=window_size)

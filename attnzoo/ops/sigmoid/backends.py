@@ -46,16 +46,18 @@ def sigmoid_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     return packed(q, k, v, kind="sigmoid", scale=scale, softcap=softcap, window_size=window_size, add_b=bias)
 
 
-def sigmoid_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
+def sigmoid_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size,
+                          options):
     """The varlen Triton form (ops/varlen_triton.py): the pointwise kernels on packed sequences, the
     default bias -log n_i per sequence or a constant ``bias`` (a tensor bias is declined, as in the
-    packed blockwise form)."""
+    packed blockwise form), softcap and the window fused; sinks declined (the per-length route refuses
+    them by name)."""
     bias = options.get("bias")
-    if set(options) - {"bias"} or isinstance(bias, torch.Tensor):
+    if set(options) - {"bias"} or isinstance(bias, torch.Tensor) or sinks is not None:
         return None
     if bias is not None:   # the variant's own rule: a finite real number
         bias = V.check_real("bias", bias)
         if not V.is_finite(bias):
             raise ValueError(f"bias must be finite, got {bias}")
     return pointwise_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
-                                      sigmoid=True, bias=bias)
+                                      sigmoid=True, bias=bias, softcap=softcap, window_size=window_size)

@@ -26,8 +26,11 @@ def softmax_cpu_varlen(packed, q, k, v, *, scale, softcap, sinks, window_size, o
     return packed(q, k, v, kind="softmax", scale=scale, softcap=softcap, sinks=sinks, window_size=window_size)
 
 
-def softmax_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, options):
-    """The varlen Triton form (ops/varlen_triton.py): the online-softmax kernels on packed sequences."""
+def softmax_triton_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, scale, softcap, sinks, window_size,
+                          options):
+    """The varlen Triton form (ops/varlen_triton.py): the online-softmax kernels on packed sequences,
+    softcap, sinks and the window fused."""
     if options:
         return None
-    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal)
+    return flash_varlen.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, is_causal=is_causal,
+                                  softcap=softcap, sinks=sinks, window_size=window_size)
