@@ -184,15 +184,14 @@ def test_route_is_chosen_by_backend_and_device():
 
 @needs_interpreter
 @pytest.mark.parametrize("variant,extra", [
-    ("softmax", {"dropout_p": 0.1}), ("softmax", {"softcap": 30.0}), ("softmax", {"window_size": (4, 0)}),
-    ("softmax", {"sinks": torch.zeros(H)}), ("fenchel", {"solve": "second_order"}),
+    ("softmax", {"dropout_p": 0.1}), ("fenchel", {"solve": "second_order"}),
     ("fenchel", {"log_u": torch.zeros(1)}), ("softmax", {"unknown": 1}), ("sigmoid", {"bias": torch.zeros(1)}),
-    ("relu", {"softcap": 5.0})],
-    ids=["dropout", "softcap", "window", "sinks", "second_order", "log_u", "unknown_option", "sigmoid_tensor_bias",
-         "relu_softcap"])
+    ("relu", {"sinks": torch.zeros(H)})],
+    ids=["dropout", "second_order", "log_u", "unknown_option", "sigmoid_tensor_bias", "relu_sinks"])
 def test_declined_calls_take_the_other_routes(variant, extra):
     """What the varlen kernels do not compute is declined (None: the caller runs the sequences per
-    length, where the variant's own function computes or refuses it), never run wrongly."""
+    length, where the variant's own function computes or refuses it), never run wrongly. softcap, sinks
+    and window_size are taken (tests/test_triton_varlen_extras.py)."""
     q, k, v = packed_inputs(torch.float32)
     kwargs = {**dict(scale=None, dropout_p=0.0, backend="triton", enable_gqa=True), **extra}
     assert varlen_triton.run(variant, q, k, v, offsets(LEN_Q), offsets(LEN_K), max(LEN_Q), max(LEN_K), False,
