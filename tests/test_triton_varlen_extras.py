@@ -16,7 +16,7 @@ import torch
 
 import attnzoo.functional as AF
 from attnzoo.ops import varlen_triton
-from tests.common import needs_interpreter
+from tests.common import needs_gpu, needs_interpreter
 from tests.flash_rule import assert_flash_rule
 from tests.test_triton_varlen import offsets, refuse_other_routes
 
@@ -86,13 +86,13 @@ def one_by_one(case, q, k, v, sinks, causal, softcap, window):
     return torch.cat(outs)
 
 
-def packed_call(case, causal, softcap, window, backend="triton"):
+def packed_call(case, causal, softcap, window, backend="triton", device="cpu"):
     variant, options, _, _ = CASES[case]
     extras = {"softcap": softcap, "window_size": window}
 
     def call(q, k, v, sinks=None):
-        return AF.varlen(variant, q, k, v, offsets(LEN_Q), offsets(LEN_K), max(LEN_Q), max(LEN_K), is_causal=causal,
-                         enable_gqa=True, backend=backend, sinks=sinks, **extras, **options)
+        return AF.varlen(variant, q, k, v, offsets(LEN_Q, device), offsets(LEN_K, device), max(LEN_Q), max(LEN_K),
+                         is_causal=causal, enable_gqa=True, backend=backend, sinks=sinks, **extras, **options)
     return call
 
 
@@ -247,3 +247,19 @@ def test_compile_keeps_one_graph_with_the_extras():
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert len(graphs) == 1 and "softmax_family_varlen_fwd" in str(graphs[0].graph)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["softmax", "l2", "sigmoid", "relu"])
+def test_gpu_auto_runs_the_extras_in_the_varlen_kernels_within_flash_rule(case):
+    """Compiled kernels, auto's route on CUDA: window + causal + softcap (+ sinks in the softmax family), bf16."""
+    with_sinks = CASES[case][2] in ("softmax", "l2")
+    leaves = inputs(torch.bfloat16, with_sinks)
+    cot = cotangent()
+    got = on_the_triton_route(out_and_grads)(packed_call(case, True, 1.5, (4, -1), backend=None, device="cuda"),
+                                             [t.cuda() for t in leaves], cot.cuda())
+    low = out_and_grads(packed_call(case, True, 1.5, (4, -1), backend="reference"), leaves, cot)
+    want = out_and_grads(lambda q, k, v, s=None: one_by_one(case, q, k, v, s, True, 1.5, (4, -1)),
+                         [t.double() for t in leaves], cot)
+    assert_flash_rule(f"{case}-varlen-extras-gpu", torch.bfloat16, 30.0,
+                      list(zip(NAMES, [t.cpu() for t in got], low, want)))

@@ -12,10 +12,10 @@ backend asked for is "triton", or "auto" on a CUDA tensor (auto never picks an i
 for the dense Triton backends; on CPU under TRITON_INTERPRET=1 a call asks for "triton" by name, which
 is how the tests run this route), the kernels can run the call (``triton_utils.common_reason``:
 device, dtype, head dims), it drops nothing (``dropout_p == 0``), and the form can express the
-variant's options. ``softcap``, ``sinks`` and ``window_size`` are checked here (logit_extras) and handed
-to the form, which fuses them in the kernels (the pointwise forms decline sinks: their variants refuse
-them on the per-length route, by name). Nothing here reads the offsets' values: under torch.compile the route traces with them as
-tensors and ``max_q`` / ``max_k`` as ints. Otherwise: None, and the caller takes its other routes (the
+variant's options. ``softcap``, ``sinks`` and ``window_size`` are checked here (logit_extras) and
+handed to the form, which fuses them in the kernels (the pointwise forms decline sinks: their variants
+refuse them on the per-length route, by name). Nothing here reads the offsets' values: under
+torch.compile the route traces with them as tensors and ``max_q`` / ``max_k`` as ints. Otherwise: None, and the caller takes its other routes (the
 blockwise CPU path, the sequences per length, or the padded batch while compiling), where the variant's
 own function checks and dispatches the call.
 """
