@@ -3,8 +3,9 @@
 Everything the checks and the dispatcher decide about a call depends on its *signature*: the variant,
 the requested backend (and ``use_backend``'s default), grad mode, each tensor's shape, dtype, device
 and ``requires_grad``, and the plain values of the flags and options (``is_causal``, ``scale``,
-``dropout_p``, ``n_iters``, ...). A :class:`Plan` holds those decisions (the checked scalars, the
-checked options when they hold no tensor, the chosen backend and whether it hides NaN queries), kept
+``dropout_p``, ``n_iters``, ``window_size``, ...). A :class:`Plan` holds those decisions (the checked
+scalars, the checked options when they hold no tensor, the chosen backend and whether it hides NaN
+queries, how a window runs: passed to a backend that takes it or its band folded into the mask), kept
 in a dictionary keyed by the signature. A call whose signature was seen runs its plan: the only
 per-call work left is what depends on tensor *values* (the NaN / +inf check of a float mask on CPU,
 the check of tensor options such as ``log_u``) and the kernel.
