@@ -155,3 +155,16 @@ def test_windowed_grouped_heads_reach_the_triton_kernels_unexpanded(kind, bound_
     got_grads = torch.autograd.grad(outs[1], (q, k, v), grad.float())
     for got, expected in zip(got_grads, want_grads):
         torch.testing.assert_close(got.double(), expected, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_windowed_grouped_heads_on_the_cpu_routes(backend, plans_made):
+    """The blockwise path takes the window but not shared heads (k, v expanded); SDPA takes shared
+    heads but not the window (the band folded in, enable_gqa passed on)."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 9, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 11, 8, dtype=torch.float64) for _ in range(2))
+    for _ in range(2):
+        out = AF.softmax(q, k, v, window_size=(2, 2), enable_gqa=True, backend=backend)
+        torch.testing.assert_close(out, reference("softmax", q, k, v, (2, 2)), rtol=1e-10, atol=1e-10)
+    assert plans_made == ["softmax"]
