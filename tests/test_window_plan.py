@@ -168,3 +168,15 @@ def test_windowed_grouped_heads_on_the_cpu_routes(backend, plans_made):
         out = AF.softmax(q, k, v, window_size=(2, 2), enable_gqa=True, backend=backend)
         torch.testing.assert_close(out, reference("softmax", q, k, v, (2, 2)), rtol=1e-10, atol=1e-10)
     assert plans_made == ["softmax"]
+
+
+@pytest.mark.parametrize("backend,route,heads", [("triton", "skips what lies outside the band", "in place"),
+                                                 ("cpu", "skips what lies outside the band", "expanded"),
+                                                 ("torch", "folded into its mask", "in place")])
+def test_explain_tells_the_window_route_and_the_grouped_heads(backend, route, heads):
+    import attnzoo
+    q = torch.randn(1, 4, 9, 8)
+    k, v = (torch.randn(1, 2, 9, 8) for _ in range(2))
+    notes = attnzoo.explain("softmax", q, k, v, window_size=(2, 0), enable_gqa=True, backend=backend).notes
+    assert any("window_size=(2, 0)" in n and route in n for n in notes), notes
+    assert any("grouped-query" in n and heads in n for n in notes), notes

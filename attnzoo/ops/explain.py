@@ -26,13 +26,19 @@ def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
     kw = backend_kwargs(name, q, k, v, **shared, **options)
     group = call.gqa_group(q, k)
     kk, vv = (call.expand_heads(k, group), call.expand_heads(v, group)) if group > 1 else (k, v)
+    native = None
     if window is not None:  # as the call path routes it (ops/call_path.py)
         native, band = window_route(name, backend or dispatch.default_backend(), q, kk, vv, kw, window)
-        if native is not None:
-            return dispatch.Choice(name, native, backend or dispatch.default_backend(),
-                                   notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
-        kw["attn_mask"] = logit_extras.mask_with_window(kw["attn_mask"], band)
-    choice = dispatch.choose(name, backend, q, kk, vv, **kw)
+        if native is None:
+            kw["attn_mask"] = logit_extras.mask_with_window(kw["attn_mask"], band)
+    if native is not None:
+        choice = dispatch.Choice(name, native, backend or dispatch.default_backend(),
+                                 notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
+    else:
+        choice = dispatch.choose(name, backend, q, kk, vv, **kw)
+        if window is not None:
+            choice.notes = choice.notes + (f"window_size={window}: '{choice.backend.name}' does not take windows: "
+                                           "the band is folded into its mask (an (Nq, Nk) bool tensor)",)
     if group > 1:
         how = ("indexes each shared key/value head in place" if choice.backend.gqa else
                "does not index shared heads: k and v are expanded to q's heads first (a copy)")
