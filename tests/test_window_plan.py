@@ -180,3 +180,27 @@ def test_explain_tells_the_window_route_and_the_grouped_heads(backend, route, he
     notes = attnzoo.explain("softmax", q, k, v, window_size=(2, 0), enable_gqa=True, backend=backend).notes
     assert any("window_size=(2, 0)" in n and route in n for n in notes), notes
     assert any("grouped-query" in n and heads in n for n in notes), notes
+
+
+# the kept plan's host work around the kernels of a windowed grouped-query call: the allocations of a
+# plain call (out, lse | delta, dq, dk, dv; pointwise: out, n | dq, dk, dv) and nothing else: no band
+# built, no k / v expanded (repeat_interleave) and no gradient summed back over a group
+WINDOWED_GQA_HOST_OPS = {"softmax": (["aten::empty"] * 2, ["aten::empty"] * 4),
+                         "sigmoid": (["aten::empty"] * 2, ["aten::empty"] * 3)}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", list(WINDOWED_GQA_HOST_OPS))
+def test_a_kept_windowed_gqa_plan_only_allocates(kind, monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+    from tests.test_host_cost import top_level_aten
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs: None)
+    q = torch.randn(1, 4, 24, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 24, 16, requires_grad=True) for _ in range(2))
+    fn = getattr(AF, kind)
+    fn(q, k, v, window_size=(7, 0), enable_gqa=True, backend="triton")  # the plan, its bound launches
+    outs = []
+    forward = top_level_aten(lambda: outs.append(fn(q, k, v, window_size=(7, 0), enable_gqa=True, backend="triton")))
+    cot = torch.ones(1, 4, 24, 16)
+    backward = top_level_aten(lambda: torch.autograd.grad(outs[0], (q, k, v), cot))
+    assert (sorted(forward), sorted(backward)) == WINDOWED_GQA_HOST_OPS[kind]
