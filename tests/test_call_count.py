@@ -33,6 +33,10 @@ BUDGETS = {
     ("relu", ()): (13, 9),
     ("linear", (("is_causal", True),)): (15, 14),
     ("sinkhorn", (("n_iters", 3),)): (17, 11),
+    # a sliding window is part of the signature and bound into the launches like the cap: a windowed
+    # repeated call costs what a plain one does (issue 29; 88 / 48 softmax, 85 / 37 sigmoid before)
+    ("softmax", (("window_size", (8, 0)),)): (13, 11),
+    ("sigmoid", (("window_size", (8, 0)),)): (13, 9),
 }
 ISSUE_TARGETS = {"softmax": 25, "l2": 25, "fenchel": 25, "sigmoid": 25, "relu": 25, "linear": 30, "sinkhorn": 60}
 
@@ -70,7 +74,8 @@ def no_kernel_runs(monkeypatch):
 
 @needs_interpreter
 @pytest.mark.usefixtures("no_kernel_runs")
-@pytest.mark.parametrize("variant,options", list(BUDGETS), ids=[v for v, _ in BUDGETS])
+@pytest.mark.parametrize("variant,options", list(BUDGETS),
+                         ids=[v + "".join(f"-{n}" for n, _ in o if n == "window_size") for v, o in BUDGETS])
 def test_a_kept_plan_makes_few_python_calls(variant, options):
     fn = getattr(AF, variant)
     q, k, v = (torch.randn(1, 2, 64, 32, requires_grad=True) for _ in range(3))

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from . import call, dispatch
 from . import logit_extras
 from . import validate as V
-from .call_path import _windowed, _with_extras, backend_kwargs
+from .call_path import _with_extras, backend_kwargs, window_route
 from .catalog import _VARIANTS
 from .record import SHARED_ARGS, Variant
 
@@ -23,20 +23,22 @@ def explain(name: str, q, k, v, backend=None, **kwargs) -> dispatch.Choice:
                **{n: kwargs[n] for n in logit_extras.NAMES if n in kwargs}}
     options, window = _with_extras(record, options)
     shared = {n: kwargs[n] for n in call.SHARED_KWARGS + ("enable_gqa",) if n in kwargs}
-    if window is not None:
-        native, found = _windowed(name, backend, q, k, v, shared.get("attn_mask"), shared.get("is_causal", False),
-                                  shared.get("scale"), shared.get("dropout_p", 0.0), shared.get("enable_gqa", False),
-                                  options, window)
-        if native is not None:
-            return dispatch.Choice(name, native, backend or dispatch.default_backend(),
-                                   notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
-        shared["attn_mask"] = found
     kw = backend_kwargs(name, q, k, v, **shared, **options)
     group = call.gqa_group(q, k)
-    if group > 1:
-        choice = dispatch.choose(name, backend, q, call.expand_heads(k, group), call.expand_heads(v, group), **kw)
+    kk, vv = (call.expand_heads(k, group), call.expand_heads(v, group)) if group > 1 else (k, v)
+    native = None
+    if window is not None:  # as the call path routes it (ops/call_path.py)
+        native, band = window_route(name, backend or dispatch.default_backend(), q, kk, vv, kw, window)
+        if native is None:
+            kw["attn_mask"] = logit_extras.mask_with_window(kw["attn_mask"], band)
+    if native is not None:
+        choice = dispatch.Choice(name, native, backend or dispatch.default_backend(),
+                                 notes=(f"window_size={window}: '{native.name}' skips what lies outside the band",))
     else:
-        choice = dispatch.choose(name, backend, q, k, v, **kw)
+        choice = dispatch.choose(name, backend, q, kk, vv, **kw)
+        if window is not None:
+            choice.notes = choice.notes + (f"window_size={window}: '{choice.backend.name}' does not take windows: "
+                                           "the band is folded into its mask (an (Nq, Nk) bool tensor)",)
     if group > 1:
         how = ("indexes each shared key/value head in place" if choice.backend.gqa else
                "does not index shared heads: k and v are expanded to q's heads first (a copy)")

@@ -30,13 +30,14 @@ from typing import Optional
 
 import torch
 
-from . import call, dispatch
+from . import dispatch
 from . import validate as V
 from .masking import masked_softmax
 
 # the arguments this module owns, in every variant's function signature
 NAMES = ("softcap", "sinks", "window_size")
-# the two that reach the backends (a window reaches them as part of the mask)
+# the two that reach the backends as options; a window reaches a backend that lists it in its extras
+# as ``window_size`` and any other folded into the mask (ops/call_path.py decides, once per signature)
 BACKEND_EXTRAS = ("softcap", "sinks")
 NO_WINDOW = (-1, -1)
 WORDS = {"softcap": "logit softcapping (softcap)", "sinks": "attention sinks (sinks)",
@@ -67,10 +68,16 @@ def window_keep(window: tuple[int, int], nq: int, nk: int, device=None) -> torch
     return keep
 
 
-def mask_with_window(attn_mask, window: tuple[int, int], nq: int, nk: int, device):
-    """``attn_mask`` with the keys outside the band removed: a bool mask AND the band, a float mask with
-    -inf outside it, or the band itself. (The mask was checked: bool or floating, broadcastable.)"""
-    band = window_keep(window, nq, nk, device)
+def window_band(window: tuple[int, int], nq: int, nk: int, device=None) -> torch.Tensor:
+    """The band as a (1, 1, nq, nk) bool mask: what a backend that does not take the window receives
+    (folded into the call's mask by :func:`mask_with_window`)."""
+    return window_keep(window, nq, nk, device)[None, None]
+
+
+def mask_with_window(attn_mask, band: torch.Tensor):
+    """``attn_mask`` with the keys outside ``band`` (:func:`window_band`) removed: a bool mask AND the
+    band, a float mask with -inf outside it, or the band itself. (The mask was checked: bool or
+    floating, broadcastable.)"""
     if attn_mask is None:
         return band
     if attn_mask.dtype == torch.bool:
@@ -136,34 +143,22 @@ def masked_softmax_with_sinks(logits: torch.Tensor, keep, sinks: Optional[torch.
     return e / (e.sum(-1, keepdim=True) + torch.exp(sink - row_max))
 
 
-def native_window_backend(name: str, backend, q, k, v, kw: dict) -> Optional[dispatch.Backend]:
+def native_window_backend(name: str, requested: str, q, k, v, kw: dict) -> Optional[dispatch.Backend]:
     """The backend that runs this windowed call with the window itself, or None (then the band is folded
     into the mask): the one named if it takes windows and accepts the call; under auto the first by
     priority that takes windows, may run on this device and accepts the call (``auto_prefers`` too).
-    ``kw``: the checked backend arguments with ``window_size``."""
-    requested = backend or dispatch.default_backend()
+    ``requested``: the backend asked for (``use_backend``'s default already read); ``k``, ``v`` with
+    q's heads (grouped heads expanded: the predicates see what a backend computes with); ``kw``: the
+    checked backend arguments with ``window_size``. Decided once per call signature (ops/call_path.py)."""
     natives = [b for b in dispatch.backend_table(name).values() if "window_size" in b.extras]
     for b in sorted(natives, key=lambda b: -b.priority):
         if requested != dispatch.AUTO and b.name != requested:
             continue
         if requested == dispatch.AUTO and q.device.type not in b.auto_devices:
             continue
-        kk, vv = _expanded(b, q, k, v)
-        why = dispatch.extras_reason(b, kw) or b.supports(q, kk, vv, **kw)
+        why = dispatch.extras_reason(b, kw) or b.supports(q, k, v, **kw)
         if why is None and requested == dispatch.AUTO and b.auto_prefers is not None:
-            why = b.auto_prefers(q, kk, vv, **kw)
+            why = b.auto_prefers(q, k, v, **kw)
         if why is None:
             return b
     return None
-
-
-def _expanded(b: dispatch.Backend, q, k, v):
-    group = call.gqa_group(q, k)
-    return (k, v) if group <= 1 else (call.expand_heads(k, group), call.expand_heads(v, group))
-
-
-def run_native_window(b: dispatch.Backend, q, k, v, kw: dict) -> torch.Tensor:
-    if q.shape[0] == 0 or q.shape[1] == 0:
-        return call.empty_output(q, k, v)
-    k, v = _expanded(b, q, k, v)
-    return b.fn(q, k, v, **kw)

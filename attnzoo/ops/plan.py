@@ -3,8 +3,9 @@
 Everything the checks and the dispatcher decide about a call depends on its *signature*: the variant,
 the requested backend (and ``use_backend``'s default), grad mode, each tensor's shape, dtype, device
 and ``requires_grad``, and the plain values of the flags and options (``is_causal``, ``scale``,
-``dropout_p``, ``n_iters``, ...). A :class:`Plan` holds those decisions (the checked scalars, the
-checked options when they hold no tensor, the chosen backend and whether it hides NaN queries), kept
+``dropout_p``, ``n_iters``, ``window_size``, ...). A :class:`Plan` holds those decisions (the checked
+scalars, the checked options when they hold no tensor, the chosen backend and whether it hides NaN
+queries, how a window runs: passed to a backend that takes it or its band folded into the mask), kept
 in a dictionary keyed by the signature. A call whose signature was seen runs its plan: the only
 per-call work left is what depends on tensor *values* (the NaN / +inf check of a float mask on CPU,
 the check of tensor options such as ``log_u``) and the kernel.
@@ -45,10 +46,10 @@ _PLAIN_TYPES = (type(None), bool, int, float, str)
 class Plan:
     """The decisions for one call signature. ``options`` is None when the options hold a tensor (the
     variant's ``check`` then runs on every call, for the values it reads and the views it makes)."""
-    __slots__ = ("fn", "choice", "shared", "options", "restore_nan", "empty", "gqa_group")
+    __slots__ = ("fn", "choice", "shared", "options", "restore_nan", "empty", "gqa_group", "fold_window", "band")
 
     def __init__(self, choice: dispatch.Choice, shared: dict, options: Optional[dict], restore_nan: bool,
-                 empty: bool, gqa_group: int, fn: Optional[Callable] = None):
+                 empty: bool, gqa_group: int, fn: Optional[Callable] = None, fold_window=None, band=None):
         self.choice = choice
         self.fn: Callable = fn or choice.backend.fn  # the backend, or its form specialised to the signature
         self.shared = shared  # is_causal, scale, dropout_p (checked); attn_mask is per call
@@ -58,22 +59,29 @@ class Plan:
         # 0: k, v have q's heads or the backend indexes the shared heads itself (enable_gqa=True
         # passed on); G > 1: k, v are expanded to q's heads (each key/value head repeated G times)
         self.gqa_group = gqa_group
+        # a window the backend does not take: (left, right), its band folded into each call's mask, and
+        # the band itself ((1, 1, Nq, Nk) bool) when it was small enough to keep (else built per call).
+        # A backend that takes the window finds it in ``shared`` instead ("window_size").
+        self.fold_window = fold_window
+        self.band = band
 
 
 def _tensor_signature(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
-def signature(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict):
+def signature(name: str, backend, q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, options: dict,
+              window=None):
     """(the key of this call, whether its options hold a tensor), or (None, None) when the call cannot be
     keyed safely. Plain values enter with their type (1, 1.0 and True are different calls: a check may
-    accept one and refuse another)."""
+    accept one and refuse another). ``window``: None, or the call's ``window_size`` as a pair of ints
+    (``call_path.attend`` passes only that form; its values are checked when the plan is made)."""
     if not (type(backend) in _PLAIN_TYPES and type(is_causal) in _PLAIN_TYPES and type(scale) in _PLAIN_TYPES
             and type(dropout_p) in _PLAIN_TYPES and type(enable_gqa) in _PLAIN_TYPES):
         return None, None  # an array or a list: the full path's checks name the argument
     parts: list[Any] = [name, type(backend), backend, torch.is_grad_enabled(),
                         type(is_causal), is_causal, type(scale), scale, type(dropout_p), dropout_p,
-                        type(enable_gqa), enable_gqa]
+                        type(enable_gqa), enable_gqa, window]
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None, None  # a subclass (fake, DTensor) or not a tensor: the full path
     # _tensor_signature written out: this runs on every call

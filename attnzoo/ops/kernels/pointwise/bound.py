@@ -1,7 +1,8 @@
 """The pointwise kernels (sigmoid, ReLU / n) bound to one call signature: what a kept plan runs.
 
 As kernels/flash_softmax/bound.py: ``specializer(sigmoid)`` is the Triton backends' ``specialize``
-hook; for a signature with no bias tensor (the default -log n or a float bias; a softcap or none) it returns a
+hook; for a signature with no bias tensor (the default -log n or a float bias; a softcap or none; a
+window or none: the cap and the window are plain values of the signature) it returns a
 :class:`BoundLaunch` holding the constexprs, the stand-ins, the sizes, the output shapes, the grids
 and, once each kernel's first launch froze them, its tiles. Per call: the strides, the mask's layout
 (one laid out unlike the bound one takes the general route), the dropout seed and ``FAST_SIGMOID``
@@ -25,12 +26,15 @@ if HAVE_TRITON:
 class BoundLaunch:
     """One signature's forward and backward pointwise launches."""
 
-    def __init__(self, generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap=None):
+    def __init__(self, generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap=None,
+                 window_size=None):
         B, H, Nq, D = q.shape
         H_kv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
         self.generic, self.generic_options = generic, ({"bias": bias} if sigmoid else {})
         if softcap is not None:
             self.generic_options["softcap"] = softcap
+        if window_size is not None:
+            self.generic_options["window_size"] = window_size
         self.scale, self.dropout_p, self.is_causal = float(scale), float(dropout_p), bool(is_causal)
         self.dropout = self.dropout_p > 0
         self.record_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -49,13 +53,15 @@ class BoundLaunch:
             self.mask_layout = mask_shape(attn_mask.expand(self.expand_to).stride())
         self.mask_kind = mask_kind
         bias_mode, bias_scalar = (BIAS_DEFAULT, 0.0) if bias is None else (BIAS_SCALAR, float(bias))
+        # the cap and the window as the op passes them (a window carries causality in its band offsets)
+        launch_causal, extra_flags, band = pointwise.logit_extras(softcap, window_size, self.is_causal, Nq, Nk)
         self.meta = pointwise._launch_flags(
             D, DV, bool(sigmoid), pointwise.sigmoid_impl(q.dtype) if sigmoid else 0, bias_mode, mask_kind,
-            self.mask_layout, self.is_causal, self.dropout, q.dtype,
-            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, float(softcap or 0.0), False)
+            self.mask_layout, launch_causal, self.dropout, q.dtype,
+            q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, *extra_flags)
         sizes = (H, Nq, Nk, D, DV, H // H_kv, tuning.n_bucket(Nq), tuning.n_bucket(Nk))
-        # bias strides (no tensor), ..., the unused window offsets (a windowed call never binds a plan)
-        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, 0, 0, self.dropout_p)
+        # bias strides (no tensor), sizes, scalars, the band's offsets (0, 0 and unread without a window)
+        self.tail = (0, 0, 0, *sizes, self.scale, bias_scalar, *band, self.dropout_p)
         self.shape_key = (D, DV, sizes[6], sizes[7], tuple(self.meta.values()))
         self.tiles = dict(dtype=q.dtype, block_d=self.meta["BLOCK_D"], block_dv=self.meta["BLOCK_DV"],
                           dropout=self.dropout)
@@ -129,10 +135,11 @@ def specializer(sigmoid: bool):
     """The ``specialize`` hook of the sigmoid (``sigmoid=True``) or relu Triton backend: a
     :class:`BoundLaunch` for signatures without a bias tensor, else None."""
     def specialize(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0, enable_gqa=False, bias=None,
-                   softcap=None, **others):
+                   softcap=None, window_size=None, **others):
         if (not HAVE_TRITON or isinstance(bias, torch.Tensor) or others or type(q) is not torch.Tensor
                 or torch.compiler.is_compiling()):
             return None  # a bias tensor (its gradient), or torch.compile tracing: the ops
         generic = pointwise.sigmoid_attention if sigmoid else pointwise.relu_attention
-        return BoundLaunch(generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap)
+        return BoundLaunch(generic, q, k, v, attn_mask, is_causal, scale, dropout_p, sigmoid, bias, softcap,
+                           window_size)
     return specialize
