@@ -173,8 +173,9 @@ def test_batched_band_reads_strided_heads():
 def test_band_backward_holds_two_score_chunks_at_most(monkeypatch):
     """The windowed forward + backward's own temporaries (the peak of every tensor alive at once, from the
     profiler's allocation records, less the output, its row statistic and dq, dk, dv) stay within two
-    chunks of scores (the weights and dL/dw, one buffer each, reused by every chunk and head) and a few
-    numbers per row: no (G, L, D) product of dK / dV runs, no scaled copy of q, no separate dS block."""
+    chunks of scores (the weights and dL/dw, one buffer each, reused by every chunk and head), a few
+    numbers per row and the band's patterns: no (G, L, D) product of dK / dV runs, no scaled copy of q, no
+    separate dS block."""
     b, h, n, d = 1, 2, 512, 64
     rows, width = 32, 96  # a causal window of 64 keys: 32 + 63 keys a block, rounded up to 3 x 32
     monkeypatch.setattr(blockwise_band, "CHUNK_SCORES", 4 * rows * width)  # 4 blocks per chunk
@@ -188,4 +189,5 @@ def test_band_backward_holds_two_score_chunks_at_most(monkeypatch):
     returned = sum(t.untyped_storage().nbytes() for t in (out, stat, *grads[:3]))
     chunk = blockwise_band.CHUNK_SCORES * 4  # bytes of one chunk's float32 scores
     per_row = 4 * b * h * n * 4  # a few float32 numbers per row (max, sum, lse)
-    assert probe.peak - returned <= 2 * chunk + per_row, (probe.peak - returned, chunk)
+    patterns = 2 * rows * width * 4  # per call: the band's (rows, width) pattern as bool and as 0 / -inf, ...
+    assert probe.peak - returned <= 2 * chunk + per_row + patterns, (probe.peak - returned, chunk)
