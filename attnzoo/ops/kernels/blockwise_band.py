@@ -16,8 +16,10 @@ max, sum and log-sum-exp come from one block (the sink, softmax only, joins them
 value). The backward adds a block's dK, dV and the gradient of a broadcast additive term into the
 overlapping runs of keys in L / bq pieces, each piece bq keys wide, which no two blocks share.
 
-Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores, so the largest temporary stays
-a few band blocks whatever N, B and H are.
+Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores. The scores and dL/dw live in two
+buffers per call (``Band.buffer``), reused by every chunk and head; the matmuls write into them, into out
+and dq, and add straight into dK / dV's runs (``add_runs``) with the scale as their alpha, and dS
+overwrites dL/dw, so the call's own temporaries are about two chunks of scores whatever N, B and H are.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Scores in one chunk (one head; float32: 512 KiB): time against memory. At w = 128, N = 4096, H = 4,
-# 32-row blocks (runs of 160 keys), fwd+bwd on one core (sweeps in one process, the machine shared):
-# 2^15 ~0.072 s with 0.84 MiB of temporaries, 2^16 ~0.062 s / 1.4 MiB, 2^17 ~0.056 s / 2.5 MiB, 2^18
-# ~0.056 s / 4.7 MiB; the unwindowed call ~0.62 s / 17 MiB (its 256 x 1024 blocks).
+# Scores in one chunk (one head; float32: 512 KiB): time against memory. The backward holds two chunks at
+# once (the weights and dL/dw, the call's two buffers). At w = 128, N = 4096, H = 4, 32-row blocks (runs of
+# 160 keys), fwd+bwd on one core (benchmarks/cpu_window.py's call, best of 25, the machine shared), with the
+# temporaries beyond the returned out, dq, dk, dv: 2^15 ~61 ms / 0.45 MiB, 2^16 ~49 ms / 0.63 MiB, 2^17
+# ~44 ms / 1.14 MiB, 1.5 x 2^17 ~44 ms / 1.65 MiB, 2^18 ~53 ms / 2.16 MiB (two 1 MiB buffers); the
+# unwindowed call ~560 ms / 17.25 MiB (its 256 x 1024 blocks).
 CHUNK_SCORES = 2 ** 17
 
 
@@ -42,7 +46,7 @@ def exp_(t: Tensor) -> Tensor:
     """exp(t) in place, as 2^(t log2 e): aten's exp_ on one core measured 2-3x slower than mul_ + exp2_
     here (1.9-3.1 ms against 1.1 ms on 786k float32 numbers, AVX512 build), for a relative error of
     ~1e-6 in float32 (~1e-15 in float64); -inf still gives 0. (The batched softmax below folds log2 e
-    into q and needs no mul_ at all.)"""
+    into the matmul's alpha and needs no mul_ at all.)"""
     return t.mul_(LOG2E).exp2_()
 
 
