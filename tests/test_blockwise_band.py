@@ -12,7 +12,7 @@ import torch
 
 from attnzoo.ops.kernels import blockwise, blockwise_band
 
-from .memory_probe import LargestAllocation
+from .memory_probe import LargestAllocation, PeakAllocated
 
 B, H, D = 2, 2, 4
 SCALE = 0.7
@@ -168,3 +168,26 @@ def test_batched_band_reads_strided_heads():
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_band_backward_holds_two_score_chunks_at_most(monkeypatch):
+    """The windowed forward + backward's own temporaries (the peak of every tensor alive at once, from the
+    profiler's allocation records, less the output, its row statistic and dq, dk, dv) stay within two
+    chunks of scores (the weights and dL/dw, one buffer each, reused by every chunk and head), a few
+    numbers per row and the band's patterns: no (G, L, D) product of dK / dV runs, no scaled copy of q, no
+    separate dS block."""
+    b, h, n, d = 1, 2, 512, 64
+    rows, width = 32, 96  # a causal window of 64 keys: 32 + 63 keys a block, rounded up to 3 x 32
+    monkeypatch.setattr(blockwise_band, "CHUNK_SCORES", 4 * rows * width)  # 4 blocks per chunk
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    grad = torch.randn(b, h, n, d, generator=g)
+    with PeakAllocated() as probe:
+        out, stat = blockwise.forward_impl(q, k, v, None, None, None, "softmax", 0.125, True, rows, 1024, 63, 0)
+        grads = blockwise.backward_impl(grad, q, k, v, out, stat, None, None, None, "softmax", 0.125, True, rows,
+                                        1024, 63, 0)
+    returned = sum(t.untyped_storage().nbytes() for t in (out, stat, *grads[:3]))
+    chunk = blockwise_band.CHUNK_SCORES * 4  # bytes of one chunk's float32 scores
+    per_row = 4 * b * h * n * 4  # a few float32 numbers per row (max, sum, lse)
+    patterns = 2 * rows * width * 4  # per call: the band's (rows, width) pattern as bool and as 0 / -inf, ...
+    assert probe.peak - returned <= 2 * chunk + per_row + patterns, (probe.peak - returned, chunk)

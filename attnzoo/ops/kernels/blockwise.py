@@ -182,6 +182,53 @@ def _check_kind(kind):
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
+def _forward_rows(masks, kind, q, k, v, scale, qs, qe, block_k, out, stat, sinks):
+    """Query rows qs..qe-1 over their key blocks: writes out and stat there. A function of its own so that
+    its blocks are freed on return, not kept alive by the caller's loop variables while the next rows run."""
+    B, H, dv = q.shape[0], q.shape[1], v.shape[3]
+    qb = q[:, :, qs:qe] * scale
+    row_max = None  # softmax: None until the first key block (or the sink) sets the running max and sum
+    if kind == "softmax" and sinks is not None:  # the sink: the first key, with no value
+        row_max = sinks.view(1, H, 1, 1).expand(B, H, qe - qs, 1).clone()
+        row_sum = torch.exp(row_max - torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max)))
+    acc = None
+    for ks, ke in masks.key_blocks(qs, qe, block_k):
+        s = masks.scores(qb, k, qs, qe, ks, ke)
+        if kind == "softmax" and row_max is None:
+            # the first block starts the running max and sum: no rescale of zeros (under a window
+            # most query blocks have this one key block only)
+            row_max = s.amax(-1, keepdim=True)
+            safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
+            p = exp_(s.sub_(safe_max))
+            row_sum = p.sum(-1, keepdim=True)
+            acc = p @ v[:, :, ks:ke]
+        elif kind == "softmax":
+            new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+            safe_max = torch.where(new_max > -math.inf, new_max, torch.zeros_like(new_max))
+            p = exp_(s.sub_(safe_max))
+            rescale = torch.exp(row_max - safe_max)
+            row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+            pv = p @ v[:, :, ks:ke]
+            acc = pv if acc is None else acc.mul_(rescale).add_(pv)
+            row_max = new_max
+        else:
+            pv = _pointwise_weights(kind, s, stat[:, :, qs:qe]) @ v[:, :, ks:ke]
+            acc = pv if acc is None else acc.add_(pv)
+    if acc is None:  # no key block (every key outside the band or after the diagonal)
+        acc = q.new_zeros(B, H, qe - qs, dv)
+        if kind == "softmax" and row_max is None:
+            row_max, row_sum = q.new_full((B, H, qe - qs, 1), -math.inf), q.new_zeros(B, H, qe - qs, 1)
+    if kind == "softmax":
+        nonempty = row_sum > 0
+        total = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
+        out[:, :, qs:qe] = acc / total
+        stat[:, :, qs:qe] = torch.where(nonempty, row_max + torch.log(total), stat[:, :, qs:qe])
+    elif kind == "relu":
+        out[:, :, qs:qe] = acc / stat[:, :, qs:qe].clamp_min(1.0)
+    else:
+        out[:, :, qs:qe] = acc
+
+
 def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k, window_left=-1,
                  window_right=-1, softcap=0.0, sinks=None):
     """Returns (out, stat): stat is the row log-sum-exp (softmax; +inf for a row with no key) or
@@ -199,48 +246,8 @@ def forward_impl(q, k, v, keep, add_a, add_b, kind, scale, is_causal, block_q, b
     for qs, qe, batched in band.spans(nq, block_q) if band is not None else _blocks(nq, block_q):
         if batched:  # interior query blocks of a window, G at a time (blockwise_band.py)
             band.forward(masks, kind, _pointwise_weights, q, k, v, scale, qs, qe, out, stat, sinks)
-            continue
-        qb = q[:, :, qs:qe] * scale
-        row_max = None  # softmax: None until the first key block (or the sink) sets the running max and sum
-        if kind == "softmax" and sinks is not None:  # the sink: the first key, with no value
-            row_max = sinks.view(1, H, 1, 1).expand(B, H, qe - qs, 1).clone()
-            row_sum = torch.exp(row_max - torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max)))
-        acc = None
-        for ks, ke in masks.key_blocks(qs, qe, block_k):
-            s = masks.scores(qb, k, qs, qe, ks, ke)
-            if kind == "softmax" and row_max is None:
-                # the first block starts the running max and sum: no rescale of zeros (under a window
-                # most query blocks have this one key block only)
-                row_max = s.amax(-1, keepdim=True)
-                safe_max = torch.where(row_max > -math.inf, row_max, torch.zeros_like(row_max))
-                p = exp_(s.sub_(safe_max))
-                row_sum = p.sum(-1, keepdim=True)
-                acc = p @ v[:, :, ks:ke]
-            elif kind == "softmax":
-                new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-                safe_max = torch.where(new_max > -math.inf, new_max, torch.zeros_like(new_max))
-                p = exp_(s.sub_(safe_max))
-                rescale = torch.exp(row_max - safe_max)
-                row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
-                pv = p @ v[:, :, ks:ke]
-                acc = pv if acc is None else acc.mul_(rescale).add_(pv)
-                row_max = new_max
-            else:
-                pv = _pointwise_weights(kind, s, stat[:, :, qs:qe]) @ v[:, :, ks:ke]
-                acc = pv if acc is None else acc.add_(pv)
-        if acc is None:  # no key block (every key outside the band or after the diagonal)
-            acc = q.new_zeros(B, H, qe - qs, dv)
-            if kind == "softmax" and row_max is None:
-                row_max, row_sum = q.new_full((B, H, qe - qs, 1), -math.inf), q.new_zeros(B, H, qe - qs, 1)
-        if kind == "softmax":
-            nonempty = row_sum > 0
-            total = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
-            out[:, :, qs:qe] = acc / total
-            stat[:, :, qs:qe] = torch.where(nonempty, row_max + torch.log(total), stat[:, :, qs:qe])
-        elif kind == "relu":
-            out[:, :, qs:qe] = acc / stat[:, :, qs:qe].clamp_min(1.0)
         else:
-            out[:, :, qs:qe] = acc
+            _forward_rows(masks, kind, q, k, v, scale, qs, qe, block_k, out, stat, sinks)
     return out, stat.squeeze(-1)
 
 
@@ -248,6 +255,52 @@ def _accumulate(grad, ds, qs, qe, ks, ke):
     """Add a score-gradient block into the gradient of a broadcast additive tensor."""
     dims = [d for d in range(4) if grad.shape[d] == 1 and ds.shape[d] != 1]
     _Masks.block(grad, qs, qe, ks, ke).add_(ds.sum(dim=dims, keepdim=True) if dims else ds)
+
+
+def _backward_rows(masks, kind, grad_out, q, k, v, out, stat, scale, qs, qe, block_k, grads, sinks):
+    """Query rows qs..qe-1's part of the gradients: writes dq there, adds into dk, dv, the additive terms'
+    gradients and d_sinks (grads = (dq, dk, dv, d_add_a, d_add_b, d_sinks)); its blocks are freed on return."""
+    dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
+    d_adds = (d_add_a, d_add_b)
+    add_a, add_b = masks.add_a, masks.add_b
+    H = q.shape[1]
+    qb = q[:, :, qs:qe] * scale
+    do = grad_out[:, :, qs:qe]
+    if kind == "softmax":
+        lse = stat[:, :, qs:qe]
+        delta = (do * out[:, :, qs:qe]).sum(-1, keepdim=True)
+        if sinks is not None:  # the sink's weight exp(sink - lse_i) times dL/d(its logit) = -delta_i
+            d_sinks -= (torch.exp(sinks.view(1, H, 1, 1) - lse) * delta).sum(2, keepdim=True)
+    elif kind == "relu":
+        do = do / stat[:, :, qs:qe].clamp_min(1.0)  # w = relu(s) / n_i: fold 1/n_i into the rows of dO
+    dqb = None
+    for ks, ke in masks.key_blocks(qs, qe, block_k):
+        tanh = []
+        s = masks.scores(qb, k, qs, qe, ks, ke, tanh)
+        vb = v[:, :, ks:ke]
+        ds = do @ vb.transpose(-1, -2)  # dL/dw, turned into dL/ds in place below
+        if kind == "softmax":
+            w = exp_(s.sub_(lse))  # lse = +inf on empty rows: w = 0 there
+            ds = ds.sub_(delta).mul_(w)
+        else:
+            w = _pointwise_weights(kind, s, stat[:, :, qs:qe])
+            # aten's fused backward kernels: one pass over the block instead of three
+            if kind == "relu":
+                ds = torch.ops.aten.threshold_backward(ds, w, 0.0)  # ds where w > 0, else 0
+            else:
+                ds = torch.ops.aten.sigmoid_backward(ds, w)  # ds * w * (1 - w)
+        dv[:, :, ks:ke] += w.transpose(-1, -2) @ do
+        for add, d_add in zip((add_a, add_b), d_adds):
+            if add is not None:
+                _accumulate(d_add, ds, qs, qe, ks, ke)
+        if tanh:  # through the cap: d cap(x) / dx = 1 - tanh^2
+            ds = ds * (1.0 - tanh[0] * tanh[0])
+        dqb = ds @ k[:, :, ks:ke] if dqb is None else dqb.add_(ds @ k[:, :, ks:ke])
+        dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
+    if dqb is not None:
+        dq[:, :, qs:qe] = dqb.mul_(scale)
+    else:  # no key block: no gradient
+        dq[:, :, qs:qe] = 0
 
 
 def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale, is_causal, block_q, block_k,
@@ -263,48 +316,12 @@ def backward_impl(grad_out, q, k, v, out, stat, keep, add_a, add_b, kind, scale,
     d_adds = [torch.zeros_like(a) if a is not None else q.new_empty(0) for a in (add_a, add_b)]
     stat = stat.unsqueeze(-1)
     band = Band.plan(masks, block_q, q.device)
+    grads = (dq, dk, dv, *d_adds, d_sinks)
     for qs, qe, batched in band.spans(nq, block_q) if band is not None else _blocks(nq, block_q):
         if batched:
-            band.backward(masks, kind, _pointwise_weights, grad_out, q, k, v, out, stat, scale, qs, qe,
-                          (dq, dk, dv, *d_adds, d_sinks), sinks)
-            continue
-        qb = q[:, :, qs:qe] * scale
-        do = grad_out[:, :, qs:qe]
-        if kind == "softmax":
-            lse = stat[:, :, qs:qe]
-            delta = (do * out[:, :, qs:qe]).sum(-1, keepdim=True)
-            if sinks is not None:  # the sink's weight exp(sink - lse_i) times dL/d(its logit) = -delta_i
-                d_sinks -= (torch.exp(sinks.view(1, H, 1, 1) - lse) * delta).sum(2, keepdim=True)
-        elif kind == "relu":
-            do = do / stat[:, :, qs:qe].clamp_min(1.0)  # w = relu(s) / n_i: fold 1/n_i into the rows of dO
-        dqb = None
-        for ks, ke in masks.key_blocks(qs, qe, block_k):
-            tanh = []
-            s = masks.scores(qb, k, qs, qe, ks, ke, tanh)
-            vb = v[:, :, ks:ke]
-            ds = do @ vb.transpose(-1, -2)  # dL/dw, turned into dL/ds in place below
-            if kind == "softmax":
-                w = exp_(s.sub_(lse))  # lse = +inf on empty rows: w = 0 there
-                ds = ds.sub_(delta).mul_(w)
-            else:
-                w = _pointwise_weights(kind, s, stat[:, :, qs:qe])
-                # aten's fused backward kernels: one pass over the block instead of three
-                if kind == "relu":
-                    ds = torch.ops.aten.threshold_backward(ds, w, 0.0)  # ds where w > 0, else 0
-                else:
-                    ds = torch.ops.aten.sigmoid_backward(ds, w)  # ds * w * (1 - w)
-            dv[:, :, ks:ke] += w.transpose(-1, -2) @ do
-            for add, d_add in zip((add_a, add_b), d_adds):
-                if add is not None:
-                    _accumulate(d_add, ds, qs, qe, ks, ke)
-            if tanh:  # through the cap: d cap(x) / dx = 1 - tanh^2
-                ds = ds * (1.0 - tanh[0] * tanh[0])
-            dqb = ds @ k[:, :, ks:ke] if dqb is None else dqb.add_(ds @ k[:, :, ks:ke])
-            dk[:, :, ks:ke] += ds.transpose(-1, -2) @ qb
-        if dqb is not None:
-            dq[:, :, qs:qe] = dqb.mul_(scale)
-        else:  # no key block: no gradient
-            dq[:, :, qs:qe] = 0
+            band.backward(masks, kind, _pointwise_weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks)
+        else:
+            _backward_rows(masks, kind, grad_out, q, k, v, out, stat, scale, qs, qe, block_k, grads, sinks)
     return dq, dk, dv, d_adds[0], d_adds[1], d_sinks.sum(0).reshape(-1) if sinks is not None else d_sinks
 
 

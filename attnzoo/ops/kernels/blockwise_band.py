@@ -16,8 +16,10 @@ max, sum and log-sum-exp come from one block (the sink, softmax only, joins them
 value). The backward adds a block's dK, dV and the gradient of a broadcast additive term into the
 overlapping runs of keys in L / bq pieces, each piece bq keys wide, which no two blocks share.
 
-Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores, so the largest temporary stays
-a few band blocks whatever N, B and H are.
+Chunks hold G blocks of one head with G * bq * L <= CHUNK_SCORES scores. The scores and dL/dw live in two
+buffers per call (``Band.buffer``), reused by every chunk and head; the matmuls write into them, into out
+and dq, and add straight into dK / dV's runs (``add_runs``) with the scale as their alpha, and dS
+overwrites dL/dw, so the call's own temporaries are about two chunks of scores whatever N, B and H are.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-# Scores in one chunk (one head; float32: 512 KiB): time against memory. At w = 128, N = 4096, H = 4,
-# 32-row blocks (runs of 160 keys), fwd+bwd on one core (sweeps in one process, the machine shared):
-# 2^15 ~0.072 s with 0.84 MiB of temporaries, 2^16 ~0.062 s / 1.4 MiB, 2^17 ~0.056 s / 2.5 MiB, 2^18
-# ~0.056 s / 4.7 MiB; the unwindowed call ~0.62 s / 17 MiB (its 256 x 1024 blocks).
+# Scores in one chunk (one head; float32: 512 KiB): time against memory. The backward holds two chunks at
+# once (the weights and dL/dw, the call's two buffers). At w = 128, N = 4096, H = 4, 32-row blocks (runs of
+# 160 keys), fwd+bwd on one core (benchmarks/cpu_window.py's call, best of 25, the machine shared), with the
+# temporaries beyond the returned out, dq, dk, dv: 2^15 ~61 ms / 0.45 MiB, 2^16 ~49 ms / 0.63 MiB, 2^17
+# ~44 ms / 1.14 MiB, 1.5 x 2^17 ~44 ms / 1.65 MiB, 2^18 ~53 ms / 2.16 MiB (two 1 MiB buffers); the
+# unwindowed call ~560 ms / 17.25 MiB (its 256 x 1024 blocks).
 CHUNK_SCORES = 2 ** 17
 
 
@@ -42,7 +46,7 @@ def exp_(t: Tensor) -> Tensor:
     """exp(t) in place, as 2^(t log2 e): aten's exp_ on one core measured 2-3x slower than mul_ + exp2_
     here (1.9-3.1 ms against 1.1 ms on 786k float32 numbers, AVX512 build), for a relative error of
     ~1e-6 in float32 (~1e-15 in float64); -inf still gives 0. (The batched softmax below folds log2 e
-    into q and needs no mul_ at all.)"""
+    into the matmul's alpha and needs no mul_ at all.)"""
     return t.mul_(LOG2E).exp2_()
 
 
@@ -68,12 +72,19 @@ def key_runs(t: Tensor, k0: int, blocks: int, rows: int, width: int) -> Tensor:
     return t.as_strided((blocks, width, t.shape[1]), (rows * s0, s0, s1), t.storage_offset() + k0 * s0)
 
 
-def add_runs(target: Tensor, runs: Tensor, k0: int, rows: int) -> None:
-    """target (N, D) += runs (G, L, D) laid out as key_runs': in L / rows pieces, each of which covers
-    every key at most once (block g's piece t starts at k0 + (g + t) rows)."""
-    blocks, width = runs.shape[0], runs.shape[1]
+def add_runs(target: Tensor, left: Tensor, right: Tensor, k0: int, rows: int, alpha: float = 1.0) -> None:
+    """target (N, D) += alpha left @ right, a (G, L, D) product laid out as key_runs' runs, without building
+    it: in L / rows pieces, each of which covers every key at most once (block g's piece t starts at
+    k0 + (g + t) rows), each added by one batched matmul straight into its strided view of target."""
+    blocks, width = left.shape[0], left.shape[1]
     for t in range(0, width, rows):
-        key_runs(target, k0 + t, blocks, rows, rows).add_(runs[:, t:t + rows])
+        key_runs(target, k0 + t, blocks, rows, rows).baddbmm_(left[:, t:t + rows], right, alpha=alpha)
+
+
+def rows_of(t: Tensor, b: int, h: int, qs: int, blocks: int, rows: int) -> Tensor:
+    """Rows qs .. qs + blocks rows - 1 of head (b, h) of a (B, H, N, D) tensor as (blocks, rows, D): a view
+    (each head's rows are evenly strided, whatever the layout of the heads)."""
+    return t[b, h, qs:qs + blocks * rows].unflatten(0, (blocks, rows))
 
 
 def add_blocks(target: Tensor, ds: Tensor, q0: int, k0: int, rows: int, b: int, h: int) -> None:
@@ -97,6 +108,8 @@ class Band:
         self.first, self.stop = first, stop                     # interior blocks: rows first .. stop - 1
         self.blocks = blocks                                    # blocks per chunk
         self.drop = drop                                        # (rows, width) bool: outside the band
+        self._buffers: dict = {}                                # name -> scratch block (see buffer)
+        self._outside = None                                    # drop as 0 / -inf (see outside)
 
     @staticmethod
     def plan(masks, block_q: int, device) -> Optional["Band"]:
@@ -128,26 +141,49 @@ class Band:
                 yield qs, qe, False
             qs = qe
 
-    def scores(self, masks, qb: Tensor, kr: Tensor, qs: int, b: int, h: int, unit: float, tanh_out=None) -> Tensor:
+    def buffer(self, name: str, blocks: int, cols: int, like: Tensor) -> Tensor:
+        """A (blocks, rows, cols) scratch block, one per name, allocated on first use and reused by every later
+        chunk and head of the call (written whole before it is read: bmm with beta = 0 ignores what it held)."""
+        buf = self._buffers.get(name)
+        if buf is None:
+            buf = self._buffers[name] = like.new_empty(self.blocks, self.rows, cols)
+        return buf[:blocks]
+
+    def outside(self, like: Tensor) -> Tensor:
+        """(rows, width): 0 inside the band, -inf outside, in like's dtype (built once per call). Added to the
+        scores instead of a masked_fill_ by the bool pattern, which measured ~9x slower on a broadcast block
+        (90 us against 10 us for 25 x 32 x 160 float32 numbers, one core), or, without a cap, copied into
+        the scores buffer before the matmul adds the product to it (free: bmm with beta 1 costs what beta 0
+        does)."""
+        if self._outside is None:
+            self._outside = like.new_zeros(self.rows, self.width).masked_fill_(self.drop, -math.inf)
+        return self._outside
+
+    def scores(self, masks, q_rows: Tensor, kr: Tensor, qs: int, b: int, h: int, alpha: float, unit: float,
+               tanh_out=None) -> Tensor:
         """Head (b, h): s = unit (cap(q kr^T scale) + add_a + add_b), -inf outside the band or a kept key,
-        shape (G, rows, width); qb holds q scale unit (unit: LOG2E for softmax, whose exp is then an exp2
-        with no pass to rescale the block, else 1). With ``tanh_out``, tanh(raw / cap) is kept."""
-        s = qb @ kr.transpose(-1, -2)
-        if masks.softcap:
+        shape (G, rows, width), in the call's "scores" buffer; alpha = scale unit is applied by the matmul
+        (unit: LOG2E for softmax, whose exp is then an exp2 with no pass to rescale the block, else 1).
+        With ``tanh_out``, tanh(raw / cap) is kept there (in the "tanh" buffer)."""
+        s = self.buffer("scores", q_rows.shape[0], self.width, q_rows)
+        outside = self.outside(s)
+        if masks.softcap:  # the cap comes before the band's -inf (tanh would turn it into -cap)
+            s = s.baddbmm_(q_rows, kr.transpose(-1, -2), beta=0.0, alpha=alpha)
             cap = masks.softcap * unit  # unit cap(x) = (unit cap) tanh(unit x / (unit cap))
             t = s.div_(cap).tanh_()
             if tanh_out is not None:
-                tanh_out.append(t.clone())
-            s = t.mul_(cap)
+                tanh_out.append(self.buffer("tanh", t.shape[0], self.width, t).copy_(t))
+            s = t.mul_(cap).add_(outside)
+        else:  # the band's -inf first, the product added to it by the matmul
+            s = s.copy_(outside.expand_as(s)).baddbmm_(q_rows, kr.transpose(-1, -2), alpha=alpha)
         G, k0 = s.shape[0], qs + self.shift
         for add in (masks.add_a, masks.add_b):
             if add is not None:
                 view = block_view(add, qs, k0, G, self.rows, self.width, b, h)
                 s = s.add_(view) if unit == 1.0 else s.add_(view, alpha=unit)
-        drop = self.drop
         if masks.keep is not None:
-            drop = drop | ~block_view(masks.keep, qs, k0, G, self.rows, self.width, b, h)
-        return s.masked_fill_(drop, -math.inf)
+            s = s.masked_fill_(~block_view(masks.keep, qs, k0, G, self.rows, self.width, b, h), -math.inf)
+        return s
 
     def forward(self, masks, kind, weights, q, k, v, scale, qs, qe, out, stat, sinks):
         """Writes out[:, :, qs:qe] (and, softmax, their log-sum-exp into stat), one head at a time."""
@@ -157,9 +193,10 @@ class Band:
         unit = LOG2E if kind == "softmax" else 1.0
         for b in range(B):
             for h in range(H):
-                qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
-                s = self.scores(masks, qb, key_runs(k[b, h], k0, G, rows, self.width), qs, b, h, unit)
+                s = self.scores(masks, rows_of(q, b, h, qs, G, rows), key_runs(k[b, h], k0, G, rows, self.width),
+                                qs, b, h, scale * unit, unit)
                 vr = key_runs(v[b, h], k0, G, rows, self.width)
+                o = rows_of(out, b, h, qs, G, rows)  # out is the op's own contiguous tensor: written in place
                 if kind == "softmax":  # in base 2 (s = LOG2E x the logits): the stat written back is natural
                     row_max = s.amax(-1, keepdim=True)
                     if sinks is not None:
@@ -173,15 +210,14 @@ class Band:
                         total = total.add_(torch.exp2(sink - safe_max))
                     # a row with a key has total >= 1 (its max term is 2^0); an empty row's 0 becomes 1 (out 0)
                     total = total.clamp_min_(1.0)
-                    o = (p @ vr).div_(total)
+                    o.baddbmm_(p, vr, beta=0.0).div_(total)
                     lse = torch.log2(total).add_(safe_max).mul_(LN2).masked_fill_(empty, math.inf)
                     stat[b, h, qs:qe] = lse.view(qe - qs, 1)
                 else:
                     n = stat[b, h, qs:qe].reshape(G, rows, 1)
-                    o = weights(kind, s, n) @ vr
+                    o.baddbmm_(weights(kind, s, n), vr, beta=0.0)
                     if kind == "relu":
-                        o = o.div_(n.clamp_min(1.0))
-                out[b, h, qs:qe] = o.view(qe - qs, -1)
+                        o.div_(n.clamp_min(1.0))
 
     def backward(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks):
         """Adds rows qs..qe-1's part into grads = [dq, dk, dv, d_add_a, d_add_b, d_sinks (B, H, 1, 1)]."""
@@ -192,16 +228,18 @@ class Band:
         for b in range(B):
             for h in range(H):
                 self._backward_head(masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads,
-                                    sinks, b, h, G, rows, k0, unit, D)
+                                    sinks, b, h, G, rows, k0, unit)
 
     def _backward_head(self, masks, kind, weights, grad_out, q, k, v, out, stat, scale, qs, qe, grads, sinks,
-                       b, h, G, rows, k0, unit, D):
+                       b, h, G, rows, k0, unit):
+        """Two (G, rows, width) blocks at a time, both the call's buffers: the weights (in the scores) and
+        dL/dw, which turns into dL/ds in place; dq is written and dk, dv added in place by the matmuls."""
         dq, dk, dv, d_add_a, d_add_b, d_sinks = grads
-        qb = q[b, h, qs:qe].reshape(G, rows, D) * (scale * unit)
+        qh = rows_of(q, b, h, qs, G, rows)
         kr, vr = key_runs(k[b, h], k0, G, rows, self.width), key_runs(v[b, h], k0, G, rows, self.width)
-        do = grad_out[b, h, qs:qe].reshape(G, rows, -1)
+        do = rows_of(grad_out, b, h, qs, G, rows)
         tanh = []
-        s = self.scores(masks, qb, kr, qs, b, h, unit, tanh)
+        s = self.scores(masks, qh, kr, qs, b, h, scale * unit, unit, tanh)
         row_stat = stat[b, h, qs:qe].reshape(G, rows, 1)
         if kind == "relu":
             do = do / row_stat.clamp_min(1.0)
@@ -209,27 +247,25 @@ class Band:
             w = s.sub_(row_stat * LOG2E).exp2_()  # the weights, from the base-2 scores
         else:
             w = weights(kind, s, row_stat)
-        del s
-        dw = do @ vr.transpose(-1, -2)  # dL/dw; every block is dropped as soon as it is used
-        add_runs(dv[b, h], w.transpose(-1, -2) @ do, k0, rows)
+        dw = self.buffer("grads", G, self.width, w).baddbmm_(do, vr.transpose(-1, -2), beta=0.0)  # dL/dw
+        add_runs(dv[b, h], w.transpose(-1, -2), do, k0, rows)
         if kind == "softmax":
             if sinks is not None:  # as blockwise.backward_impl: -exp(sink - lse_i) delta_i summed over rows
-                delta = (do * out[b, h, qs:qe].reshape(G, rows, -1)).sum(-1, keepdim=True)
+                delta = (do * rows_of(out, b, h, qs, G, rows)).sum(-1, keepdim=True)
                 d_sinks[b, h] -= (torch.exp(sinks[h] - row_stat) * delta).sum()
             # w (dw - delta) with delta_i = dO_i . O_i = sum_j w_ij dw_ij (the block holds the row's every key;
-            # a sink has no value): aten's fused softmax backward, one kernel for the block
-            ds = torch.ops.aten._softmax_backward_data(dw, w, -1, w.dtype)
+            # a sink has no value): aten's fused softmax backward, one kernel for the block, written over dw
+            # (each row's sum is read before the row is written)
+            ds = torch.ops.aten._softmax_backward_data.out(dw, w, -1, w.dtype, grad_input=dw)
         elif kind == "relu":
-            ds = torch.ops.aten.threshold_backward(dw, w, 0.0)
+            ds = torch.ops.aten.threshold_backward.grad_input(dw, w, 0.0, grad_input=dw)
         else:
-            ds = torch.ops.aten.sigmoid_backward(dw, w)
-        del w, dw
+            ds = torch.ops.aten.sigmoid_backward.grad_input(dw, w, grad_input=dw)
         for add, d_add in ((masks.add_a, d_add_a), (masks.add_b, d_add_b)):
             if add is not None:
                 add_blocks(d_add, ds, qs, k0, rows, b, h)
         if tanh:  # d cap(x) / dx = 1 - tanh^2, in place in the kept tanh
             ds = ds.mul_(tanh[0].mul_(tanh[0]).neg_().add_(1.0))
-            del tanh
-        dq[b, h, qs:qe] = (ds @ kr).mul_(scale).view(qe - qs, D)
-        dkr = ds.transpose(-1, -2) @ qb
-        add_runs(dk[b, h], dkr if unit == 1.0 else dkr.mul_(1.0 / unit), k0, rows)  # ds: d / d(the natural logit)
+        # ds is d / d(the natural logit): dq = scale ds kr, dk += scale ds^T q
+        rows_of(dq, b, h, qs, G, rows).baddbmm_(ds, kr, beta=0.0, alpha=scale)
+        add_runs(dk[b, h], ds.transpose(-1, -2), qh, k0, rows, alpha=scale)
