@@ -16,14 +16,22 @@ runs them (``--attention sdpa``, the baseline) or with attnzoo (``--attention at
   tests called it and how often, per architecture: the proof that the tests ran attnzoo (in the
   baseline the same count is of torch's SDPA).
 
-This is not part of ``make test``: it needs a transformers source tree matching the installed
-transformers (a git checkout at the installed version's tag; the PyPI sdist lacks tests/models/),
-and transformers' test dependencies (pytest, parameterized). Run the same selection both ways:
+The tests come from one of two places:
 
-    PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --tree ~/src/transformers --attention sdpa -k "not slow"
-    PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --tree ~/src/transformers --attention attnzoo -k "not slow"
+* ``--sdist`` (the default without ``--tree``): the PyPI sdist of the installed transformers version,
+  fetched with ``pip download --no-deps --no-binary :all: transformers==<version>`` into a cache
+  directory (or ``--sdist PATH``: a tarball already downloaded). Its tests/test_modeling_common.py and
+  tests/test_training_mixin.py go into a temporary tree beside attnzoo's own model testers
+  (benchmarks/hf_common/: the sdist has no tests/models/);
+* ``--tree DIR`` (default $TRANSFORMERS_SOURCE): a transformers source tree at the installed version
+  (a git checkout), whose own tests/models/ are run.
 
-(``--tree`` defaults to $TRANSFORMERS_SOURCE.) Arguments after the known ones go to pytest (not
+This is not part of ``make test``: it needs the network (or a downloaded sdist) and transformers' test
+dependency ``parameterized``. Run the same selection both ways:
+
+    PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --attention sdpa -k "not slow"
+    PYTHONPATH=$PWD python benchmarks/hf_common_tests.py --attention attnzoo -k "not slow"
+ Arguments after the known ones go to pytest (not
 pytest-xdist's ``-n``: the route is a plugin of this one process). With ``--json FILE`` the
 per-architecture counts are written there too.
 """
@@ -34,9 +42,66 @@ import collections
 import importlib
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
+from pathlib import Path
 
-ARCHITECTURES = ("gemma2", "gpt_oss", "mistral", "qwen2")
+from hf_common import ARCHITECTURES, FROM_SDIST, HERE as TESTERS, LAYOUT
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnzoo" / "transformers-sdist"
+
+
+def download_command(version: str, into) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            f"transformers=={version}", "-d", str(into)]
+
+
+def fetch_sdist(version: str, cache=CACHE) -> Path:
+    """The sdist of transformers `version` in `cache`, downloaded there by pip unless it already is."""
+    cache = Path(cache)
+    found = sorted(cache.glob(f"transformers-{version}.tar.gz"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    command = download_command(version, cache)
+    done = subprocess.run(command, capture_output=True, text=True)
+    found = sorted(cache.glob(f"transformers-{version}.tar.gz"))
+    if done.returncode or not found:
+        raise SystemExit(f"could not fetch transformers {version}'s sdist (offline?): `{' '.join(command)}` "
+                         f"failed:\n{(done.stderr or done.stdout).strip()[-2000:]}\n"
+                         "download it elsewhere and pass --sdist PATH, or give --tree a transformers checkout")
+    return found[0]
+
+
+def sdist_tree(sdist, version: str, into) -> Path:
+    """A tree at `into`: the sdist's shared test files (FROM_SDIST) and attnzoo's model testers
+    (benchmarks/hf_common, per LAYOUT), each test directory a package as transformers' tests/ is."""
+    sdist, root = Path(sdist), Path(into)
+    if not sdist.is_file():
+        raise SystemExit(f"--sdist {str(sdist)!r}: no such file; give transformers-{version}.tar.gz "
+                         "(or no path, to download it)")
+    prefix = f"transformers-{version}/"
+    with tarfile.open(sdist) as tar:
+        names = set(tar.getnames())
+        missing = [f for f in FROM_SDIST if prefix + f not in names]
+        if missing:
+            top = sorted({n.split("/")[0] for n in names})
+            raise SystemExit(f"--sdist {str(sdist)!r} has no {', '.join(prefix + f for f in missing)}: "
+                             f"it must be the sdist of the installed transformers {version} (it holds {top})")
+        for f in FROM_SDIST:
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            (root / f).write_bytes(tar.extractfile(prefix + f).read())
+    for source, places in LAYOUT.items():
+        for place in (places,) if isinstance(places, str) else places:
+            (root / place).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(TESTERS / source, root / place)
+    for directory in [root / "tests", *(root / "tests").rglob("*")]:
+        if directory.is_dir():
+            (directory / "__init__.py").touch()
+    return root
 
 
 def model_test_files(tree: str, architectures) -> list[str]:
@@ -44,7 +109,7 @@ def model_test_files(tree: str, architectures) -> list[str]:
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise SystemExit(f"--tree {tree!r}: no {', '.join(missing)}; give the root of a transformers source "
-                         "tree (a git checkout at the installed version), not the PyPI sdist")
+                         "tree (a git checkout at the installed version), or use --sdist")
     return files
 
 
@@ -142,24 +207,41 @@ class AttentionRoute:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", default=os.environ.get("TRANSFORMERS_SOURCE"),
-                        help="root of a transformers source tree (default: $TRANSFORMERS_SOURCE)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--tree", default=os.environ.get("TRANSFORMERS_SOURCE"),
+                       help="root of a transformers source tree (default: $TRANSFORMERS_SOURCE)")
+    where.add_argument("--sdist", nargs="?", const="download", default=None, metavar="PATH",
+                       help="the installed version's PyPI sdist (the default without --tree): downloaded "
+                            f"into {CACHE} without PATH, or the tarball at PATH")
     parser.add_argument("--attention", choices=("attnzoo", "sdpa"), default="attnzoo")
     parser.add_argument("--models", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES))
     parser.add_argument("--json", help="write the per-architecture counts to this file")
     args, pytest_args = parser.parse_known_args(argv)
-    if not args.tree:
-        parser.error("--tree (or $TRANSFORMERS_SOURCE) is required: the root of a transformers source tree")
+    if args.sdist:
+        args.tree = None   # --sdist wins over $TRANSFORMERS_SOURCE
     if any(a == "-n" or a.startswith(("-n=", "--numprocesses", "--dist")) for a in pytest_args):
         # pytest-xdist's workers would load neither the route nor the counter
         parser.error("the tests run in this one process (the route to attnzoo is this process's plugin): drop -n")
+    import importlib.util
+
     import pytest
-    files = model_test_files(os.path.abspath(args.tree), args.models)
+    import transformers
+    if importlib.util.find_spec("parameterized") is None:
+        raise SystemExit("transformers' test_modeling_common needs `parameterized`: "
+                         f"{sys.executable} -m pip install parameterized")
+    if args.tree:
+        tree = os.path.abspath(args.tree)
+    else:
+        version = transformers.__version__
+        sdist = fetch_sdist(version) if args.sdist in (None, "download") else Path(args.sdist)
+        tree = str(sdist_tree(sdist, version, tempfile.mkdtemp(prefix="attnzoo-hf-common-")))
+        print(f"transformers {version}'s tests from {sdist}, with attnzoo's model testers, in {tree}")
+    files = model_test_files(tree, args.models)
     report = os.path.abspath(args.json) if args.json else None
     route = AttentionRoute(args.attention, args.models)
     # transformers' tests import each other as the package `tests`: run from the tree's root so that
     # its `tests` is the one found (never attnzoo's own)
-    os.chdir(os.path.abspath(args.tree))
+    os.chdir(tree)
     sys.path.insert(0, os.getcwd())
     code = pytest.main(["-p", "no:cacheprovider", *pytest_args, *files], plugins=[route])
     if report:
