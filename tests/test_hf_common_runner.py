@@ -66,3 +66,101 @@ def test_tree_without_model_tests_is_named(tmp_path):
     runner = benchmark_scripts.load("hf_common_tests")
     with pytest.raises(SystemExit, match="tests/models/qwen2/test_modeling_qwen2.py"):
         runner.model_test_files(str(tmp_path), ["qwen2"])
+
+
+# --sdist: the tree built from a transformers sdist and attnzoo's testers (benchmarks/hf_common)
+
+# what the real test_modeling_common imports beside itself, and the names the testers import from it
+STUB_COMMON = '''
+from .exporters.test_export import ExportTesterMixin
+from .generation.test_utils import GenerationTesterMixin
+
+torch_device = "cpu"
+
+
+def ids_tensor(shape, vocab_size):
+    import torch
+    return torch.randint(vocab_size, shape)
+
+
+def require_torch(cls):
+    return cls
+
+
+class ModelTesterMixin:
+    def test_tester_builds_a_tiny_model(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            out = model_class(config)(**inputs)
+            assert out[0].shape[0] == self.model_tester.batch_size
+'''
+
+
+def _fake_sdist(tmp_path, version="0.0.1", files=("test_modeling_common.py", "test_training_mixin.py")):
+    import io
+    import tarfile
+    sdist = tmp_path / f"transformers-{version}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name in files:
+            data = (STUB_COMMON if name == "test_modeling_common.py" else "# stub\n").encode()
+            info = tarfile.TarInfo(f"transformers-{version}/tests/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return sdist
+
+
+def test_sdist_tree_puts_the_testers_where_test_modeling_common_imports_them(tmp_path):
+    """The tree's model test files import, and run (in their own process, where `tests` is the tree's),
+    against the sdist's test_modeling_common: its mixin's test builds each architecture's tiny models."""
+    import subprocess
+    import sys
+    runner = benchmark_scripts.load("hf_common_tests")
+    tree = runner.sdist_tree(_fake_sdist(tmp_path), "0.0.1", tmp_path / "tree")
+    files = runner.model_test_files(str(tree), ["qwen2", "gemma2"])
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "tiny", *files],
+                          cwd=tree, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
+
+
+def test_sdist_without_the_shared_tests_is_named(tmp_path):
+    runner = benchmark_scripts.load("hf_common_tests")
+    sdist = _fake_sdist(tmp_path, files=("test_modeling_common.py",))
+    with pytest.raises(SystemExit, match="transformers-0.0.1/tests/test_training_mixin.py"):
+        runner.sdist_tree(sdist, "0.0.1", tmp_path / "tree")
+    # the sdist of another version than the installed one
+    with pytest.raises(SystemExit, match=r"no transformers-0\.0\.1/tests/test_modeling_common.py.*installed "
+                                         r"transformers 0\.0\.1 \(it holds \['transformers-0\.0\.2'\]\)"):
+        runner.sdist_tree(_fake_sdist(tmp_path, "0.0.2"), "0.0.1", tmp_path / "tree")
+
+
+def test_absent_sdist_path_is_named(tmp_path):
+    runner = benchmark_scripts.load("hf_common_tests")
+    with pytest.raises(SystemExit, match="--sdist .*nowhere.tar.gz.*no such file"):
+        runner.sdist_tree(tmp_path / "nowhere.tar.gz", "0.0.1", tmp_path / "tree")
+
+
+def test_offline_download_names_the_command(tmp_path, monkeypatch):
+    """pip with no index to reach (as offline): the error gives the command that failed and pip's reason."""
+    runner = benchmark_scripts.load("hf_common_tests")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(SystemExit, match=r"pip download --no-deps --no-binary :all: transformers==0\.0\.1") as e:
+        runner.fetch_sdist("0.0.1", tmp_path / "cache")
+    assert "--sdist PATH" in str(e.value)
+
+
+def test_cached_sdist_is_not_downloaded_again(tmp_path, monkeypatch):
+    runner = benchmark_scripts.load("hf_common_tests")
+    sdist = _fake_sdist(tmp_path)
+    monkeypatch.setattr(runner.subprocess, "run", lambda *a, **k: pytest.fail("downloaded again"))
+    assert runner.fetch_sdist("0.0.1", tmp_path) == sdist
+
+
+def test_missing_parameterized_is_named(monkeypatch):
+    import importlib.util
+    runner = benchmark_scripts.load("hf_common_tests")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "parameterized" else real(name, *a))
+    with pytest.raises(SystemExit, match="needs `parameterized`: .* -m pip install parameterized"):
+        runner.main(["--sdist", "unused.tar.gz"])
