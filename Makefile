@@ -47,8 +47,10 @@ test-oldest-torch: $(OLD_STAMP)
 # runs them, then with attnzoo's softmax as the attention (benchmarks/hf_common_tests.py; docs/swapping.md).
 # Not part of `make test`: it needs TRANSFORMERS_SOURCE, the root of a transformers git checkout at the
 # installed version, and transformers' test dependency parameterized. The target's status is the attnzoo run's.
+# transformers' shared model tests, sdpa baseline then attnzoo: from TRANSFORMERS_SOURCE (a checkout)
+# when set, else from the installed version's PyPI sdist (downloaded once: needs the network).
+HF_TESTS = $(if $(TRANSFORMERS_SOURCE),--tree "$(TRANSFORMERS_SOURCE)",--sdist)
 test-hf-common: $(STAMP)
-	@test -n "$(TRANSFORMERS_SOURCE)" || { echo "set TRANSFORMERS_SOURCE to a transformers checkout"; exit 2; }
 	$(BIN)/python -m pip install -q parameterized
-	-$(BIN)/python benchmarks/hf_common_tests.py --tree "$(TRANSFORMERS_SOURCE)" --attention sdpa -q -rf
-	$(BIN)/python benchmarks/hf_common_tests.py --tree "$(TRANSFORMERS_SOURCE)" --attention attnzoo -q -rf
+	-$(BIN)/python benchmarks/hf_common_tests.py $(HF_TESTS) --attention sdpa -q -rf
+	$(BIN)/python benchmarks/hf_common_tests.py $(HF_TESTS) --attention attnzoo -q -rf
