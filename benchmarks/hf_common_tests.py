@@ -224,32 +224,40 @@ def main(argv=None) -> int:
         parser.error("the tests run in this one process (the route to attnzoo is this process's plugin): drop -n")
     import importlib.util
 
-    import pytest
     import transformers
     if importlib.util.find_spec("parameterized") is None:
         raise SystemExit("transformers' test_modeling_common needs `parameterized`: "
                          f"{sys.executable} -m pip install parameterized")
     if args.tree:
-        tree = os.path.abspath(args.tree)
-    else:
-        version = transformers.__version__
-        sdist = fetch_sdist(version) if args.sdist in (None, "download") else Path(args.sdist)
-        tree = str(sdist_tree(sdist, version, tempfile.mkdtemp(prefix="attnzoo-hf-common-")))
+        return run(os.path.abspath(args.tree), args, pytest_args)
+    version = transformers.__version__
+    sdist = fetch_sdist(version) if args.sdist in (None, "download") else Path(args.sdist)
+    with tempfile.TemporaryDirectory(prefix="attnzoo-hf-common-") as scratch:
+        tree = str(sdist_tree(sdist, version, scratch))
         print(f"transformers {version}'s tests from {sdist}, with attnzoo's model testers, in {tree}")
+        return run(tree, args, pytest_args)
+
+
+def run(tree: str, args, pytest_args) -> int:
+    """pytest on the tree's model tests, with the route; its counts to args.json."""
+    import pytest
     files = model_test_files(tree, args.models)
     report = os.path.abspath(args.json) if args.json else None
     route = AttentionRoute(args.attention, args.models)
     # transformers' tests import each other as the package `tests`: run from the tree's root so that
     # its `tests` is the one found (never attnzoo's own)
+    before = os.getcwd()
     os.chdir(tree)
-    sys.path.insert(0, os.getcwd())
-    code = pytest.main(["-p", "no:cacheprovider", *pytest_args, *files], plugins=[route])
+    sys.path.insert(0, tree)
+    try:
+        code = pytest.main(["-p", "no:cacheprovider", *pytest_args, *files], plugins=[route])
+    finally:
+        os.chdir(before)   # out of the tree before a temporary one is removed
     if report:
         with open(report, "w") as f:
             json.dump({"attention": args.attention, "pytest_args": pytest_args, "exit_code": int(code),
                        "architectures": route.summary()}, f, indent=1)
     return int(code)
-
 
 if __name__ == "__main__":
     sys.exit(main())
