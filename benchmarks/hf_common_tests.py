@@ -49,7 +49,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from hf_common import ARCHITECTURES, FROM_SDIST, HERE as TESTERS, LAYOUT
+from hf_common import ARCHITECTURES, FROM_SDIST, HERE as TESTERS, LAYOUT, WINDOW
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnzoo" / "transformers-sdist"
 
@@ -216,6 +216,9 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", choices=("attnzoo", "sdpa"), default="attnzoo")
     parser.add_argument("--models", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES))
     parser.add_argument("--json", help="write the per-architecture counts to this file")
+    parser.add_argument("--sliding-window", type=int, metavar="W",
+                        help="with --sdist: attnzoo's testers give every model this sliding window "
+                             "(their configs' own never bind at the testers' 7 tokens)")
     args, pytest_args = parser.parse_known_args(argv)
     if args.sdist:
         args.tree = None   # --sdist wins over $TRANSFORMERS_SOURCE
@@ -229,7 +232,11 @@ def main(argv=None) -> int:
         raise SystemExit("transformers' test_modeling_common needs `parameterized`: "
                          f"{sys.executable} -m pip install parameterized")
     if args.tree:
+        if args.sliding_window:
+            parser.error("--sliding-window sets attnzoo's testers (--sdist), not a checkout's")
         return run(os.path.abspath(args.tree), args, pytest_args)
+    if args.sliding_window:
+        os.environ[WINDOW] = str(args.sliding_window)   # read by benchmarks/hf_common/causal_lm_tester.py
     version = transformers.__version__
     sdist = fetch_sdist(version) if args.sdist in (None, "download") else Path(args.sdist)
     with tempfile.TemporaryDirectory(prefix="attnzoo-hf-common-") as scratch:

@@ -117,6 +117,7 @@ def test_sdist_tree_puts_the_testers_where_test_modeling_common_imports_them(tmp
     runner = benchmark_scripts.load("hf_common_tests")
     tree = runner.sdist_tree(_fake_sdist(tmp_path), "0.0.1", tmp_path / "tree")
     files = runner.model_test_files(str(tree), ["qwen2", "gemma2"])
+    assert f'WINDOW = "{runner.WINDOW}"' in (tree / "tests" / "causal_lm_tester.py").read_text()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "tiny", *files],
                           cwd=tree, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,5 +22,9 @@ LAYOUT = {
     **{f"{a}.py": f"tests/models/{a}/test_modeling_{a}.py" for a in ARCHITECTURES},
 }
 
+# the environment variable by which the runner's --sliding-window reaches the testers (causal_lm_tester,
+# imported as the tree's tests.causal_lm_tester, cannot import this package: it repeats the name)
+WINDOW = "ATTNZOO_HF_SLIDING_WINDOW"
+
 # what the tree takes from the sdist (its root is transformers-<version>/)
 FROM_SDIST = ("tests/test_modeling_common.py", "tests/test_training_mixin.py")

@@ -2,11 +2,14 @@
 (placed at tests/causal_lm_tester.py of the tree). Sizes follow the common tiny test model: batch 13,
 7 tokens, 2 layers, hidden 32, 2 heads; the tests themselves are all test_modeling_common's, plus a
 forward per head class."""
+import os
 from inspect import signature
 
 import torch
 
 from .test_modeling_common import GenerationTesterMixin, ModelTesterMixin, ids_tensor, require_torch, torch_device
+
+WINDOW = "ATTNZOO_HF_SLIDING_WINDOW"
 
 
 class CausalLMModelTester:
@@ -23,6 +26,10 @@ class CausalLMModelTester:
         self.parent = parent
         self.__dict__.update(settings)
         self.head_dim = hidden_size // num_attention_heads
+        # hf_common_tests.py --sliding-window W: a window that binds at 7 tokens (the configs' own do not)
+        window = os.environ.get(WINDOW)
+        if window:   # Qwen 2 windows the layers from max_window_layers on
+            self.sliding_window, self.use_sliding_window, self.max_window_layers = int(window), True, 0
 
     @property
     def all_model_classes(self):
