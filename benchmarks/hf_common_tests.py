@@ -26,6 +26,9 @@ The tests come from one of two places:
 * ``--tree DIR`` (default $TRANSFORMERS_SOURCE): a transformers source tree at the installed version
   (a git checkout), whose own tests/models/ are run.
 
+With ``--sdist``, ``--sliding-window W`` gives every model of attnzoo's testers a sliding window of W
+tokens (their configs' own windows never bind at the testers' 7 tokens).
+
 This is not part of ``make test``: it needs the network (or a downloaded sdist) and transformers' test
 dependency ``parameterized``. Run the same selection both ways:
 
