@@ -115,3 +115,16 @@ def extreme_mask(shape, size: float = 1e4) -> torch.Tensor:
     """Float mask of -size, 0 or +size (uniform integers in {-1, 0, 1} times size): logits ~ size,
     where float32 itself keeps only ~size * 2^-24 of them."""
     return torch.randint(-1, 2, shape).float() * size
+
+
+def band_allowed(nq: int, nk: int, window, causal: bool) -> torch.Tensor:
+    """(nq, nk) bool written as loops from the definition of a window (left, right; -1 unbounded):
+    d = j - i - (nk - nq) in [-left, right], and d <= 0 when causal (FlashAttention's bottom-right
+    alignment)."""
+    left, right = window
+    allow = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        for j in range(nk):
+            d = j - i - (nk - nq)
+            allow[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right) and (not causal or d <= 0)
+    return allow

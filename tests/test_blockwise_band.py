@@ -12,21 +12,11 @@ import torch
 
 from attnzoo.ops.kernels import blockwise, blockwise_band
 
+from .common import band_allowed
 from .memory_probe import LargestAllocation, PeakAllocated
 
 B, H, D = 2, 2, 4
 SCALE = 0.7
-
-
-def allowed(nq, nk, window, causal):
-    """(nq, nk) bool, written as loops: d = j - i - (nk - nq) in [-left, right], and d <= 0 when causal."""
-    left, right = window
-    allow = torch.zeros(nq, nk, dtype=torch.bool)
-    for i in range(nq):
-        for j in range(nk):
-            d = j - i - (nk - nq)
-            allow[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right) and (not causal or d <= 0)
-    return allow
 
 
 def reference(kind, q, k, v, allow, add, softcap, sinks):
@@ -100,7 +90,7 @@ def test_batched_band_against_float64(case, monkeypatch):
                                         sinks=sinks)
     assert batched, "no query block took the batched band"
 
-    allow = allowed(nq, nk, window, causal).expand(B, H, nq, nk)
+    allow = band_allowed(nq, nk, window, causal).expand(B, H, nq, nk)
     add = torch.zeros((), dtype=torch.float64)
     for t in (add_a, add_b):
         if t is not None:
@@ -162,7 +152,7 @@ def test_batched_band_reads_strided_heads():
     assert not q.is_contiguous()
     out = blockwise.blockwise_attention(q, k, v, kind="softmax", scale=SCALE, is_causal=True, block_q=8, block_k=8,
                                         window_size=(7, 0), softcap=2.0)
-    want = reference("softmax", q, k, v, allowed(nq, nk, (7, 0), True).expand(B, H, nq, nk),
+    want = reference("softmax", q, k, v, band_allowed(nq, nk, (7, 0), True).expand(B, H, nq, nk),
                      torch.zeros((), dtype=torch.float64), 2.0, None)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)

@@ -14,16 +14,7 @@ import torch
 
 from attnzoo.ops import dispatch
 from attnzoo.ops.kernels.flex import flex_available, with_sinks
-
-
-def band(nq, nk, left, right, causal):
-    """(nq, nk) bool from loops: d = j - i - (nk - nq) within [-left, right], and d <= 0 when causal."""
-    allow = torch.zeros(nq, nk, dtype=torch.bool)
-    for i in range(nq):
-        for j in range(nk):
-            d = j - i - (nk - nq)
-            allow[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right) and (not causal or d <= 0)
-    return allow
+from tests.common import band_allowed
 
 
 def attend(logits, allow, v, sinks):
@@ -88,7 +79,7 @@ def test_flex_forward_with_extras_matches_float64_on_cpu(case, monkeypatch):
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (nq, nk, nk))
     sinks = torch.tensor([0.3, -0.4], dtype=torch.float64) if with_sinks_ else None
-    allow = band(nq, nk, *window, causal).expand(B, H, nq, nk)
+    allow = band_allowed(nq, nk, window, causal).expand(B, H, nq, nk)
     add = torch.zeros(B, H, nq, nk, dtype=torch.float64)
     kw = {}
     mask = None

@@ -12,8 +12,10 @@ import torch
 import attnzoo
 from attnzoo.ops import varlen
 
-DIM, HEADS = 16, 2
-LENGTHS = [3, 1, 5]
+from tests.test_varlen_layers import DIM, HEADS, LENGTHS, layer_and_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CU = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
 TOL = 1e-10
 # the layer specs whose per-call values are the same in every sequence (or per key token)
@@ -25,15 +27,6 @@ PER_LENGTH = ["sigmoid(learnable_bias=True)"]
 # layers of the variants with a blockwise packed form (their plain forms: tests/test_varlen_blockwise.py)
 BLOCKWISE = ["l2(tie_qk=True)", "relu", "sigmoid", "sigmoid(bias=-1.0, learnable_bias=True)",
              "fenchel(preference='context')", "softmax(sinks=True, softcap=5.0)", "masked(kind='relu')"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one thread is faster than two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -56,17 +49,6 @@ def no_per_length(monkeypatch):
 
     monkeypatch.setattr(varlen, "per_sequence", fail)
     monkeypatch.setattr(varlen, "per_sequence_reading_offsets", fail)
-
-
-def layer_and_tokens(spec):
-    torch.manual_seed(0)
-    layer = attnzoo.create(spec, DIM, HEADS).double()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # parameters a variant adds may start at zero: draw them
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    g = torch.Generator().manual_seed(2)
-    return layer, [torch.randn(n, DIM, generator=g, dtype=torch.float64) for n in LENGTHS]
 
 
 def assert_same_as_alone(layer, xs, packed_forward, causal):

@@ -20,6 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from attnzoo.adapters import hf_packed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB, LENGTHS = 40, [3, 1, 5]
 
 
@@ -29,14 +31,6 @@ def llama(layers, implementation="sdpa"):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          attention_dropout=0.0, attn_implementation=implementation)
     return LlamaForCausalLM(config).double().eval()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

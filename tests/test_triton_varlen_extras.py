@@ -18,7 +18,7 @@ import attnzoo.functional as AF
 from attnzoo.ops import varlen_triton
 from tests.common import needs_gpu, needs_interpreter
 from tests.flash_rule import assert_flash_rule
-from tests.test_triton_varlen import offsets, refuse_other_routes
+from tests.test_triton_varlen import offsets, on_the_triton_route
 
 H, H_KV, D, DV = 2, 1, 8, 6
 LEN_Q = [1, 18, 3, 9]    # 18 rows cross the 16-row tiles; the last sequence has more queries than keys
@@ -113,14 +113,6 @@ def out_and_grads(fn, leaves, cot):
 
 def cotangent():
     return torch.randn(sum(LEN_Q), H, DV, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-
-
-def on_the_triton_route(fn):
-    def run(*args):
-        with pytest.MonkeyPatch.context() as patch:
-            refuse_other_routes(patch)
-            return fn(*args)
-    return run
 
 
 NAMES = ("out", "dq", "dk", "dv", "dsinks")

@@ -73,7 +73,7 @@ def flex(spec: VariantSpec, problem: Problem, label: str, any_device: bool = Fal
     from torch.nn.attention import flex_attention as flex_module
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from ..ops.kernels.flex import compiled_flex_attention
+    from ..ops.kernels.flex import compiled_flex_attention, in_band
     kw, leaves = call_inputs(spec, problem)
     causal = spec.causal(problem.causal)
     q, k, v = qkv(problem)
@@ -86,13 +86,7 @@ def flex(spec: VariantSpec, problem: Problem, label: str, any_device: bool = Fal
         right = min(window[1], 0)
 
     def mask_mod(b, h, qi, kj):
-        d = kj - qi - shift  # j - i, bottom-right aligned
-        keep = d == d
-        if left >= 0:
-            keep = keep & (d >= -left)
-        if right >= 0:
-            keep = keep & (d <= right)
-        return keep
+        return in_band(qi, kj, shift, left, right)  # bottom-right aligned, as attnzoo's windows
     block_mask = None
     if left >= 0 or right >= 0:
         block_mask = create_block_mask(mask_mod, None, None, s.seq_q, s.nk, device=problem.device)

@@ -68,12 +68,13 @@ def _band_block_mask(nq: int, nk: int, left: int, right: int, device: torch.devi
     empty = lo > hi
 
     def mask_mod(b, h, i, j):
-        return _in_band(i, j, nk - nq, left, right) | empty[i]
+        return in_band(i, j, nk - nq, left, right) | empty[i]
     has_key = (~empty).view(nq, 1) if bool(empty.any()) else None
     return create_block_mask(mask_mod, None, None, nq, nk, device=device), has_key
 
 
-def _in_band(i, j, shift, left, right):
+def in_band(i, j, shift, left, right):
+    """Whether key j takes part for query i under the band (left, right; -1 unbounded) of a mask_mod."""
     d = j - i - shift  # bottom-right aligned: the diagonal is j = i + Nk - Nq
     keep = d == d
     if left >= 0:
@@ -126,7 +127,7 @@ def _window_masks(mask, is_causal, window, B, H, nq, nk, device, dtype):
     shift = nk - nq
 
     def mask_mod(b, h, i, j):
-        inside = _in_band(i, j, shift, left, right)
+        inside = in_band(i, j, shift, left, right)
         if keep is not None:
             inside = inside & keep[b, h, i, j]
         return inside | opened[b, h, i]
