@@ -9,6 +9,8 @@ Backends:
   faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
   It computes ``softcap`` in its kernels; a window reaches it folded into the mask.
+- packed calls (ops/varlen.py) with backend "triton" (or auto on CUDA): every sequence in one launch per
+  pass (varlen.py), non-causal; causal and the others run per sequence length.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
 """
@@ -18,6 +20,7 @@ import functools
 
 import torch
 
+from .. import varlen_triton
 from ..dispatch import all_of, register_backend
 from ..masking import split_mask
 from ..triton_utils import HAVE_TRITON
@@ -32,6 +35,7 @@ from .reference import sinkhorn_attention
 if HAVE_TRITON:  # the kernels import triton at module level; the CPU backends do not need it
     from . import bound as sinkhorn_bound
     from . import triton as sinkhorn_triton
+    from . import varlen as sinkhorn_varlen
 
 
 def _common_reason(q, attn_mask=None, dropout_p=0.0):
@@ -111,6 +115,8 @@ if HAVE_TRITON:
                      _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
                      all_of(_triton_supports, _implicit_reason), priority=2, auto_devices=(), reads_values=True,
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
+    # packed calls: every sequence in one launch per pass (varlen.py); causal ones run per length
+    varlen_triton.register_route("sinkhorn", sinkhorn_varlen.route)
 
 
 RECORD = declare(Variant(

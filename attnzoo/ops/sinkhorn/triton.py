@@ -339,7 +339,8 @@ class TritonEngine:
             block = 16 if INTERPRETED else 1024
             opts = {} if INTERPRETED else dict(num_warps=4)
             launcher(K._factors_kernel)[(T, BH)](F, G, lse, DF, DG, XF, UF, fast, T, nq, nk, float(p.col_target),
-                                                 FACTOR_MAX=FACTOR_MAX, BLOCK=block, **opts)
+                                                 FACTOR_MAX=FACTOR_MAX, BLOCK=block, **opts,
+                                                 **s.get("factors_packed", {}))   # varlen.py's offsets
         else:  # never read: no terms
             F = DG = DF = XF = UF = lse
             fast = stand_in(p.q, torch.int32)

@@ -68,6 +68,18 @@ backward takes delta = dout.out. Each alone was not enough (measured: docs/kerne
 fp16 has a narrow range: a plan tile shifted by a bound that is not its row's maximum (up to 2^-40
 in a program) falls below fp16's smallest numbers, so fp16 inputs run the attend with the running
 maximum and keep the row potential in _grad_v_kernel's exponent (the host decides, per dtype).
+
+Packed sequences (VARLEN, CU_Q / CU_K and, for the passes launched both ways, X_IS_Q: the arguments at
+the end of each signature; varlen.py launches them). The grid's batch-head index is sequence * H +
+head; at its entry a program reads its sequence's starts and n_q / n_k from the offsets (``_packed_entry``),
+returns when its block lies past the sequence, and moves its base pointers so that the unchanged body's
+``bh * N`` indexing lands in the sequence's block: X / Y rows and every per-row vector are laid out in
+per-sequence (H, n) blocks starting at row H * start (ops/triton_packed.py), the stacks the adjoint
+terms read (_factors_kernel, _grad_qk_kernel) in per-sequence (T', H, n) blocks starting at T' H start
+(the host regroups them; the body's stride between entries becomes H * n). The column target differs
+per sequence: under VARLEN the host passes every scalar that is a multiple of c (ref_shift, out_shift,
+shift, c) as that multiple, and the program multiplies it by its own c = log(n_q / n_k). The rest of
+the kernel is the dense one on the sequence's n_q x n_k problem, so no tile crosses a boundary.
 """
 from __future__ import annotations
 
@@ -75,7 +87,7 @@ import triton
 import triton.language as tl
 
 from ..triton_logit_extras import softcap_tile
-from ..triton_utils import mm, mma
+from ..triton_utils import mm, mma, packed_sequence
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -90,6 +102,23 @@ def _load_rows(ptr, offs, n, offs_d, d):
 @triton.jit
 def _load_vec(ptr, offs, n, fill):
     return tl.load(ptr + offs, mask=offs < n, other=fill)
+
+
+@triton.jit
+def _packed_entry(CU_Q, CU_K, bh, H, X_IS_Q: tl.constexpr):
+    """VARLEN (packed sequences, module doc): program bh = sequence * H + head's (sx, nx, sy, ny, c, hx, hy).
+    sx / sy move a per-row pointer of the X / Y side from the kernels' bh * N indexing to the sequence's
+    (H, n) block, which starts at row H * start: sx = H * start_x - sequence * H * n_x (times the row
+    width for X / Y rows themselves); nx / ny are the sequence's lengths, c = log(n_q / n_k) its column
+    target, hx / hy = H * start (a stack of T' entries per sequence starts T' H start: sx + (T' - 1) hx)."""
+    seq = bh // H
+    start_q, n_q, start_k, n_k = packed_sequence(CU_Q, CU_K, seq)
+    c = tl.log(n_q.to(tl.float32) / n_k.to(tl.float32))
+    if X_IS_Q:
+        start_x, nx, start_y, ny = start_q, n_q, start_k, n_k
+    else:
+        start_x, nx, start_y, ny = start_k, n_k, start_q, n_q
+    return H * start_x - seq * H * nx, nx, H * start_y - seq * H * ny, ny, c, H * start_x, H * start_y
 
 
 @triton.jit
@@ -243,7 +272,7 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, G0_MODE: tl.constexpr,
                 MIN_SUM: tl.constexpr, SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                 BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
-                CAP_L2: tl.constexpr):
+                CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, X_IS_Q: tl.constexpr = True):
     """OUT_x = out_shift - lse_y(A x.y + OTHER_y) over the y taking part (natural log; lse = 0 where
     none does): f = -lse (row pass, out_shift 0) or g = c - lse (column pass, out_shift c).
     BOUNDED: ref_shift - REF_x bounds every exponent of row x (module doc), the block is summed
@@ -254,6 +283,17 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
     out_shift = tl.cast(out_shift, tl.float32)
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    if VARLEN:  # bh = sequence * H + head: its lengths, (H, n) blocks and column target (X_IS_Q: a row pass)
+        sx, Nx, sy, Ny, c, _, _ = _packed_entry(CU_Q, CU_K, bh, H, X_IS_Q)
+        if pid * BLOCK_X >= Nx:
+            return
+        X += sx * D
+        Y += sy * D
+        OTHER += sy
+        REF += sx
+        OUT += sx
+        ref_shift *= c
+        out_shift *= c
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     OTHER = OTHER + bh * Ny
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
@@ -299,7 +339,8 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
                  sm_b, sm_h, sm_x, sm_y, tune_nx, tune_ny,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, SPREAD_MAX: tl.constexpr,
                  BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr,
+                 CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, X_IS_Q: tl.constexpr = True):
     """OUT_x = out_scale sum_y exp(A x.y + XP_x + YP_y + shift) W_y. The callers' exponents are
     entries of a transport plan (<= 1 up to rounding), so no running maximum is needed; with
     s = min over the block of XP_x, exp2(t + s) <= 1 too and the row factor exp2(XP_x - s) comes
@@ -309,6 +350,17 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
     out_scale = tl.cast(out_scale, tl.float32)
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    if VARLEN:  # bh = sequence * H + head (see _lse_kernel)
+        sx, Nx, sy, Ny, c, _, _ = _packed_entry(CU_Q, CU_K, bh, H, X_IS_Q)
+        if pid * BLOCK_X >= Nx:
+            return
+        X += sx * D
+        Y += sy * D
+        XP += sx
+        YP += sy
+        W += sy
+        OUT += sx
+        shift *= c
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
     offs_d = tl.arange(0, BLOCK_D)
@@ -381,7 +433,7 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
     the exponents of row x (the last column pass normalised the columns), so the block is summed
@@ -391,6 +443,19 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
     ref_shift = tl.cast(ref_shift, tl.float32)
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    if VARLEN:  # bh = sequence * H + head (see _lse_kernel); X = q
+        sx, Nx, sy, Ny, c, _, _ = _packed_entry(CU_Q, CU_K, bh, H, True)
+        if pid * BLOCK_X >= Nx:
+            return
+        X += sx * D
+        Y += sy * D
+        V += sy * DV
+        G += sy
+        REF += sx
+        LSE += sx
+        OUT += sx * DV
+        OUT32 += sx * DV
+        ref_shift *= c
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     Vh = V + bh * Ny * DV
     G = G + bh * Ny
@@ -470,7 +535,7 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries).
@@ -479,6 +544,20 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     A = tl.cast(A, tl.float32)  # inductor hands Python floats over as fp64 scalars: keep fp32 arithmetic
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
+    if VARLEN:  # bh = sequence * H + head (see _lse_kernel); X = k
+        sx, Nx, sy, Ny, _, _, _ = _packed_entry(CU_Q, CU_K, bh, H, False)
+        if pid * BLOCK_X >= Nx:
+            return
+        X += sx * D
+        Y += sy * D
+        V += sx * DV
+        DO += sy * DV
+        O += sy * DV
+        G += sx
+        LSE += sy
+        DELTA += sy
+        DVOUT += sx * DV
+        DG += sx
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     DOh, Oh = DO + bh * Ny * DV, O + bh * Ny * DV
     LSE, DELTA = LSE + bh * Ny, DELTA + bh * Ny
@@ -506,7 +585,8 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
 
 @triton.jit
 def _factors_kernel(FS, GS, LSE, DFS, DGS, XF, UF, FAST, T, Nq, Nk, c,
-                    FACTOR_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                    FACTOR_MAX: tl.constexpr, BLOCK: tl.constexpr, HEADS=1, CU_Q=None, CU_K=None,
+                    VARLEN: tl.constexpr = False):
     """Rank-one factors of the unrolled adjoint's terms, one program per (t, batch-head).
 
     With P = exp(L + g^T_j - lse_i) the final plan, every term plan of iteration t is P times a
@@ -525,6 +605,18 @@ def _factors_kernel(FS, GS, LSE, DFS, DGS, XF, UF, FAST, T, Nq, Nk, c,
     bh = tl.program_id(1).to(tl.int64)
     BH = tl.num_programs(1)
     c = tl.cast(c, tl.float32) * LOG2E
+    if VARLEN:  # bh = sequence * HEADS + head; the stacks per sequence, (T', HEADS, n) from T' HEADS start
+        sq, Nq, sk, Nk, cs, hq, hk = _packed_entry(CU_Q, CU_K, bh, HEADS, True)
+        c *= cs
+        FS += sq + (T - 1) * hq
+        DFS += sq + (T - 1) * hq
+        GS += sk + T * hk
+        DGS += sk + (T - 1) * hk
+        LSE += sq
+        XF += sq * 2 * T
+        UF += sk * 2 * T
+        FAST += (bh // HEADS) * HEADS * (T - 1)   # (T, HEADS) per sequence
+        BH = HEADS   # entry t of a stack lies t * HEADS * n past the sequence's block
     F = FS + (t * BH + bh) * Nq
     DF = DFS + (t * BH + bh) * Nq
     GR = GS + (t * BH + bh) * Nk          # g^{t-1} (this iteration's row pass saw it)
@@ -583,7 +675,7 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
                     L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, KT: tl.constexpr,
                     BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                    CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
         dL_yx = P_yx (dout_y . v_x - DELTA_y - sum_t [XF^t_y UF^t_x]) - sum_{t slow} (C^t dg^t + R^t df^t)_yx
@@ -607,8 +699,29 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
     c = tl.cast(c, tl.float32) * LOG2E
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)   # flattened batch-head; int64: a full mask's offsets pass 2^31
-    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     BH = tl.num_programs(1)
+    if VARLEN:  # bh = sequence * H + head (see _lse_kernel, _factors_kernel); X = k
+        sx, Nx, sy, Ny, cs, hx, hy = _packed_entry(CU_Q, CU_K, bh, H, False)
+        if pid * BLOCK_X >= Nx:
+            return
+        c *= cs
+        X += sx * D
+        Y += sy * D
+        V += sx * DV
+        DO += sy * DV
+        GS += sx + T * hx
+        LSE += sy
+        DELTA += sy
+        FS += sy + (T - 1) * hy
+        DGS += sx + (T - 1) * hx
+        DFS += sy + (T - 1) * hy
+        XF += sy * 2 * T
+        UF += sx * 2 * T
+        FAST += (bh // H) * H * (T - 1)
+        DQ += sy * D
+        DK += sx * D
+        BH = H
+    Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
