@@ -62,6 +62,7 @@ def _cases():
     from attnzoo.ops.kernels.flash_softmax import triton as fused
     from attnzoo.ops.kernels.flash_softmax import varlen as fused_varlen
     from attnzoo.ops.kernels.pointwise import varlen as pointwise_varlen
+    from attnzoo.ops.sinkhorn import varlen as sinkhorn_varlen
 
     g = torch.Generator().manual_seed(0)
 
@@ -88,6 +89,8 @@ def _cases():
         "softmax-varlen": lambda: fused_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, is_causal=True),
         "sigmoid-varlen": lambda: pointwise_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, sigmoid=True),
         "sinkhorn": lambda: sinkhorn_attention(q, k, v, attn_mask=bool_mask, scale=0.25, n_iters=2),
+        "sinkhorn-varlen": lambda: sinkhorn_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, n_iters=2, eps=1.0,
+                                                             cost="l2"),
         "sinkhorn-implicit": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, grad_mode="implicit"),
         "linear-causal": lambda: linear_attention_triton(q, k, v, is_causal=True),
         # half inputs: the attend / output kernels also write the unrounded output (issue 21)

@@ -178,7 +178,7 @@ def test_route_is_chosen_by_backend_and_device():
     assert varlen_triton.chosen("softmax", q, "triton")
     assert not varlen_triton.chosen("softmax", q, "auto")            # auto runs Triton on CUDA only
     assert not varlen_triton.chosen("softmax", q, "cpu")
-    assert not varlen_triton.chosen("sinkhorn", q, "triton")         # no varlen Triton form
+    assert not varlen_triton.chosen("no_such_variant", q, "triton")  # no varlen Triton route registered
     assert varlen_triton.chosen("softmax", q.to("meta"), "triton")
 
 

@@ -182,8 +182,8 @@ def launcher(kernel):
 
 
 # The packed-sequence (varlen) arguments kernels append at the end of their signatures with defaults
-# that switch them off (CU_Q / CU_K offsets, sizes, VARLEN False).
-PACKED_ARGS = ("CU_Q", "CU_K", "CT", "GROUP", "TQ", "TK", "VARLEN")
+# that switch them off (CU_Q / CU_K offsets, sizes, VARLEN False; Sinkhorn's X_IS_Q, HEADS).
+PACKED_ARGS = ("CU_Q", "CU_K", "CT", "GROUP", "TQ", "TK", "VARLEN", "X_IS_Q", "HEADS")
 
 
 def _signature(kernel):
