@@ -109,6 +109,20 @@ def test_fp32_packed_equals_each_sequence_alone(cost, softcap, n_iters, eps, onl
 
 
 @needs_interpreter
+def test_fp32_terms_taken_one_exponential_each(monkeypatch, only_the_packed_kernels):
+    """FACTOR_MAX below every factor: _grad_qk_kernel takes each unrolled term by its own exponential
+    (its slow path, which indexes the per-sequence stacks by iteration, as at tiny eps). Gradients to
+    1e-5 of the formula."""
+    from attnzoo.ops.sinkhorn import triton as sinkhorn_triton
+    monkeypatch.setattr(sinkhorn_triton, "FACTOR_MAX", -1e4)
+    inputs, cot = packed_inputs(torch.float32, seed=4), cotangent(seed=5)
+    got = out_and_grads(packed(n_iters=2, eps=0.5), inputs, cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=2, eps=0.5), [t.double() for t in inputs], cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_packed_follows_flash_rule(dtype, only_the_packed_kernels):
     """bf16 / fp16 in and out: output and gradients within FlashAttention's rule of the float64 formula,
