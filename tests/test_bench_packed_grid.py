@@ -29,6 +29,10 @@ def test_the_gpu_grid_has_the_packed_rows():
     for name in packed_grid.PACKED_VARIANTS:
         assert f"{name}-packed / triton" in labels and f"{name}-packed / auto" in labels
     assert labels["softmax-packed / triton"].applies(PROBLEM)
+    # Sinkhorn: the non-causal problems only (causal is each sequence's prefix loop, per length)
+    assert labels["sinkhorn-packed / triton"].applies(PROBLEM)
+    assert not labels["sinkhorn-packed / triton"].applies(Problem(Shape(8, 2, 1024, 16), torch.float16,
+                                                                  torch.device("cuda"), "fwd", True))
     assert not labels["softmax-packed / triton"].applies(Problem(Shape(1, 2, 4096, 16), torch.float16,
                                                                  torch.device("cuda"), "fwd", True))
 

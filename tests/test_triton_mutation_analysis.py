@@ -79,8 +79,9 @@ else:
 OUTPUTS[f"{S}.softmax_bwd_delta_kernel"] = {"DELTA", "CU_Q"}
 for name in ("pointwise_fwd_kernel", "pointwise_bwd_dkdv_kernel", "pointwise_bwd_dq_kernel"):
     OUTPUTS[f"{P}.{name}"] = OUTPUTS[f"{P}.{name}"] | OFFSETS
-for name in ("_lse_kernel", "_attend_kernel", "_wsum_kernel", "_grad_v_kernel", "_factors_kernel", "_grad_qk_kernel"):
-    OUTPUTS[f"{SK}.{name}"] = OUTPUTS[f"{SK}.{name}"] | OFFSETS     # ops/sinkhorn/varlen.py
+for name in ("_lse_kernel", "_attend_kernel", "_wsum_kernel", "_grad_v_kernel", "_factors_kernel",
+             "_grad_qk_kernel"):                                   # ops/sinkhorn/varlen.py
+    OUTPUTS[f"{SK}.{name}"] = OUTPUTS[f"{SK}.{name}"] | OFFSETS
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,20 @@ from .packed_batch import mixed_lengths
 from .problem import Problem, randn
 from .targets import AUTO, Case, Prepared, _allow_interpreter, _interpreted, parse_variant
 
-PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu")
+PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu", "sinkhorn")
+# causal packed Sinkhorn is the prefix Sinkhorn of each sequence (O(n^3), per length), not a kernel speed
+# question: its rows are the non-causal problems, as in the dense grid
+NON_CAUSAL_ONLY = frozenset({"sinkhorn"})
 PACKED_BACKENDS = ("triton", AUTO)
 
 
 def applies(problem: Problem) -> bool:
     """Several sequences (a batch of one has nothing to pack) of 1024 tokens and more."""
     return problem.shape.batch >= 2 and problem.shape.seq_q >= 1024
+
+
+def applies_non_causal(problem: Problem) -> bool:
+    return applies(problem) and not problem.causal
 
 
 def packed_lengths(problem: Problem) -> list[int]:
@@ -101,7 +108,8 @@ def packed_cases(device: torch.device) -> list[Case]:
                                           applies=applies)]
     for name in PACKED_VARIANTS:
         spec = parse_variant(name)
-        cases += [PackedTarget(spec, backend, label=f"{name}-packed / {backend}", applies=applies)
+        fits = applies_non_causal if name in NON_CAUSAL_ONLY else applies
+        cases += [PackedTarget(spec, backend, label=f"{name}-packed / {backend}", applies=fits)
                   for backend in PACKED_BACKENDS]
     return cases
 
