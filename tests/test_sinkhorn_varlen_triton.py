@@ -123,6 +123,19 @@ def test_fp32_terms_taken_one_exponential_each(monkeypatch, only_the_packed_kern
 
 
 @needs_interpreter
+def test_fp32_large_call_path(monkeypatch, only_the_packed_kernels):
+    """FOLD_BELOW at 0: the path of large calls, g^0 = -a |k|^2 and delta = dout.out by the row-dot
+    launch on the blocked rows instead of inside the first passes. Output and gradients to 1e-5."""
+    from attnzoo.ops.sinkhorn import varlen as sinkhorn_varlen
+    monkeypatch.setattr(sinkhorn_varlen, "FOLD_BELOW", 0)
+    inputs, cot = packed_inputs(torch.float32, seed=6), cotangent(seed=7)
+    got = out_and_grads(packed(n_iters=2), inputs, cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=2), [t.double() for t in inputs], cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_packed_follows_flash_rule(dtype, only_the_packed_kernels):
     """bf16 / fp16 in and out: output and gradients within FlashAttention's rule of the float64 formula,
