@@ -22,8 +22,8 @@ from tests.common import needs_gpu, needs_interpreter
 from tests.flash_rule import assert_flash_rule
 
 H, H_KV, D, DV = 2, 1, 8, 6
-LEN_Q = [1, 20, 5, 9]     # 1 token, more than a 16-row tile, below one; Nq != Nk in three of them
-LEN_K = [3, 17, 5, 24]
+LEN_Q = [1, 20, 5]     # 1 token, more than a 16-row tile, below one; Nq != Nk in two of them
+LEN_K = [3, 17, 5]
 SCALE = D ** -0.5
 
 
@@ -129,8 +129,8 @@ def test_fp32_large_call_path(monkeypatch, only_the_packed_kernels):
     from attnzoo.ops.sinkhorn import varlen as sinkhorn_varlen
     monkeypatch.setattr(sinkhorn_varlen, "FOLD_BELOW", 0)
     inputs, cot = packed_inputs(torch.float32, seed=6), cotangent(seed=7)
-    got = out_and_grads(packed(n_iters=2), inputs, cot)
-    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=2), [t.double() for t in inputs], cot)
+    got = out_and_grads(packed(n_iters=1), inputs, cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=1), [t.double() for t in inputs], cot)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -141,10 +141,10 @@ def test_half_packed_follows_flash_rule(dtype, only_the_packed_kernels):
     """bf16 / fp16 in and out: output and gradients within FlashAttention's rule of the float64 formula,
     the yardstick being the same formula computed in fp32 on the half inputs and stored in the dtype."""
     inputs, cot = packed_inputs(dtype, seed=1), cotangent(seed=2)
-    got = out_and_grads(packed(n_iters=3), inputs, cot)
-    low = [t.to(dtype) for t in out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=3),
+    got = out_and_grads(packed(n_iters=2), inputs, cot)
+    low = [t.to(dtype) for t in out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=2),
                                               [t.float() for t in inputs], cot)]
-    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=3), [t.double() for t in inputs], cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, n_iters=2), [t.double() for t in inputs], cot)
     assert got[0].dtype == dtype
     assert_flash_rule(f"sinkhorn-varlen-{dtype}", dtype, 1.0, list(zip(("out", "dq", "dk", "dv"), got, low, want)))
 
@@ -161,7 +161,7 @@ def test_garbage_in_one_sequence_leaves_the_others_bit_for_bit(only_the_packed_k
     spoiled[0][q0:q1] = float("nan")
     spoiled[1][k0:k1] = float("nan")
     spoiled[2][k0:k1] = float("nan")
-    clean, dirty = out_and_grads(packed(), inputs, cot), out_and_grads(packed(), spoiled, cot)
+    clean, dirty = out_and_grads(packed(n_iters=1), inputs, cot), out_and_grads(packed(n_iters=1), spoiled, cot)
     assert dirty[0][q0:q1].isnan().all()        # the garbage did reach the kernels
     keep_q = torch.ones(sum(LEN_Q), dtype=torch.bool)
     keep_q[q0:q1] = False
@@ -210,7 +210,7 @@ def test_options_offsets_and_heads_are_still_checked():
     with pytest.raises(ValueError, match="eps"):
         packed(eps=0.0)(q, k, v)
     with pytest.raises(ValueError, match="sequence 1 length 0"):
-        AF.varlen("sinkhorn", q, k, v, offsets([1, 0, sum(LEN_Q) - 2, 1]), offsets(LEN_K), sum(LEN_Q), max(LEN_K),
+        AF.varlen("sinkhorn", q, k, v, offsets([1, 0, sum(LEN_Q) - 1]), offsets(LEN_K), sum(LEN_Q), max(LEN_K),
                   backend="triton", enable_gqa=True)
     with pytest.raises(ValueError, match="sorted"):
         AF.varlen("sinkhorn", q, k, v, torch.tensor([0, 21, 6, sum(LEN_Q)], dtype=torch.int32),
