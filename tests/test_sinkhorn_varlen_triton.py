@@ -5,13 +5,14 @@ Each packed answer, forward and gradients, equals a float64 log-domain Sinkhorn 
 formula (paper 002 sec 2.4) run on each sequence alone; fp32 tightly, bf16 / fp16 by FlashAttention's
 rule. Lengths 1, below and above the interpreter's 16-row tiles, Nq != Nk per sequence (so the column
 target log(n_q / n_k) differs per sequence), grouped-query heads, costs l2 and dot, softcap, n_iters 0
-to 3. The route is shown taken (the per-length and padded routes patched to fail), a sequence shown
+to 3, and causal (each sequence's prefix loop, prefix i of all sequences at once). The route is shown taken (the per-length and padded routes patched to fail), a sequence shown
 untouched by garbage in another (no tile crosses a boundary), the declined calls shown declined, and
 the offsets still checked. CPU tensors under TRITON_INTERPRET=1 (backend="triton" by name: auto picks
 Triton on CUDA only); the GPU test at the end runs the compiled kernels through auto."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -60,13 +61,30 @@ def sinkhorn_formula(q, k, v, n_iters, eps, cost, softcap):
     return torch.softmax(L + g, dim=-1) @ v
 
 
-def one_by_one(q, k, v, n_iters=3, eps=1.0, cost="l2", softcap=None):
+def causal_formula(q, k, v, n_iters, eps, cost, softcap):
+    """Causal Sinkhorn on one sequence (paper 002 eq 2.6): row i is the last row of the formula on its
+    prefix, keys 0..i + n_k - n_q and the queries that have a position among them (a >= n_q - n_k);
+    a row with no key is zero."""
+    nq, nk = q.shape[1], k.shape[1]
+    rows = []
+    for i in range(nq):
+        last = i + nk - nq
+        if last < 0:
+            rows.append(torch.zeros(q.shape[0], 1, v.shape[-1], dtype=v.dtype))
+            continue
+        first = max(0, nq - nk)
+        out = sinkhorn_formula(q[:, first:i + 1], k[:, :last + 1], v[:, :last + 1], n_iters, eps, cost, softcap)
+        rows.append(out[:, -1:])
+    return torch.cat(rows, dim=1)
+
+
+def one_by_one(q, k, v, n_iters=3, eps=1.0, cost="l2", softcap=None, is_causal=False):
     """The formula on each packed sequence alone, k and v's shared head expanded to q's heads."""
+    formula = causal_formula if is_causal else sinkhorn_formula
     outs, cq, ck = [], 0, 0
     for nq, nk in zip(LEN_Q, LEN_K):
         ks, vs = (t[ck:ck + nk].transpose(0, 1).repeat_interleave(H // H_KV, dim=0) for t in (k, v))
-        outs.append(sinkhorn_formula(q[cq:cq + nq].transpose(0, 1), ks, vs, n_iters, eps, cost, softcap)
-                    .transpose(0, 1))
+        outs.append(formula(q[cq:cq + nq].transpose(0, 1), ks, vs, n_iters, eps, cost, softcap).transpose(0, 1))
         cq, ck = cq + nq, ck + nk
     return torch.cat(outs)
 
@@ -104,6 +122,25 @@ def test_fp32_packed_equals_each_sequence_alone(cost, softcap, n_iters, eps, onl
     got = out_and_grads(packed(**options), inputs, cot)
     want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, **options), [t.double() for t in inputs], cot)
     assert got[0].dtype == torch.float32
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_interpreter
+def test_fp32_causal_runs_each_prefix_of_every_sequence_at_once(monkeypatch, only_the_packed_kernels):
+    """Causal: prefix i of every sequence in one packed problem. Sequences with more queries than keys
+    (their first n_q - n_k queries take part in no problem, their first rows see no key: zero), fewer,
+    as many, and one token; output and gradients to 1e-5 of the formula per sequence and row. Lengths
+    below a tile: the prefix loop is the host's, the kernels are the non-causal tests' (17+ prefixes
+    would cost seconds each under the interpreter)."""
+    monkeypatch.setattr(sys.modules[__name__], "LEN_Q", [1, 5, 3, 4])
+    monkeypatch.setattr(sys.modules[__name__], "LEN_K", [3, 3, 5, 4])
+    inputs, cot = packed_inputs(torch.float32, seed=8), cotangent(seed=9)
+    options = dict(n_iters=1, eps=0.8, cost="l2")
+    got = out_and_grads(packed(is_causal=True, **options), inputs, cot)
+    want = out_and_grads(lambda q, k, v: one_by_one(q, k, v, is_causal=True, **options), [t.double() for t in inputs],
+                         cot)
+    assert float(want[0][1:3].detach().abs().max()) == 0.0      # sequence 1's first two rows see no key
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -179,9 +216,9 @@ def test_route_is_registered_and_chosen_by_backend():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("extra", [{"is_causal": True}, {"window_size": (2, 0)}, {"dropout_p": 0.1},
-                                   {"sinks": torch.zeros(H)}, {"unknown": 1}],
-                         ids=["causal", "window", "dropout", "sinks", "unknown_option"])
+@pytest.mark.parametrize("extra", [{"window_size": (2, 0)}, {"is_causal": True, "window_size": (2, 0)},
+                                   {"dropout_p": 0.1}, {"sinks": torch.zeros(H)}, {"unknown": 1}],
+                         ids=["window", "causal_window", "dropout", "sinks", "unknown_option"])
 def test_declined_calls_take_the_other_routes(extra):
     """What the packed kernels do not compute is declined (None: the caller runs the sequences per length
     through the variant's own function, which computes or refuses it), never run wrongly."""

@@ -10,7 +10,7 @@ Backends:
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
   It computes ``softcap`` in its kernels; a window reaches it folded into the mask.
 - packed calls (ops/varlen.py) with backend "triton" (or auto on CUDA): every sequence in one launch per
-  pass (varlen.py), non-causal; causal and the others run per sequence length.
+  pass (varlen.py); causal: prefix i of every sequence in one launch set; a window runs per length.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
 """
@@ -115,7 +115,7 @@ if HAVE_TRITON:
                      _backend(sinkhorn_triton.sinkhorn_attention, "implicit"),
                      all_of(_triton_supports, _implicit_reason), priority=2, auto_devices=(), reads_values=True,
                      description="Triton streaming kernels, O(N) memory, implicit (fixed-point) backward")
-    # packed calls: every sequence in one launch per pass (varlen.py); causal ones run per length
+    # packed calls: every sequence in one launch per pass (varlen.py)
     varlen_triton.register_route("sinkhorn", sinkhorn_varlen.route)
 
 

@@ -18,11 +18,14 @@ regrouped per sequence for the two kernels that index them by iteration. Grouped
 expanded to q's heads (the kernels' dK / dV are per program; the expansion's backward sums the group).
 
 Forward and backward are the custom ops ``attnzoo::sinkhorn_varlen_fwd`` / ``_bwd`` (the unrolled
-gradient, first order only, as the dense ones). The route (``route``) takes non-causal calls without a
-window, dropout or sinks, of the dtypes and head dims the dense kernels take, and returns None for the
-others, which ops/varlen.py then runs per sequence length through the variant's own function (its
-checks and errors): causal packed Sinkhorn is a prefix loop per sequence (ops/sinkhorn/streaming.py) and
-runs there, and so does the implicit backward ("triton_implicit" is not this route's backend name).
+gradient, first order only, as the dense ones). Causal packed Sinkhorn is each sequence's prefix loop
+(row i = the last row of Sinkhorn on its prefix): ``causal`` runs prefix i of every sequence as one
+packed problem, max_q launch sets in all instead of one per (distinct length, prefix); it reads the
+offsets on the host for the prefixes' sizes (a graph break under torch.compile, as the per-length route).
+The route (``route``) takes calls without a window, dropout or sinks, of the dtypes and head dims the
+dense kernels take, and returns None for the others, which ops/varlen.py then runs per sequence length
+through the variant's own function (its checks and errors), as it does the implicit backward
+("triton_implicit" is not this route's backend name).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .. import logit_extras
 from .. import validate as V
@@ -129,8 +133,8 @@ class PackedEngine(TritonEngine):
 ENGINE = PackedEngine()
 
 
-def _problem(q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, softcap) -> PackedProblem:
-    return PackedProblem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", None, True, softcap,
+def _problem(q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, tune, softcap) -> PackedProblem:
+    return PackedProblem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", None, tune, softcap,
                          cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
 
 
@@ -141,11 +145,12 @@ def _rows(q, k, cu_q, cu_k):
 if HAVE_TRITON:
     @kernel_op("attnzoo::sinkhorn_varlen_fwd", mutates_args=())
     def sinkhorn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                            scale: float, eps: float, l2: bool, n_iters: int,
+                            scale: float, eps: float, l2: bool, n_iters: int, tune: bool,
                             softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(out (T_q, H, Dv) in q's dtype; then, for the backward: the row lse, the potential stacks F, G
         (float32, per-sequence blocks in (N, H, max) room) and the output it takes delta = dout.out from,
-        in blocks (float32 and unrounded for half inputs)). k, v have q's heads."""
+        in blocks (float32 and unrounded for half inputs)). k, v have q's heads; ``tune``: large launches
+        may autotune (not in the causal prefix loop, where every prefix is a new shape)."""
         T_q, H, _ = q.shape
         n_seq, DV = cu_q.shape[0] - 1, v.shape[2]
         if tracing_only(q):
@@ -154,47 +159,107 @@ if HAVE_TRITON:
             return q.new_empty(T_q, H, DV), vec(max_q), vec(max_q, n_iters), vec(max_k, n_iters + 1), resid
         rows_q, rows_k = _rows(q, k, cu_q, cu_k)
         p = _problem(to_blocks(q, rows_q), to_blocks(k, rows_k), to_blocks(v, rows_k), cu_q, cu_k, max_q, max_k,
-                     scale, eps, l2, softcap)
+                     scale, eps, l2, tune, softcap)
         out, lse, F, G, exact = ENGINE.forward(p, n_iters)
         return from_blocks(out, rows_q), lse, F, G, (exact if q.dtype in HALF else out)
 
     @kernel_op("attnzoo::sinkhorn_varlen_bwd", mutates_args=())
     def sinkhorn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, resid: Tensor, lse: Tensor, F: Tensor,
                             G: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float, eps: float,
-                            l2: bool, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                            l2: bool, tune: bool, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) packed like q, k, v: the unrolled iterations' exact gradient."""
         if tracing_only(q):
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_q, rows_k = _rows(q, k, cu_q, cu_k)
         p = _problem(to_blocks(q, rows_q), to_blocks(k, rows_k), to_blocks(v, rows_k), cu_q, cu_k, max_q, max_k,
-                     scale, eps, l2, softcap)
+                     scale, eps, l2, tune, softcap)
         dq, dk, dv = ENGINE.backward_unrolled(p, to_blocks(dout, rows_q), resid, lse, F, G)
         return from_blocks(dq, rows_q).to(q.dtype), from_blocks(dk, rows_k), from_blocks(dv, rows_k)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, n_iters, softcap = inputs
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, n_iters, tune, softcap = inputs
         _, lse, F, G, resid = output
         ctx.save_for_backward(q, k, v, resid, lse, F, G, cu_q, cu_k)
-        ctx.config = (max_q, max_k, scale, eps, l2, softcap)
+        ctx.config = (max_q, max_k, scale, eps, l2, tune, softcap)
 
     def _grad(ctx, dout, _dlse, _dF, _dG, _dresid):
         q, k, v, resid, lse, F, G, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = sinkhorn_varlen_bwd(dout.contiguous(), q, k, v, resid, lse, F, G, cu_q, cu_k, *ctx.config)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
     sinkhorn_varlen_fwd.register_autograd(_grad, setup_context=_setup_context)
 
 
+def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, tune) -> Tensor:
+    scale, eps, cost, n_iters, softcap = config
+    out, *_ = sinkhorn_varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), float(scale), float(eps),
+                                  cost == "l2", int(n_iters), bool(tune), float(softcap or 0.0))
+    return out
+
+
+def _ranges(starts: list[int], lengths: list[int], device) -> Tensor:
+    """The token indices start .. start + length - 1 of each range, concatenated (device ops; sizes from
+    the host's lists)."""
+    lengths_t = torch.tensor(lengths, device=device)
+    firsts = torch.tensor(starts, device=device).repeat_interleave(lengths_t, output_size=sum(lengths))
+    offsets = torch.tensor([0] + lengths[:-1], device=device).cumsum(0).repeat_interleave(
+        lengths_t, output_size=sum(lengths))
+    return firsts + torch.arange(sum(lengths), device=device) - offsets
+
+
+@torch.compiler.disable
+def causal(q, k, v, cu_q, cu_k, config) -> Tensor:
+    """Causal packed Sinkhorn: row i of a sequence is the last row of Sinkhorn on its prefix (queries 0..i,
+    keys 0..i + n_k - n_q: paper 002 eq 2.6, streaming.causal_by_prefix), and prefix i of every sequence
+    long enough is one packed problem, one launch set: max_q of them instead of one per (distinct length,
+    prefix). Each runs under activation checkpointing (autograd keeps q, k, v and the rows, as the
+    per-length prefix loop). The offsets are read on the host here (the prefix problems' sizes), so under
+    torch.compile this is a graph break, as the per-length route is."""
+    offsets_q, offsets_k = cu_q.tolist(), cu_k.tolist()
+    starts_q, starts_k = offsets_q[:-1], offsets_k[:-1]
+    n_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
+    n_k = [b - a for a, b in zip(offsets_k, offsets_k[1:])]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+    def prefix_rows(index_q, index_k, cu_qi, cu_ki, last_rows, longest_q, longest_k, q, k, v):
+        out = _packed_call(q.index_select(0, index_q), k.index_select(0, index_k), v.index_select(0, index_k),
+                           cu_qi, cu_ki, longest_q, longest_k, config, False)
+        return out.index_select(0, last_rows)
+
+    rows, targets = [], []
+    for i in range(max(n_q)):
+        seqs = [s for s in range(len(n_q)) if i < n_q[s] and i + n_k[s] - n_q[s] >= 0]   # rows with a key
+        if not seqs:
+            continue
+        # with more queries than keys the first n_q - n_k queries have no position among the keys, so no
+        # row's problem has them (masking.coupled_causal_rows): queries max(0, n_q - n_k) .. i
+        first_q = [max(0, n_q[s] - n_k[s]) for s in seqs]
+        len_q = [i + 1 - f for f in first_q]
+        len_k = [i + n_k[s] - n_q[s] + 1 for s in seqs]
+        cu_qi, cu_ki = (torch.tensor([0] + n, device=q.device).cumsum(0).to(torch.int32) for n in (len_q, len_k))
+        index_q = _ranges([starts_q[s] + f for s, f in zip(seqs, first_q)], len_q, q.device)
+        index_k = _ranges([starts_k[s] for s in seqs], len_k, q.device)
+        last_rows = cu_qi[1:].to(torch.int64) - 1
+        args = (index_q, index_k, cu_qi, cu_ki, last_rows, max(len_q), max(len_k), q, k, v)
+        rows.append(checkpoint(prefix_rows, *args, use_reentrant=False) if grad else prefix_rows(*args))
+        targets.append(torch.tensor([starts_q[s] + i for s in seqs], device=q.device))
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])          # rows that see no key stay zero
+    if not rows:
+        return out
+    return out.index_copy(0, torch.cat(targets), torch.cat(rows))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, scale: float,
-              n_iters: int, eps: float, cost: str, softcap: Optional[float] = None) -> Tensor:
-    """Packed q (T_q, H, D), k (T_k, H_kv, D), v (T_k, H_kv, Dv) -> (T_q, H, Dv): non-causal Sinkhorn
-    attention of every sequence on its own (the arguments checked by ``route``)."""
+              n_iters: int, eps: float, cost: str, softcap: Optional[float] = None, is_causal: bool = False) -> Tensor:
+    """Packed q (T_q, H, D), k (T_k, H_kv, D), v (T_k, H_kv, Dv) -> (T_q, H, Dv): Sinkhorn attention of
+    every sequence on its own, causal (``causal``) or not (the arguments checked by ``route``)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:  # grouped-query heads: expanded (module doc)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out, *_ = sinkhorn_varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), float(scale), float(eps),
-                                  cost == "l2", int(n_iters), float(softcap or 0.0))
-    return out
+    config = (scale, eps, cost, n_iters, softcap)
+    if is_causal:
+        return causal(q, k, v, cu_q, cu_k, config)
+    return _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, True)
 
 
 def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) -> Optional[Tensor]:
@@ -203,7 +268,8 @@ def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) 
     kernels refuse), which the per-length route then runs or refuses with the variant's own errors."""
     options = dict(kwargs)
     options.pop("backend", None)
-    if V.check_flag("is_causal", is_causal) or options.pop("dropout_p", 0.0) != 0.0:
+    is_causal = V.check_flag("is_causal", is_causal)
+    if options.pop("dropout_p", 0.0) != 0.0:
         return None
     if options.pop("sinks", None) is not None:
         return None
@@ -219,7 +285,7 @@ def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) 
     if options:  # something this route does not know: the variant's function names it
         return None
     checked = check(q4, k4, v4, scale=scale, **known)
-    return attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, softcap=softcap, **checked)
+    return attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, softcap=softcap, is_causal=is_causal, **checked)
 
 
 __all__ = ["attention", "route"]
