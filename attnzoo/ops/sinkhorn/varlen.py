@@ -263,9 +263,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q
 
 
 def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) -> Optional[Tensor]:
-    """ops/varlen_triton.py's route for Sinkhorn: the packed kernels, or None for what they do not take
-    (causal, a window, dropout, sinks, an option this route does not know, dtypes and head dims the
-    kernels refuse), which the per-length route then runs or refuses with the variant's own errors."""
+    """ops/varlen_triton.py's route for Sinkhorn: the packed kernels (causal: ``causal``), or None for what
+    they do not take (a window, dropout, sinks, an option this route does not know, dtypes and head dims
+    the kernels refuse), which the per-length route then runs or refuses with the variant's own errors."""
     options = dict(kwargs)
     options.pop("backend", None)
     is_causal = V.check_flag("is_causal", is_causal)
