@@ -18,10 +18,10 @@ from tests.common import INTERPRET, KERNEL_DEVICE, needs_kernels
 from tests.flash_rule import assert_flash_rule
 
 H, H_KV, D, DV = 4, 2, 5, 3
-# (n_q, n_k): one query on two keys, equal lengths, n_q > n_k past a tile (causal: queries that see no
-# key), a single key, n_k > n_q past a tile
-LEN_Q = [1, 5, 19, 3, 2]
-LEN_K = [2, 5, 17, 1, 18]
+# (n_q, n_k): one query on keys past a tile (n_k > n_q), n_q > n_k past a tile (causal: queries that see
+# no key), a single key; three sequences keep the interpreter's time down
+LEN_Q = [1, 19, 4]
+LEN_K = [18, 6, 1]
 ALPHA, GAMMA = 0.7, 1.3
 
 
@@ -30,30 +30,29 @@ def offsets(lengths, device, dtype=torch.int32):
 
 
 def one_sequence(q, k, v, causal, alpha, gamma):
-    """Eq (22) with M(a, b) = -a.b for one head: q (n_q, D), k (n_k, D), v (n_k, Dv). Query i's
-    problem keeps keys j <= i + n_k - n_q when causal; its sources and templates are those keys, u = 1/n."""
-    n_q, n_k = q.shape[0], k.shape[0]
-    rows = []
-    for i in range(n_q):
-        n = min(n_k, i + n_k - n_q + 1) if causal else n_k
-        if n <= 0:
-            rows.append(torch.zeros_like(v[0]))
-            continue
-        a_k, a_v = k[:n], v[:n]
-        logits = (alpha * (q[i] @ a_k.T)[None, :] + k[:n] @ a_k.T) / gamma      # (source j, template t)
-        weights = torch.softmax(logits, dim=-1).sum(0) / n                      # sum_j u_j softmax_t
-        rows.append(weights @ a_v)
-    return torch.stack(rows)
+    """Eq (22) with M(a, b) = -a.b on one sequence: q (H, n_q, D), k (H, n_k, D), v (H, n_k, Dv) ->
+    (H, n_q, Dv). Query i keeps the keys j <= i + n_k - n_q when causal (all of them otherwise); they are
+    its sources, with u_j = 1 / (their number), and its templates: out_i = sum_t v_t sum_j u_j
+    softmax_t((alpha q_i.k_t + k_j.k_t) / gamma). A query that keeps no key gets 0."""
+    n_q, n_k = q.shape[1], k.shape[1]
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    keep = (j <= i + n_k - n_q) if causal else torch.ones(n_q, n_k, dtype=torch.bool)   # (i, j)
+    count = keep.sum(1)
+    u = keep / count.clamp(min=1)[:, None]                                   # rows without keys: u = 0
+    logits = (alpha * (q @ k.mT)[:, :, None, :] + (k @ k.mT)[:, None, :, :]) / gamma      # (H, i, j, t)
+    templates = (keep | (count == 0)[:, None])[None, :, None, :]             # (such a row's u is 0 anyway)
+    p = torch.softmax(logits.masked_fill(~templates, -math.inf), dim=-1)
+    return (u[None, :, :, None] * p).sum(2) @ v                              # W (H, i, t) @ v
 
 
 def formula(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, alpha=ALPHA, gamma=GAMMA):
-    """Packed q (T_q, H, D), k, v (T_k, H_KV, .) -> (T_q, H, Dv), each sequence and head on its own; query
-    head h reads key head h // (H / H_KV)."""
+    """Packed q (T_q, H, D), k, v (T_k, H_KV, .) -> (T_q, H, Dv), each sequence on its own; query head h
+    reads key head h // (H / H_KV)."""
     out, cq, ck = [], 0, 0
+    shared = torch.arange(H) // (H // H_KV)
     for nq, nk in zip(len_q, len_k):
-        heads = [one_sequence(q[cq:cq + nq, h], k[ck:ck + nk, h // (H // H_KV)], v[ck:ck + nk, h // (H // H_KV)],
-                              causal, alpha, gamma) for h in range(H)]
-        out.append(torch.stack(heads, dim=1))
+        seq_q, seq_k, seq_v = (t.transpose(0, 1) for t in (q[cq:cq + nq], k[ck:ck + nk], v[ck:ck + nk]))
+        out.append(one_sequence(seq_q, seq_k[shared], seq_v[shared], causal, alpha, gamma).transpose(0, 1))
         cq, ck = cq + nq, ck + nk
     return torch.cat(out)
 
@@ -97,9 +96,20 @@ def check(causal, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_equals_each_sequence_alone(causal, kernels_only):
+@pytest.mark.parametrize("causal,chunked", [(False, False), (True, True)])
+def test_packed_equals_each_sequence_alone(causal, chunked, kernels_only, monkeypatch):
+    """chunked: CHUNK_BYTES holds 5 (sequence, head) pairs, so chunks start inside a sequence's heads
+    (pair 5 is sequence 1's head 1) and the kernels find each pair's sequence from the chunk's start."""
+    from attnzoo.ops.ot import triton as ot_triton
+    starts = []
+    if chunked:
+        per_pair = ot_triton.pair_bytes(max(LEN_Q), max(LEN_K), max(LEN_K), D, DV, torch.float32, backward=True,
+                                        need_dlu=False)
+        monkeypatch.setattr(ot_triton, "CHUNK_BYTES", 5 * per_pair)
+        real = ot_triton._backward_chunk
+        monkeypatch.setattr(ot_triton, "_backward_chunk", lambda *a, **k: starts.append(a[10]) or real(*a, **k))
     check(causal, torch.float32)
+    assert starts == ([0, 5, 10] if chunked else [])
 
 
 @needs_kernels
@@ -120,42 +130,49 @@ def test_the_rule_sees_a_sequence_that_leaks_into_the_next():
 
 
 @needs_kernels
-@pytest.mark.parametrize("causal", [False, True])
-def test_other_sequences_garbage_changes_nothing(causal, kernels_only):
-    """Sequence 2's output, bit for bit, whatever the other sequences' tokens hold (huge values, NaN)."""
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")       # numpy's, on the garbage in the other sequences
+def test_other_sequences_garbage_changes_nothing(kernels_only):
+    """The middle sequence's output, bit for bit, whatever the others' tokens hold (huge values, NaN)."""
     q, k, v = (t.detach().float() for t in inputs(torch.float32))
-    out = packed(q, k, v, causal)
+    out = packed(q, k, v, True)
     cq, ck = offsets(LEN_Q, "cpu").tolist(), offsets(LEN_K, "cpu").tolist()
-    inside_q, inside_k = slice(cq[2], cq[3]), slice(ck[2], ck[3])
+    inside_q, inside_k = slice(cq[1], cq[2]), slice(ck[1], ck[2])
     dirty = []
     for t, inside in ((q, inside_q), (k, inside_k), (v, inside_k)):
         d = torch.full_like(t, 1e30)
         d[::3] = math.nan
         d[inside] = t[inside]
         dirty.append(d)
-    again = packed(*dirty, causal)
+    again = packed(*dirty, True)
     assert torch.equal(again[inside_q], out[inside_q])
 
 
 @needs_kernels
-def test_declined_calls_run_per_length(monkeypatch):
-    """What the kernels do not take (log_u, templates, a window) runs the sequences per length, with the
-    variant's own answer: the packed route returns None for it instead of a wrong answer."""
+@pytest.mark.parametrize("option", ["log_u", "templates", "window_size", "dropout_p", "softcap", "float64"])
+def test_what_the_kernels_do_not_take_goes_per_length(option):
+    """The packed route returns None (the sequences then run per length through ``attnzoo.functional.ot``,
+    which computes or refuses them with its own reason) rather than a wrong answer."""
     from attnzoo.ops.ot import varlen as ot_varlen
+    q, k, v = (t.detach().float() for t in inputs(torch.float32))
+    extra = {"log_u": dict(log_u=torch.zeros(sum(LEN_K))),
+             "templates": dict(templates_k=torch.zeros(1, H, 2, D), templates_v=torch.zeros(1, H, 2, DV)),
+             "window_size": dict(window_size=(2, 0)), "dropout_p": dict(dropout_p=0.1),
+             "softcap": dict(softcap=2.0), "float64": {}}[option]
+    if option == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    kwargs = dict(backend="triton", enable_gqa=True, **extra)
+    assert ot_varlen.route(q, k, v, offsets(LEN_Q, "cpu"), offsets(LEN_K, "cpu"), 19, 18, False, kwargs) is None
+
+
+@needs_kernels
+def test_a_refused_extra_gets_the_variants_own_error(monkeypatch):
+    """softcap reaches the per-length route, where OT refuses it by name."""
     seen = []
     real = varlen.per_sequence
     monkeypatch.setattr(varlen, "per_sequence", lambda *a, **k: seen.append(1) or real(*a, **k))
     q, k, v = (t.detach().float() for t in inputs(torch.float32))
-    assert ot_varlen.route(q, k, v, offsets(LEN_Q, "cpu"), offsets(LEN_K, "cpu"), 19, 18, False,
-                           dict(backend="triton", log_u=torch.zeros(18))) is None
-    assert ot_varlen.route(q, k, v, offsets(LEN_Q, "cpu"), offsets(LEN_K, "cpu"), 19, 18, False,
-                           dict(backend="triton", window_size=(2, 0))) is None
-    assert ot_varlen.route(q, k, v, offsets(LEN_Q, "cpu"), offsets(LEN_K, "cpu"), 19, 18, False,
-                           dict(backend="triton", dropout_p=0.1)) is None
-    same = [1, 5, 5]     # per length: equal lengths stack into one call of the variant's own function
-    qs, ks, vs = (t[:sum(same)] for t in (q, k, v))
-    with pytest.raises(ValueError, match="window_size|softcap"):
-        packed(qs, ks, vs, False, same, same, softcap=2.0)
+    with pytest.raises((ValueError, TypeError), match="softcap"):
+        packed(q, k, v, False, softcap=2.0)
     assert seen == [1]
 
 
@@ -172,21 +189,23 @@ def test_auto_keeps_cpu_calls_off_the_interpreter(monkeypatch):
 @needs_kernels
 def test_compiles_in_one_graph_with_offsets_as_tensors(monkeypatch):
     """torch.compile(fullgraph=True) keeps the packed kernels (no host read of the offsets, no padded
-    route): the compiled forward and gradients equal the eager call's, and new offsets of the same shape
-    run in the same graph."""
+    route, no per-length route): the compiled forward and gradients equal the formula's, and new offsets
+    of the same shape (other lengths) run in the same graph."""
     monkeypatch.setattr(varlen, "padded", lambda *a, **k: pytest.fail("the padded route was taken"))
     q, k, v = (t.detach().float().to(KERNEL_DEVICE).requires_grad_() for t in inputs(torch.float32))
+    wide = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
 
     def step(q, k, v, cu_q, cu_k):
         return AF.varlen("ot", q, k, v, cu_q, cu_k, 19, 18, is_causal=True, alpha=ALPHA, gamma=GAMMA,
                          enable_gqa=True, backend="triton")
 
     compiled = torch.compile(step, fullgraph=True, backend="eager" if INTERPRET else "inductor")
-    for len_q, len_k in ((LEN_Q, LEN_K), ([2, 19, 1, 3, 5], [18, 1, 5, 2, 17])):
-        cu_q, cu_k = offsets(len_q, KERNEL_DEVICE), offsets(len_k, KERNEL_DEVICE)
-        got = compiled(q, k, v, cu_q, cu_k)
-        want = step(q, k, v, cu_q, cu_k)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-        g = torch.randn_like(want)
-        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    got = compiled(q, k, v, offsets(LEN_Q, KERNEL_DEVICE), offsets(LEN_K, KERNEL_DEVICE))
+    want = formula(*wide, True)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g.float().to(KERNEL_DEVICE)), torch.autograd.grad(want, wide, g)):
+        torch.testing.assert_close(a.cpu().double(), b, atol=1e-4, rtol=1e-4)
+    len_q, len_k = [4, 1, 19], [6, 1, 18]
+    got = compiled(q, k, v, offsets(len_q, KERNEL_DEVICE), offsets(len_k, KERNEL_DEVICE))
+    torch.testing.assert_close(got.detach().cpu().double(), formula(*wide, True, len_q, len_k), atol=1e-5, rtol=1e-5)
