@@ -209,3 +209,20 @@ def test_compiles_in_one_graph_with_offsets_as_tensors(monkeypatch):
     len_q, len_k = [4, 1, 19], [6, 1, 18]
     got = compiled(q, k, v, offsets(len_q, KERNEL_DEVICE), offsets(len_k, KERNEL_DEVICE))
     torch.testing.assert_close(got.detach().cpu().double(), formula(*wide, True, len_q, len_k), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts the interpreter's launches")
+def test_one_launch_set_for_all_sequences(monkeypatch):
+    """The packed call launches each kernel once for every sequence together (the dense call's set: two
+    exponential passes, the pair normalisers, the output, the exact fallback; backward: the same first
+    three, dC, dG, the fallback), where the per-length route launched a set per distinct length."""
+    from triton.runtime.interpreter import InterpretedFunction
+    seen = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, grid, warmup, **k: seen.append(self.fn.__name__))
+    q, k, v = inputs(torch.float32)
+    out = packed(q, k, v, True)
+    forward = list(seen)
+    seen.clear()
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert forward == ["_exp_kernel", "_exp_kernel", "_pair_kernel", "_out_kernel", "_fallback_fwd_kernel"]
+    assert seen == ["_exp_kernel", "_exp_kernel", "_pair_kernel", "_dc_kernel", "_dg_kernel", "_fallback_bwd_kernel"]
