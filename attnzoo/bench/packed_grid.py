@@ -22,7 +22,7 @@ from .packed_batch import mixed_lengths
 from .problem import Problem, randn
 from .targets import AUTO, Case, Prepared, _allow_interpreter, _interpreted, parse_variant
 
-PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu")
+PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu", "ot")
 PACKED_BACKENDS = ("triton", AUTO)
 
 

@@ -10,7 +10,7 @@ preference, linear attention's sums and causal prefixes. ``is_causal`` is bottom
 each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnzoo, and so is a
 ``window_size`` band; ``softcap`` and ``sinks`` apply to every sequence's rows.
 
-A call whose variant has a varlen Triton form (softmax, l2, fenchel first order, sigmoid, relu, linear) and that asks
+A call whose variant has a varlen Triton form (softmax, l2, fenchel first order, sigmoid, relu, linear, ot) and that asks
 for the "triton" backend, or "auto" on CUDA, runs the varlen kernels: one launch per kernel for all sequences,
 each program reading its sequence's start and length from the offsets (``varlen_triton`` says when; it
 never reads the offsets on the host, so it is the same route eager and under torch.compile). Otherwise
