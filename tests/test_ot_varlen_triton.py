@@ -63,10 +63,11 @@ def inputs(dtype, seed=0):
             for n, h, width in ((LEN_Q, H, D), (LEN_K, H_KV, D), (LEN_K, H_KV, DV))]
 
 
-def packed(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, **kw):
+def packed(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, maxima=None, **kw):
     dev = KERNEL_DEVICE
+    max_q, max_k = maxima or (max(len_q), max(len_k))
     return AF.varlen("ot", q.to(dev), k.to(dev), v.to(dev), offsets(len_q, dev), offsets(len_k, dev),
-                     max(len_q), max(len_k), is_causal=causal, alpha=ALPHA, gamma=GAMMA, enable_gqa=True,
+                     max_q, max_k, is_causal=causal, alpha=ALPHA, gamma=GAMMA, enable_gqa=True,
                      backend="triton", **kw).cpu()
 
 
@@ -132,19 +133,31 @@ def test_the_rule_sees_a_sequence_that_leaks_into_the_next():
 @needs_kernels
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")       # numpy's, on the garbage in the other sequences
 def test_other_sequences_garbage_changes_nothing(kernels_only):
-    """The middle sequence's output, bit for bit, whatever the others' tokens hold (huge values, NaN)."""
-    q, k, v = (t.detach().float() for t in inputs(torch.float32))
-    out = packed(q, k, v, True)
+    """The middle sequence's output and the gradients of its tokens, whatever the others' tokens hold
+    (huge values, NaN): bit for bit those of the sequence packed alone (N = 1) with the same maxima (the
+    padded blocks, hence the backward's matmuls over them, then have the same shapes)."""
+    clean = [t.detach().float() for t in inputs(torch.float32)]
     cq, ck = offsets(LEN_Q, "cpu").tolist(), offsets(LEN_K, "cpu").tolist()
     inside_q, inside_k = slice(cq[1], cq[2]), slice(ck[1], ck[2])
     dirty = []
-    for t, inside in ((q, inside_q), (k, inside_k), (v, inside_k)):
+    for t, inside in zip(clean, (inside_q, inside_k, inside_k)):
         d = torch.full_like(t, 1e30)
         d[::3] = math.nan
         d[inside] = t[inside]
         dirty.append(d)
-    again = packed(*dirty, True)
-    assert torch.equal(again[inside_q], out[inside_q])
+    alone = [t[inside] for t, inside in zip(clean, (inside_q, inside_k, inside_k))]
+    results = []
+    for (q, k, v), len_q, len_k in ((dirty, LEN_Q, LEN_K), (alone, LEN_Q[1:2], LEN_K[1:2])):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = packed(q, k, v, True, len_q, len_k, maxima=(max(LEN_Q), max(LEN_K)))
+        rows = inside_q if len(len_q) > 1 else slice(None)
+        keys = inside_k if len(len_q) > 1 else slice(None)
+        cotangent = torch.zeros_like(out)
+        cotangent[rows] = torch.linspace(-1, 1, cotangent[rows].numel()).view_as(cotangent[rows])
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), cotangent)
+        results.append((out[rows], dq[rows], dk[keys], dv[keys]))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
 
 
 @needs_kernels

@@ -48,7 +48,8 @@ def _pad(t: Tensor, cu: Tensor, longest: int, heads: int) -> Tensor:
     blocks = t.new_zeros((n_seq, longest) + tuple(t.shape[1:])).index_put((seq, pos), t)  # (N, longest, H_t, D)
     if t.shape[1] != heads:
         blocks = blocks.repeat_interleave(heads // t.shape[1], dim=2)
-    return blocks.transpose(1, 2).reshape(n_seq * heads, longest, t.shape[2])
+    # contiguous: the kernels read rows D apart, blocks longest * D apart (for N = 1 reshape is a strided view)
+    return blocks.transpose(1, 2).reshape(n_seq * heads, longest, t.shape[2]).contiguous()
 
 
 def _unpad(blocks: Tensor, cu: Tensor, total: int, heads: int) -> Tensor:
