@@ -46,10 +46,10 @@ def one_sequence(q, k, v, causal, alpha, gamma):
 
 
 def formula(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, alpha=ALPHA, gamma=GAMMA):
-    """Packed q (T_q, H, D), k, v (T_k, H_KV, .) -> (T_q, H, Dv), each sequence on its own; query head h
-    reads key head h // (H / H_KV)."""
+    """Packed q (T_q, H, D), k, v (T_k, H_kv, .) -> (T_q, H, Dv), each sequence on its own; query head h
+    reads key head h // (H / H_kv)."""
     out, cq, ck = [], 0, 0
-    shared = torch.arange(H) // (H // H_KV)
+    shared = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
     for nq, nk in zip(len_q, len_k):
         seq_q, seq_k, seq_v = (t.transpose(0, 1) for t in (q[cq:cq + nq], k[ck:ck + nk], v[ck:ck + nk]))
         out.append(one_sequence(seq_q, seq_k[shared], seq_v[shared], causal, alpha, gamma).transpose(0, 1))
@@ -57,10 +57,10 @@ def formula(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, alpha=ALPHA, gamma=GAMMA)
     return torch.cat(out)
 
 
-def inputs(dtype, seed=0):
+def inputs(dtype, seed=0, heads=H, kv_heads=H_KV):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(sum(n), h, width, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-            for n, h, width in ((LEN_Q, H, D), (LEN_K, H_KV, D), (LEN_K, H_KV, DV))]
+            for n, h, width in ((LEN_Q, heads, D), (LEN_K, kv_heads, D), (LEN_K, kv_heads, DV))]
 
 
 def packed(q, k, v, causal, len_q=LEN_Q, len_k=LEN_K, maxima=None, **kw):
@@ -134,9 +134,11 @@ def test_the_rule_sees_a_sequence_that_leaks_into_the_next():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")       # numpy's, on the garbage in the other sequences
 def test_other_sequences_garbage_changes_nothing(kernels_only):
     """The middle sequence's output and the gradients of its tokens, whatever the others' tokens hold
-    (huge values, NaN): bit for bit those of the sequence packed alone (N = 1) with the same maxima (the
-    padded blocks, hence the backward's matmuls over them, then have the same shapes)."""
-    clean = [t.detach().float() for t in inputs(torch.float32)]
+    (huge values, NaN): those of the sequence packed alone (N = 1) with the same maxima, the output bit
+    for bit (the kernels do the same arithmetic on the same blocks), the gradients to 1e-6 (dq, dk come
+    from batched host matmuls over the pairs, which may round differently for another batch count).
+    Two query heads on one key head: half the interpreter's time of the other tests' four on two."""
+    clean = [t.detach().float() for t in inputs(torch.float32, heads=2, kv_heads=1)]
     cq, ck = offsets(LEN_Q, "cpu").tolist(), offsets(LEN_K, "cpu").tolist()
     inside_q, inside_k = slice(cq[1], cq[2]), slice(ck[1], ck[2])
     dirty = []
@@ -156,8 +158,10 @@ def test_other_sequences_garbage_changes_nothing(kernels_only):
         cotangent[rows] = torch.linspace(-1, 1, cotangent[rows].numel()).view_as(cotangent[rows])
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), cotangent)
         results.append((out[rows], dq[rows], dk[keys], dv[keys]))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
-        assert torch.equal(a, b), name
+    (out, *grads), (out_alone, *grads_alone) = results
+    assert torch.equal(out, out_alone)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, grads_alone):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @needs_kernels
@@ -203,9 +207,10 @@ def test_auto_keeps_cpu_calls_off_the_interpreter(monkeypatch):
 def test_compiles_in_one_graph_with_offsets_as_tensors(monkeypatch):
     """torch.compile(fullgraph=True) keeps the packed kernels (no host read of the offsets, no padded
     route, no per-length route): the compiled forward and gradients equal the formula's, and new offsets
-    of the same shape (other lengths) run in the same graph."""
+    of the same shape (other lengths) run in the same graph. Two query heads on one key head (time)."""
     monkeypatch.setattr(varlen, "padded", lambda *a, **k: pytest.fail("the padded route was taken"))
-    q, k, v = (t.detach().float().to(KERNEL_DEVICE).requires_grad_() for t in inputs(torch.float32))
+    q, k, v = (t.detach().float().to(KERNEL_DEVICE).requires_grad_()
+               for t in inputs(torch.float32, heads=2, kv_heads=1))
     wide = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
 
     def step(q, k, v, cu_q, cu_k):
