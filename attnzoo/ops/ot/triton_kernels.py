@@ -35,8 +35,8 @@ adding their share to out (forward) or to d a_v, dq, dk, d a_k and g (backward) 
 fallback program reads one flag per pair tile and returns when it holds no bad pair, so without
 any the fallback costs one scalar load per tile.
 
-Packed sequences (VARLEN, CU_Q / CU_K and the flag at the end of each signature; ops/ot/varlen.py
-launches them): a pair index is a (sequence, head) pair, sequence (BH0 + bh) // H. The size arguments
+Packed sequences (VARLEN, CU_Q / CU_K and the flag at the end of each signature but _dlu_kernel's, whose
+log u a packed call declines; ops/ot/varlen.py launches them): a pair index is a (sequence, head) pair, sequence (BH0 + bh) // H. The size arguments
 NQ, NK, NA are then the maxima over the sequences, the extents of every per-pair block (inputs and
 temporaries alike are laid out max_q x max_A per pair: the strides, written SQ, SK, SA below); at its
 entry a program reads its sequence's n_q, n_k from the offsets (|A| = n_k + the NA - NK extra templates),
