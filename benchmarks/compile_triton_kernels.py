@@ -56,6 +56,7 @@ from attnzoo.ops import triton_dropout as dropout  # noqa: E402
 from attnzoo.ops.linear import triton as linear_triton  # noqa: E402
 from attnzoo.ops.linear import varlen as linear_varlen  # noqa: E402
 from attnzoo.ops.ot import triton as ot_triton  # noqa: E402
+from attnzoo.ops.ot import varlen as ot_varlen  # noqa: E402
 from attnzoo.ops.kernels.pointwise import triton as pointwise_host  # noqa: E402
 from attnzoo.ops.sinkhorn import triton as sinkhorn_triton  # noqa: E402
 from attnzoo.ops.kernels.flash_softmax import triton as softmax_host  # noqa: E402
@@ -428,6 +429,19 @@ def ot_calls(dtype_name):
             yield label, lambda: forward_backward(ot_triton.ot_attention_triton, q, k, v, scale=d ** -0.5,
                                                   attn_mask=masks(mask, dtype, 48, 64), is_causal=causal,
                                                   templates_k=tk, templates_v=tv, log_u=log_u)
+        # packed sequences (ops/ot/varlen.py): the kernels' VARLEN branch, grouped heads, n_q != n_k
+        for causal in (False, True):
+            yield (f"ot {dtype_name} D={d} packed causal={causal}",
+                   lambda: ot_packed_forward_backward(dtype, d, causal))
+
+
+def ot_packed_forward_backward(dtype, d, causal, len_q=(48, 80, 1), len_k=(80, 48, 3)):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(len_q), 4, d, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(sum(len_k), 2, d, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    cu_q, cu_k = (torch.tensor((0,) + tuple(itertools.accumulate(n)), dtype=torch.int32) for n in (len_q, len_k))
+    ot_varlen.ot_varlen_triton(q, k, v, cu_q, cu_k, max(len_q), max(len_k), is_causal=causal, alpha=1.0,
+                               gamma=d ** 0.5).float().sum().backward()
 
 
 AUTOCAST_MODES = {"off": (False,), "on": (True,), "both": (False, True)}

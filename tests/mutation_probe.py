@@ -56,6 +56,7 @@ def _allow_cpu_tensors():
 def _cases():
     from attnzoo.ops.linear.triton import linear_attention_triton
     from attnzoo.ops.ot.triton import ot_attention_triton
+    from attnzoo.ops.ot.varlen import ot_varlen_triton
     from attnzoo.ops.kernels.pointwise import triton as pointwise
     from attnzoo.ops.sinkhorn.triton import sinkhorn_attention
     from attnzoo.ops.fenchel.t5 import t5_bias_attention
@@ -104,6 +105,7 @@ def _cases():
                                                     templates_v=leaf(1, 2, 5, 16)),
         # causal: the exp kernel writes each query's kept-key range (tile skipping, issue 21)
         "ot-causal": lambda: ot_attention_triton(q, k, v, scale=0.25, is_causal=True),
+        "ot-varlen": lambda: ot_varlen_triton(*packed, cu, cu, 20, 20, is_causal=True, alpha=1.0, gamma=4.0),
     }
 
 

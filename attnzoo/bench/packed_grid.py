@@ -22,7 +22,7 @@ from .packed_batch import mixed_lengths
 from .problem import Problem, randn
 from .targets import AUTO, Case, Prepared, _allow_interpreter, _interpreted, parse_variant
 
-PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu", "sinkhorn")
+PACKED_VARIANTS = ("softmax", "l2", "sigmoid", "relu", "sinkhorn", "ot")
 # causal packed Sinkhorn is the prefix Sinkhorn of each sequence (O(n^3), per length), not a kernel speed
 # question: its rows are the non-causal problems, as in the dense grid
 NON_CAUSAL_ONLY = frozenset({"sinkhorn"})

@@ -11,7 +11,7 @@ each sequence (key j for query i iff j <= i + n_k - n_q), as everywhere in attnz
 ``window_size`` band; ``softcap`` and ``sinks`` apply to every sequence's rows.
 
 A call whose variant has a varlen Triton form (softmax, l2, fenchel first order, sigmoid, relu, linear,
-sinkhorn) and that asks
+sinkhorn, ot) and that asks
 for the "triton" backend, or "auto" on CUDA, runs the varlen kernels: one launch per kernel for all sequences,
 each program reading its sequence's start and length from the offsets (``varlen_triton`` says when; it
 never reads the offsets on the host, so it is the same route eager and under torch.compile). Otherwise

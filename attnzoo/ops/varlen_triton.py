@@ -1,12 +1,13 @@
 """Which packed calls run the varlen Triton kernels (ops/kernels/flash_softmax/varlen.py: softmax, l2,
 fenchel first order; ops/kernels/pointwise/varlen.py: sigmoid, relu; ops/linear/varlen.py: linear;
-ops/sinkhorn/varlen.py: sinkhorn) in
-one launch per kernel for all sequences, instead of the other routes of ops/varlen.py.
+ops/sinkhorn/varlen.py: sinkhorn; ops/ot/varlen.py: OT) in one launch per kernel for all sequences, instead of
+the other routes of ops/varlen.py.
 
 Every variant registers here from its own folder's ``__init__`` (so this shared module imports no
 variant folder). The softmax and pointwise families register a *form* (``register``), which the
 shared checks below wrap; a variant with checks of its own (linear: no logits scale default, its own
-dtypes; sinkhorn: its options, its causal prefix loop) registers a whole *route* (``register_route``).
+dtypes; sinkhorn: its options, its causal prefix loop; OT: its options and the dense backend's dtypes) registers a
+whole *route* (``register_route``).
 
 Taken when the variant registered a Triton varlen form here (from its folder's ``__init__``), the
 backend asked for is "triton", or "auto" on a CUDA tensor (auto never picks an interpreted kernel, as

@@ -5,7 +5,9 @@ Backends: "reference"; "cpu", OT as matmuls of a separable softmax with exact ti
 underflows (cpu.py, factorised.py, tiles.py), never (Nq, Nk, |A|), recompute in backward, priority
 10 (auto keeps the eager reference for small calls, below the crossover measured by
 benchmarks/ot_dispatch_crossover.py: ``_cpu_auto_prefers``); "triton", the same as tensor-core
-matmuls (triton.py, triton_kernels.py), priority 20, auto on CUDA only.
+matmuls (triton.py, triton_kernels.py), priority 20, auto on CUDA only. Packed (varlen) calls on
+"triton" (auto: CUDA) take the same kernels for all sequences at once (varlen.py, through
+ops/varlen_triton.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 
 import torch
 
+from .. import varlen_triton
 from ..dispatch import register_backend
 from ..measured import register_flavour
 from ..triton_utils import register_triton
@@ -25,6 +28,7 @@ from .functional import check, ot
 from .layer import OTHook
 from .reference import ot_attention
 from .triton import ot_attention_triton, supports_ot_triton
+from .varlen import route as packed_route
 
 # Below these sizes of the reference's (B*H, Nq, Nk, |A|) cube auto keeps the eager reference on CPU.
 # Measured side by side (benchmarks/results/cpu/ot_dispatch_crossover.json: fp32, 1 thread, 96 shapes with
@@ -70,6 +74,9 @@ register_backend("ot", "cpu", ot_attention_cpu, supports=supports_ot_fused, prio
 register_triton("ot", ot_attention_triton, supports_ot_triton,
                 description="Triton OT attention as tensor-core matmuls of stabilised exponentials (exact per-pair "
                             "fallback where the shift underflows), forward and backward, chunked over batch x heads")
+
+# packed (varlen) calls on "triton" (auto: CUDA) run the kernels above on all sequences at once (varlen.py)
+varlen_triton.register_route("ot", packed_route)
 
 register_flavour("ot", lambda kw: ["templates"] if kw.get("templates_k") is not None else [])
 

@@ -147,8 +147,15 @@ def _mask_args(mask, bh, heads, nq, nk, device):
     return m, kind, (s_b, s_h, s_m, s_n)
 
 
-def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch):
-    """out (n, Nq, Dv) fp32 for the (batch, head) pairs b0 .. b0 + n of the chunk."""
+def _varlen_args(offsets):
+    """The kernels' packed-sequence arguments: none for a dense call, else the (cu_q, cu_k) offsets."""
+    return {} if offsets is None else dict(CU_Q=offsets[0], CU_K=offsets[1], VARLEN=True)
+
+
+def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch, offsets=None):
+    """out (n, Nq, Dv) fp32 for the (batch, head) pairs b0 .. b0 + n of the chunk. ``offsets``: a
+    packed call's (cu_q, cu_k) (ops/ot/varlen.py: pairs are (sequence, head), the sizes the maxima); the
+    rows past a sequence's end are left unwritten."""
     n, nq, d = q.shape
     nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
     dev, op = q.device, _operand_dtype(q.dtype)
@@ -159,15 +166,16 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     unused = _unused(dev)
     lo, hi = _key_ranges(n, nq, skip, unused)
     flags = dict(MASK_KIND=kind, CAUSAL=causal)
+    vl = _varlen_args(offsets)
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, av.shape[2])
     launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
         q, ak, m, lu, ec, lz, lo, hi, unused, unused, unused, unused, unused, nq, *common, sc, b0, heads, *ms,
-        IS_QUERY=True, HAS_DOUT=False, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+        IS_QUERY=True, HAS_DOUT=False, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"], **vl)
     launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
         k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
         heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
-        **launch["exp"])
+        **launch["exp"], **vl)
     pbm, pbn, pbk = tiles["pair"]
     r = torch.empty((n, nq, nk), dtype=op, device=dev)
     bad = torch.empty((n, nq, nk), dtype=torch.uint8, device=dev)
@@ -176,23 +184,26 @@ def _forward_chunk(q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, cfg
     small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
     launcher(kern._pair_kernel)[grid](
         ec, eg, unused, lu, lz, lo, hi, m, r, unused, unused, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads,
-        *ms, BACKWARD=False, NEED_UG=False, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
+        *ms, BACKWARD=False, NEED_UG=False, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"],
+        **vl)
     out = torch.empty((n, nq, dv), dtype=torch.float32, device=dev)
     obm, obn, obt = tiles["out"]
     launcher(kern._out_kernel)[(n * triton.cdiv(nq, obm),)](
         ec, eg, r, av, lo, hi, out, nq, nk, na, dv, SKIP=skip, BM=obm, BN=obn, BT=obt, BDV=cfg["BDV"], **small,
-        **launch["out"])
+        **launch["out"], BH0=b0, H=heads, **vl)
     fb, fbt = tiles["fallback"]
     launcher(kern._fallback_fwd_kernel)[grid](
         q, k, ak, av, m, lu, lz, bad, tbad, out, nq, nk, na, d, dv, sc, sg, b0, heads, *ms,
-        CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
+        CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"], **vl)
     return out.to(q.dtype)
 
 
 def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal, sc, sg, need_dlu, cfg, tiles,
-                    launch):
+                    launch, offsets=None):
     """(dq, dk, d a_k, d a_v) of one chunk in their inputs' dtypes, d lu fp32 or None; _exp_kernel writes
-    delta = dout . out (n, Nq) fp32, which shifts dW (_dc_kernel)."""
+    delta = dout . out (n, Nq) fp32, which shifts dW (_dc_kernel). ``offsets``: as _forward_chunk; the
+    gradient rows past a sequence's end are then garbage (dC and dG start at zero there, so the matmuls
+    below carry nothing from them into the rows inside)."""
     n, nq, d = q.shape
     nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
     dev, op = q.device, _operand_dtype(q.dtype)
@@ -205,16 +216,17 @@ def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal,
     unused = _unused(dev)
     lo, hi = _key_ranges(n, nq, skip, unused)
     flags = dict(MASK_KIND=kind, CAUSAL=causal)
+    vl = _varlen_args(offsets)
     small = {k_: v_ for k_, v_ in cfg.items() if k_ in ("UPCAST", "PRECISION")}
     ebm, ebt = tiles["exp"]
     common = (nq, nk, na, d, dv)
     launcher(kern._exp_kernel)[(n * triton.cdiv(nq, ebm),)](
         q, ak, m, lu, ec, lz, lo, hi, dout, out, av, delta, edw, nq, *common, sc, b0, heads, *ms, IS_QUERY=True,
-        HAS_DOUT=True, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"])
+        HAS_DOUT=True, SKIP=skip, BM=ebm, BT=ebt, **flags, **cfg, **launch["exp"], **vl)
     launcher(kern._exp_kernel)[(n * triton.cdiv(nk, ebm),)](
         k, ak, unused, unused, eg, unused, unused, unused, unused, unused, unused, unused, unused, nk, *common, sg, b0,
         heads, *ms, IS_QUERY=False, HAS_DOUT=False, SKIP=False, BM=ebm, BT=ebt, MASK_KIND=0, CAUSAL=False, **cfg,
-        **launch["exp"])
+        **launch["exp"], **vl)
     pbm, pbn, pbk = tiles["pair_bwd"]
     r = torch.empty((n, nq, nk), dtype=op, device=dev)
     rg = torch.empty((n, nq, nk), dtype=op, device=dev)
@@ -224,24 +236,26 @@ def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal,
     grid = (tbad.numel(),)
     launcher(kern._pair_kernel)[grid](
         ec, eg, edw, lu, lz, lo, hi, m, r, rg, ug, bad, tbad, nq, nk, na, SAFE_NORMALISER, b0, heads, *ms,
-        BACKWARD=True, NEED_UG=need_dlu, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"])
-    dc = torch.empty((n, nq, na), dtype=q.dtype, device=dev)
+        BACKWARD=True, NEED_UG=need_dlu, SKIP=skip, BM=pbm, BN=pbn, BK=pbk, **flags, **small, **launch["pair"], **vl)
+    blank = torch.empty if offsets is None else torch.zeros
+    dc = blank((n, nq, na), dtype=q.dtype, device=dev)
     dav = torch.empty((n, na, dv), dtype=torch.float32, device=dev)
     cbm, cbn, cbt = tiles["dc"]
     launcher(kern._dc_kernel)[(n * triton.cdiv(na, cbt),)](
         ec, eg, r, rg, av, dout, delta, lo, hi, dc, dav, nq, nk, na, dv, sc, SKIP=skip, BM=cbm, BN=cbn, BT=cbt,
-        BDV=cfg["BDV"], **small, **launch["dc"])
-    dg = torch.empty((n, nk, na), dtype=q.dtype, device=dev)
+        BDV=cfg["BDV"], **small, **launch["dc"], BH0=b0, H=heads, **vl)
+    dg = blank((n, nk, na), dtype=q.dtype, device=dev)
     gbn, gbt, gbm = tiles["dg"]
     launcher(kern._dg_kernel)[(n * triton.cdiv(nk, gbn) * triton.cdiv(na, gbt),)](
-        ec, eg, r, rg, edw, lo, hi, dg, nq, nk, na, sg, SKIP=skip, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"])
+        ec, eg, r, rg, edw, lo, hi, dg, nq, nk, na, sg, SKIP=skip, BM=gbm, BN=gbn, BT=gbt, **small, **launch["dg"],
+        BH0=b0, H=heads, **vl)
     dq_fb = torch.zeros((n, nq, d), dtype=torch.float32, device=dev)
     dk_fb = torch.zeros((n, nk, d), dtype=torch.float32, device=dev)
     dak_fb = torch.zeros((n, na, d), dtype=torch.float32, device=dev)
     fb, fbt = tiles["fallback"]
     launcher(kern._fallback_bwd_kernel)[grid](
         q, k, ak, av, dout, delta, m, lu, lz, bad, tbad, ug, dav, dq_fb, dk_fb, dak_fb, nq, nk, na, d, dv, sc, sg,
-        b0, heads, *ms, NEED_UG=need_dlu, CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"])
+        b0, heads, *ms, NEED_UG=need_dlu, CBM=pbm, CBN=pbn, FB=fb, BT=fbt, **flags, **cfg, **launch["fb"], **vl)
     with torch.autocast(dev.type, enabled=False):   # the input dtype, whatever autocast says
         dq = torch.bmm(dc, ak).float() + dq_fb
         dk = torch.bmm(dg, ak).float() + dk_fb
@@ -256,6 +270,43 @@ def _backward_chunk(dout, out, q, k, ak, av, lu, m, kind, ms, b0, heads, causal,
     return dq.to(q.dtype), dk.to(k.dtype), dak.to(ak.dtype), dav.to(av.dtype), dlu
 
 
+def forward_chunks(q, k, ak, av, lu, mask, heads, causal, sc, sg, offsets=None):
+    """out (n, Nq, Dv) in q's dtype of the flattened pairs (q (n, Nq, D), ...), CHUNK_BYTES of
+    temporaries at a time; ``offsets`` as _forward_chunk (ot_gemm_fwd, and varlen.py's packed op)."""
+    bh, nq, _ = q.shape
+    nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+    m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
+    cfg, tiles, launch = _config(q, dv)
+    step = _chunk_size(bh, nq, nk, na, q.shape[2], dv, q.dtype, backward=False)
+    outs = [_forward_chunk(q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step], av[b0:b0 + step],
+                           lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch, offsets)
+            for b0 in range(0, bh, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def backward_chunks(dout, out, q, k, ak, av, lu, mask, heads, causal, sc, sg, need_dlu, offsets=None):
+    """(dq, dk, d ak, d av, d lu) of forward_chunks, chunk by chunk as it; d lu is empty unless need_dlu."""
+    bh, nq, d = q.shape
+    nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
+    dtypes = (q.dtype, k.dtype, ak.dtype, av.dtype, torch.float32)
+    m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
+    cfg, tiles, launch = _config(q, dv)
+    step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True, need_dlu=need_dlu)
+    out = out.contiguous()      # read by rows in _exp_kernel (delta); a no-op for the saved output
+    parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step],
+                             ak[b0:b0 + step], av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc,
+                             sg, need_dlu, cfg, tiles, launch, offsets)
+             for b0 in range(0, bh, step)]
+    grads = []
+    for i, dtype in enumerate(dtypes):
+        if i == 4 and not need_dlu:
+            grads.append(torch.empty((0,), dtype=dtype, device=q.device))
+            continue
+        pieces = [p[i] for p in parts]
+        grads.append((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dtype))
+    return tuple(grads)
+
+
 if HAVE_TRITON:
     @kernel_op("attnzoo::ot_gemm_fwd", mutates_args=())
     def ot_gemm_fwd(q: Tensor, k: Tensor, ak: Tensor, av: Tensor, lu: Tensor, mask: Optional[Tensor], heads: int,
@@ -266,13 +317,7 @@ if HAVE_TRITON:
         nk, na, dv = k.shape[1], ak.shape[1], av.shape[2]
         if tracing_only(q):
             return torch.empty((bh, nq, dv), dtype=q.dtype, device=q.device)
-        m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
-        cfg, tiles, launch = _config(q, dv)
-        step = _chunk_size(bh, nq, nk, na, q.shape[2], dv, q.dtype, backward=False)
-        outs = [_forward_chunk(q[b0:b0 + step], k[b0:b0 + step], ak[b0:b0 + step], av[b0:b0 + step],
-                               lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg, cfg, tiles, launch)
-                for b0 in range(0, bh, step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return forward_chunks(q, k, ak, av, lu, mask, heads, causal, sc, sg)
 
     @kernel_op("attnzoo::ot_gemm_bwd", mutates_args=())
     def ot_gemm_bwd(dout: Tensor, out: Tensor, q: Tensor, k: Tensor, ak: Tensor, av: Tensor, lu: Tensor,
@@ -286,22 +331,7 @@ if HAVE_TRITON:
                   ((bh, nk) if need_dlu else (0,), torch.float32)]
         if tracing_only(q):
             return tuple(torch.empty(s, dtype=t, device=q.device) for s, t in shapes)
-        m, kind, ms = _mask_args(mask, bh, heads, nq, nk, q.device)
-        cfg, tiles, launch = _config(q, dv)
-        step = _chunk_size(bh, nq, nk, na, d, dv, q.dtype, backward=True, need_dlu=need_dlu)
-        out = out.contiguous()      # read by rows in _exp_kernel (delta); a no-op for the saved output
-        parts = [_backward_chunk(dout[b0:b0 + step], out[b0:b0 + step], q[b0:b0 + step], k[b0:b0 + step],
-                                 ak[b0:b0 + step], av[b0:b0 + step], lu[b0:b0 + step], m, kind, ms, b0, heads, causal, sc, sg,
-                                 need_dlu, cfg, tiles, launch)
-                 for b0 in range(0, bh, step)]
-        grads = []
-        for i, (_, dtype) in enumerate(shapes):
-            if i == 4 and not need_dlu:
-                grads.append(torch.empty((0,), dtype=dtype, device=q.device))
-                continue
-            pieces = [p[i] for p in parts]
-            grads.append((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(dtype))
-        return tuple(grads)
+        return backward_chunks(dout, out, q, k, ak, av, lu, mask, heads, causal, sc, sg, need_dlu)
 
     def _setup_context(ctx, inputs, output):
         q, k, ak, av, lu, mask, heads, causal, sc, sg, need_dlu = inputs

@@ -34,13 +34,22 @@ _fallback kernels with a per-pair streaming logsumexp over A (C and G tiles reco
 adding their share to out (forward) or to d a_v, dq, dk, d a_k and g (backward) with atomics. Each
 fallback program reads one flag per pair tile and returns when it holds no bad pair, so without
 any the fallback costs one scalar load per tile.
+
+Packed sequences (VARLEN, CU_Q / CU_K and the flag at the end of each signature but _dlu_kernel's, whose
+log u a packed call declines; ops/ot/varlen.py launches them): a pair index is a (sequence, head) pair, sequence (BH0 + bh) // H. The size arguments
+NQ, NK, NA are then the maxima over the sequences, the extents of every per-pair block (inputs and
+temporaries alike are laid out max_q x max_A per pair: the strides, written SQ, SK, SA below); at its
+entry a program reads its sequence's n_q, n_k from the offsets (|A| = n_k + the NA - NK extra templates),
+binds NQ, NK, NA to them, and returns when its tile lies past them. Everything after the entry is the
+dense kernel on that sequence, so causality (bottom-right) and the tile skipping are per sequence, and
+no tile crossing a sequence's end is computed. Without VARLEN, SQ, SK, SA are NQ, NK, NA.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ..triton_utils import mask_tile, mm
+from ..triton_utils import mask_tile, mm, packed_sequence
 
 
 @triton.jit
@@ -62,6 +71,14 @@ def _grid1(N1):
     """(bh, p) on a flat grid of (B*H) x N1 tiles, bh varying slowest (see _grid2)."""
     pid = tl.program_id(0).to(tl.int64)
     return pid // N1, (pid % N1).to(tl.int32)
+
+
+@triton.jit
+def _pair_lengths(CU_Q, CU_K, pair, H, NK, NA):
+    """(n_q, n_k, |A|) of (sequence, head) pair ``pair`` of a packed call: its sequence's lengths read
+    from the offsets; |A| adds the NA - NK extra templates every sequence shares."""
+    _, n_q, _, n_k = packed_sequence(CU_Q, CU_K, pair // H)
+    return n_q, n_k, n_k + (NA - NK)
 
 
 @triton.jit
@@ -137,7 +154,7 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
                 NR, NQ, NK, NA, D, DV, sc, BH0, H, s_mb, s_mh, s_mm, s_mn,
                 IS_QUERY: tl.constexpr, HAS_DOUT: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                 SKIP: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """E = exp(L - max_t L) for the logits L = C (IS_QUERY: rows are queries, with the mask) or G (rows
     are keys). Queries also get lz (logsumexp of lu over kept keys), with SKIP the range [LO, HI) of
     the keys each row keeps (_key_range), and with HAS_DOUT delta_i = dout_i . out_i (fp32, written
@@ -147,8 +164,17 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
     since the shift must be the final max before a 16-bit E is rounded."""
     sc = tl.cast(sc, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi = _grid1(tl.cdiv(NR, BM))
+    SR, SQ, SK, SA = NR, NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if IS_QUERY:
+            NR = NQ
+        else:
+            NR = NK
+        if pi * BM >= NR:
+            return
     ri, rd = pi * BM + tl.arange(0, BM), tl.arange(0, BD)
-    X, AK, E = X + bh * NR * D, AK + bh * NA * D, E + bh * NR * NA
+    X, AK, E = X + bh * SR * D, AK + bh * SA * D, E + bh * SR * SA
     mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
     x = _load2(X, ri, rd, NR, D, D, 0.0)
     m = tl.full((BM,), float("-inf"), tl.float32)
@@ -161,7 +187,7 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
         if IS_QUERY:
             s, keep = _c_logits(x, AK, ri, rt, NQ, NK, NA, D, sc, mask_ptr, s_mm, s_mn, BD, MASK_KIND, CAUSAL,
                                 UPCAST, PRECISION)
-            lu = tl.load(LU + bh * NK + rt, mask=rt < NK, other=float("-inf")).to(tl.float32)
+            lu = tl.load(LU + bh * SK + rt, mask=rt < NK, other=float("-inf")).to(tl.float32)
             val = tl.where(keep, lu[None, :], float("-inf"))
             lm_new = tl.maximum(lm, tl.max(val, 1))
             lm_safe = tl.where(lm_new == float("-inf"), 0.0, lm_new)
@@ -176,17 +202,17 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
     if IS_QUERY:
         lm_safe = tl.where(lm == float("-inf"), 0.0, lm)
         lz = tl.where(ls > 0, lm_safe + tl.log(tl.where(ls > 0, ls, 1.0)), float("-inf"))
-        tl.store(LZ + bh * NQ + ri, lz, mask=ri < NQ)
+        tl.store(LZ + bh * SQ + ri, lz, mask=ri < NQ)
         if SKIP:
-            tl.store(LO + bh * NQ + ri, lo, mask=ri < NQ)
-            tl.store(HI + bh * NQ + ri, hi, mask=ri < NQ)
+            tl.store(LO + bh * SQ + ri, lo, mask=ri < NQ)
+            tl.store(HI + bh * SQ + ri, hi, mask=ri < NQ)
     m_safe = tl.where(m == float("-inf"), 0.0, m)   # a query without templates: E = 0
     if HAS_DOUT:
         rdv = tl.arange(0, BDV)
-        dout = _load2(DOUT + bh * NQ * DV, ri, rdv, NQ, DV, DV, 0.0)
-        fwd_out = _load2(OUTP + bh * NQ * DV, ri, rdv, NQ, DV, DV, 0.0)
+        dout = _load2(DOUT + bh * SQ * DV, ri, rdv, NQ, DV, DV, 0.0)
+        fwd_out = _load2(OUTP + bh * SQ * DV, ri, rdv, NQ, DV, DV, 0.0)
         delta = tl.sum(dout.to(tl.float32) * fwd_out.to(tl.float32), 1)
-        tl.store(DELTA + bh * NQ + ri, delta, mask=ri < NQ)
+        tl.store(DELTA + bh * SQ + ri, delta, mask=ri < NQ)
     for t0 in range(0, NA, BT):
         rt = t0 + tl.arange(0, BT)
         if IS_QUERY:
@@ -195,26 +221,27 @@ def _exp_kernel(X, AK, MASK, LU, E, LZ, LO, HI, DOUT, OUTP, AV, DELTA, EDW,
         else:
             s = _g_logits(x, AK, rt, NA, D, sc, BD, UPCAST, PRECISION)
         e = tl.exp(s - m_safe[:, None])
-        _store2(E, ri, rt, NR, NA, NA, e)
+        _store2(E, ri, rt, NR, NA, SA, e)
         if HAS_DOUT:
-            av = _load2(AV + bh * NA * DV, rt, rdv, NA, DV, DV, 0.0)
+            av = _load2(AV + bh * SA * DV, rt, rdv, NA, DV, DV, 0.0)
             dw = mm(dout, tl.trans(av), UPCAST, PRECISION) - delta[:, None]
-            _store2(EDW + bh * NR * NA, ri, rt, NR, NA, NA, e * dw)
+            _store2(EDW + bh * SR * SA, ri, rt, NR, NA, SA, e * dw)
 
 
 @triton.jit
-def _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, t_lo, t_hi, t_bound, NQ, NK, NA,
+def _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, t_lo, t_hi, t_bound, NQ, NK, SA,
                 BACKWARD: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """acc += EC[:, t] @ EG[:, t]^T (and acc_t += EDW[:, t] @ EG[:, t]^T) over the template blocks from
     t_lo to t_hi, loads cut at t_bound (NK or NA: a bound the JIT knows to be a multiple of 16 keeps
-    the loads vectorised and pipelined; EC is zero between a row block's hi and NK anyway)."""
+    the loads vectorised and pipelined; EC is zero between a row block's hi and NK anyway); SA: the
+    rows' stride."""
     rk = tl.arange(0, BK)
     for t0 in range(t_lo, t_hi, BK):
-        ec = _load2(EC, ri, t0 + rk, NQ, t_bound, NA, 0.0)
-        eg_t = tl.trans(_load2(EG, rj, t0 + rk, NK, t_bound, NA, 0.0))
+        ec = _load2(EC, ri, t0 + rk, NQ, t_bound, SA, 0.0)
+        eg_t = tl.trans(_load2(EG, rj, t0 + rk, NK, t_bound, SA, 0.0))
         acc += mm(ec, eg_t, UPCAST, PRECISION)
         if BACKWARD:
-            edw = _load2(EDW, ri, t0 + rk, NQ, t_bound, NA, 0.0)
+            edw = _load2(EDW, ri, t0 + rk, NQ, t_bound, SA, 0.0)
             acc_t += mm(edw, eg_t, UPCAST, PRECISION)
     return acc, acc_t
 
@@ -224,7 +251,7 @@ def _pair_kernel(EC, EG, EDW, LU, LZ, LO, HI, MASK, R, RG, UG, BAD, TBAD,
                  NQ, NK, NA, SAFE, BH0, H, s_mb, s_mh, s_mm, s_mn,
                  BACKWARD: tl.constexpr, NEED_UG: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
                  SKIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """R = u / S per (query, source) pair, S = EC @ EG^T; bad pairs (S <= SAFE, u > 0) get R = 0,
     BAD = 1 and count in TBAD (one int per tile). BACKWARD: also T = EDW @ EG^T, g = T / S,
     RG = R * g and (NEED_UG) UG = u * g. SKIP: the sum runs over the rows' key range [lo, hi) (from
@@ -232,37 +259,42 @@ def _pair_kernel(EC, EG, EDW, LU, LZ, LO, HI, MASK, R, RG, UG, BAD, TBAD,
     outside [lo, hi) (u = 0: causal's upper triangle, padding) does no matmul at all."""
     SAFE = tl.cast(SAFE, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _grid2(tl.cdiv(NQ, BM), tl.cdiv(NK, BN))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if (pi * BM >= NQ) | (pj * BN >= NK):    # its TBAD entry is never read (the fallbacks return too)
+            return
     ri, rj = pi * BM + tl.arange(0, BM), pj * BN + tl.arange(0, BN)
-    EC, EG, EDW = EC + bh * NQ * NA, EG + bh * NK * NA, EDW + bh * NQ * NA
+    EC, EG, EDW = EC + bh * SQ * SA, EG + bh * SK * SA, EDW + bh * SQ * SA
     acc = tl.zeros((BM, BN), tl.float32)
     acc_t = tl.zeros((BM, BN), tl.float32)
     if SKIP:
-        lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, ri, NQ, NK, SKIP)
+        lo, hi = _key_range(LO + bh * SQ, HI + bh * SQ, ri, NQ, NK, SKIP)
         dead = (pj * BN >= hi) | (pj * BN + BN <= lo)
         start = (lo // BK) * BK
         acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, start, tl.where(dead, start, hi), NK, NQ, NK,
-                                 NA, BACKWARD, BK, UPCAST, PRECISION)
-        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, NK, tl.where(dead, NK, NA), NA, NQ, NK, NA,
+                                 SA, BACKWARD, BK, UPCAST, PRECISION)
+        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, NK, tl.where(dead, NK, NA), NA, NQ, NK, SA,
                                  BACKWARD, BK, UPCAST, PRECISION)
     else:
-        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, 0, NA, NA, NQ, NK, NA, BACKWARD, BK, UPCAST,
+        acc, acc_t = _pair_steps(acc, acc_t, EC, EG, EDW, ri, rj, 0, NA, NA, NQ, NK, SA, BACKWARD, BK, UPCAST,
                                  PRECISION)
     mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
-    u = _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND, CAUSAL)
+    u = _u_tile(LU + bh * SK, LZ + bh * SQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn, MASK_KIND, CAUSAL)
     live = u > 0
     bad = live & (acc <= SAFE)
     ok = live & (acc > SAFE)
     inv = tl.where(ok, 1.0 / tl.where(ok, acc, 1.0), 0.0)
     r = u * inv
-    pair = bh * NQ * NK
-    _store2(R + pair, ri, rj, NQ, NK, NK, r)
-    _store2(BAD + pair, ri, rj, NQ, NK, NK, bad.to(tl.uint8))
+    pair = bh * SQ * SK
+    _store2(R + pair, ri, rj, NQ, NK, SK, r)
+    _store2(BAD + pair, ri, rj, NQ, NK, SK, bad.to(tl.uint8))
     tl.store(TBAD + tl.program_id(0), tl.sum(bad.to(tl.int32)))
     if BACKWARD:
         g = acc_t * inv
-        _store2(RG + pair, ri, rj, NQ, NK, NK, r * g)
+        _store2(RG + pair, ri, rj, NQ, NK, SK, r * g)
         if NEED_UG:
-            _store2(UG + pair, ri, rj, NQ, NK, NK, u * g)
+            _store2(UG + pair, ri, rj, NQ, NK, SK, u * g)
 
 
 @triton.jit
@@ -290,13 +322,20 @@ def _block_at(b, first, first_bound, n_first, NK, NA, BT: tl.constexpr):
 @triton.jit
 def _out_kernel(EC, EG, R, AV, LO, HI, OUT, NQ, NK, NA, DV,
                 SKIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BDV: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH0=0, H=1, CU_Q=None, CU_K=None,
+                VARLEN: tl.constexpr = False):
     """out = (EC * (R @ EG)) @ a_v for BM queries, template block by template block (fp32 out). SKIP:
-    only the template blocks of the rows' key range and the extras, and R's columns in that range."""
+    only the template blocks of the rows' key range and the extras, and R's columns in that range.
+    BH0, H: the chunk's first pair and the heads, read with VARLEN only (the sequence of a pair)."""
     bh, pi = _grid1(tl.cdiv(NQ, BM))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if pi * BM >= NQ:
+            return
     ri, rdv = pi * BM + tl.arange(0, BM), tl.arange(0, BDV)
-    EC, EG, R, AV = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, AV + bh * NA * DV
-    lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, ri, NQ, NK, SKIP)
+    EC, EG, R, AV = EC + bh * SQ * SA, EG + bh * SK * SA, R + bh * SQ * SK, AV + bh * SA * DV
+    lo, hi = _key_range(LO + bh * SQ, HI + bh * SQ, ri, NQ, NK, SKIP)
     j_first = (lo // BN) * BN
     first, first_bound, n_first, n_all = _template_blocks(lo, hi, NK, NA, BT, SKIP)
     out = tl.zeros((BM, BDV), tl.float32)
@@ -307,11 +346,11 @@ def _out_kernel(EC, EG, R, AV, LO, HI, OUT, NQ, NK, NA, DV,
         for j0 in range(j_first, hi, BN):
             rj = j0 + tl.arange(0, BN)
             # EG cut at NA only: columns past t_end meet EC = 0 below
-            acc += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), _load2(EG, rj, rt, NK, NA, NA, 0.0), UPCAST, PRECISION)
-        w = _load2(EC, ri, rt, NQ, t_end, NA, 0.0).to(tl.float32) * acc
+            acc += mm(_load2(R, ri, rj, NQ, NK, SK, 0.0), _load2(EG, rj, rt, NK, NA, SA, 0.0), UPCAST, PRECISION)
+        w = _load2(EC, ri, rt, NQ, t_end, SA, 0.0).to(tl.float32) * acc
         av = _load2(AV, rt, rdv, t_end, DV, DV, 0.0)
         out += mm(w.to(av.dtype), av, UPCAST, PRECISION)
-    _store2(OUT + bh * NQ * DV, ri, rdv, NQ, DV, DV, out)
+    _store2(OUT + bh * SQ * DV, ri, rdv, NQ, DV, DV, out)
 
 
 @triton.jit
@@ -323,7 +362,8 @@ def _block_active(t0, lo, hi, NK, BT: tl.constexpr):
 @triton.jit
 def _dc_kernel(EC, EG, R, RG, AV, DOUT, DELTA, LO, HI, DC, DAV, NQ, NK, NA, DV, sc,
                SKIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BDV: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH0=0, H=1, CU_Q=None, CU_K=None,
+               VARLEN: tl.constexpr = False):
     """For BT templates: sc * dC = sc * EC * (dW * (R @ EG) - RG @ EG) for every query block, and
     d a_v = W^T dout accumulated over them (fp32), with W = EC * (R @ EG) and dW = dout a_v^T - delta.
     SKIP: a query block for which the template block is inactive writes dC = 0 without its matmuls,
@@ -336,14 +376,19 @@ def _dc_kernel(EC, EG, R, RG, AV, DOUT, DELTA, LO, HI, DC, DAV, NQ, NK, NA, DV, 
     cancellation relative to |dW - delta| instead of |dW|."""
     sc = tl.cast(sc, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pt = _grid1(tl.cdiv(NA, BT))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if pt * BT >= NA:
+            return
     rt, rdv = pt * BT + tl.arange(0, BT), tl.arange(0, BDV)
-    EC, EG, R, RG = EC + bh * NQ * NA, EG + bh * NK * NA, R + bh * NQ * NK, RG + bh * NQ * NK
-    DOUT = DOUT + bh * NQ * DV
-    av = _load2(AV + bh * NA * DV, rt, rdv, NA, DV, DV, 0.0)
+    EC, EG, R, RG = EC + bh * SQ * SA, EG + bh * SK * SA, R + bh * SQ * SK, RG + bh * SQ * SK
+    DOUT = DOUT + bh * SQ * DV
+    av = _load2(AV + bh * SA * DV, rt, rdv, NA, DV, DV, 0.0)
     dav = tl.zeros((BT, BDV), tl.float32)
     for i0 in range(0, NQ, BM):
         ri = i0 + tl.arange(0, BM)
-        lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, ri, NQ, NK, SKIP)
+        lo, hi = _key_range(LO + bh * SQ, HI + bh * SQ, ri, NQ, NK, SKIP)
         j_first = (lo // BN) * BN
         j_end = hi
         if SKIP:
@@ -352,23 +397,24 @@ def _dc_kernel(EC, EG, R, RG, AV, DOUT, DELTA, LO, HI, DC, DAV, NQ, NK, NA, DV, 
         acc2 = tl.zeros((BM, BT), tl.float32)
         for j0 in range(j_first, j_end, BN):
             rj = j0 + tl.arange(0, BN)
-            eg = _load2(EG, rj, rt, NK, NA, NA, 0.0)
-            acc1 += mm(_load2(R, ri, rj, NQ, NK, NK, 0.0), eg, UPCAST, PRECISION)
-            acc2 += mm(_load2(RG, ri, rj, NQ, NK, NK, 0.0), eg, UPCAST, PRECISION)
-        ec = _load2(EC, ri, rt, NQ, NA, NA, 0.0).to(tl.float32)
+            eg = _load2(EG, rj, rt, NK, NA, SA, 0.0)
+            acc1 += mm(_load2(R, ri, rj, NQ, NK, SK, 0.0), eg, UPCAST, PRECISION)
+            acc2 += mm(_load2(RG, ri, rj, NQ, NK, SK, 0.0), eg, UPCAST, PRECISION)
+        ec = _load2(EC, ri, rt, NQ, NA, SA, 0.0).to(tl.float32)
         dout = _load2(DOUT, ri, rdv, NQ, DV, DV, 0.0)
-        delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+        delta = tl.load(DELTA + bh * SQ + ri, mask=ri < NQ, other=0.0)
         dw = mm(dout, tl.trans(av), UPCAST, PRECISION) - delta[:, None]
         w = ec * acc1
-        _store2(DC + bh * NQ * NA, ri, rt, NQ, NA, NA, (sc * ec) * (dw * acc1 - acc2))
+        _store2(DC + bh * SQ * SA, ri, rt, NQ, NA, SA, (sc * ec) * (dw * acc1 - acc2))
         dav += mm(tl.trans(w.to(dout.dtype)), dout, UPCAST, PRECISION)
-    _store2(DAV + bh * NA * DV, rt, rdv, NA, DV, DV, dav)
+    _store2(DAV + bh * SA * DV, rt, rdv, NA, DV, DV, dav)
 
 
 @triton.jit
 def _dg_kernel(EC, EG, R, RG, EDW, LO, HI, DG, NQ, NK, NA, sg,
                SKIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, BH0=0, H=1, CU_Q=None, CU_K=None,
+               VARLEN: tl.constexpr = False):
     """sg * dG = sg * EG * (R^T @ EDW - RG^T @ EC) for BN sources x BT templates. SKIP: the loop runs
     from the first to the last query block that uses these sources and templates (its key range
     meets the sources, R = RG = 0 otherwise, and the template block is active, EC = EDW = 0
@@ -377,9 +423,14 @@ def _dg_kernel(EC, EG, R, RG, EDW, LO, HI, DG, NQ, NK, NA, sg,
     memory instead of 96 KB in the sm_90 build)."""
     sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pj, pt = _grid2(tl.cdiv(NK, BN), tl.cdiv(NA, BT))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if (pj * BN >= NK) | (pt * BT >= NA):
+            return
     rj, rt = pj * BN + tl.arange(0, BN), pt * BT + tl.arange(0, BT)
-    EC, EDW = EC + bh * NQ * NA, EDW + bh * NQ * NA
-    R, RG = R + bh * NQ * NK, RG + bh * NQ * NK
+    EC, EDW = EC + bh * SQ * SA, EDW + bh * SQ * SA
+    R, RG = R + bh * SQ * SK, RG + bh * SQ * SK
     acc3 = tl.zeros((BN, BT), tl.float32)
     acc4 = tl.zeros((BN, BT), tl.float32)
     i_first = 0
@@ -388,18 +439,18 @@ def _dg_kernel(EC, EG, R, RG, EDW, LO, HI, DG, NQ, NK, NA, sg,
         i_first = NQ
         i_end = NQ * 0
         for i0 in range(0, NQ, BM):
-            lo, hi = _key_range(LO + bh * NQ, HI + bh * NQ, i0 + tl.arange(0, BM), NQ, NK, SKIP)
+            lo, hi = _key_range(LO + bh * SQ, HI + bh * SQ, i0 + tl.arange(0, BM), NQ, NK, SKIP)
             use = (pj * BN < hi) & (pj * BN + BN > lo) & _block_active(pt * BT, lo, hi, NK, BT)
             i_first = tl.where(use, tl.minimum(i_first, i0), i_first)
             i_end = tl.where(use, i0 + BM, i_end)
     for i0 in range(i_first, i_end, BM):
         ri = i0 + tl.arange(0, BM)
-        r_t = tl.trans(_load2(R, ri, rj, NQ, NK, NK, 0.0))
-        rg_t = tl.trans(_load2(RG, ri, rj, NQ, NK, NK, 0.0))
-        acc3 += mm(r_t, _load2(EDW, ri, rt, NQ, NA, NA, 0.0), UPCAST, PRECISION)
-        acc4 += mm(rg_t, _load2(EC, ri, rt, NQ, NA, NA, 0.0), UPCAST, PRECISION)
-    eg = _load2(EG + bh * NK * NA, rj, rt, NK, NA, NA, 0.0).to(tl.float32)
-    _store2(DG + bh * NK * NA, rj, rt, NK, NA, NA, (sg * eg) * (acc3 - acc4))
+        r_t = tl.trans(_load2(R, ri, rj, NQ, NK, SK, 0.0))
+        rg_t = tl.trans(_load2(RG, ri, rj, NQ, NK, SK, 0.0))
+        acc3 += mm(r_t, _load2(EDW, ri, rt, NQ, NA, SA, 0.0), UPCAST, PRECISION)
+        acc4 += mm(rg_t, _load2(EC, ri, rt, NQ, NA, SA, 0.0), UPCAST, PRECISION)
+    eg = _load2(EG + bh * SK * SA, rj, rt, NK, NA, SA, 0.0).to(tl.float32)
+    _store2(DG + bh * SK * SA, rj, rt, NK, NA, SA, (sg * eg) * (acc3 - acc4))
 
 
 @triton.jit
@@ -465,23 +516,29 @@ def _fallback_fwd_kernel(Q, K, AK, AV, MASK, LU, LZ, BAD, TBAD, OUT,
                          NQ, NK, NA, D, DV, sc, sg, BH0, H, s_mb, s_mh, s_mm, s_mn,
                          CBM: tl.constexpr, CBN: tl.constexpr, FB: tl.constexpr, BT: tl.constexpr,
                          BD: tl.constexpr, BDV: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, CU_Q=None, CU_K=None,
+                         VARLEN: tl.constexpr = False):
     """out_i += sum_{j bad} u_ij sum_t softmax_t(C_it + G_jt) a_v_t for the pair tile (CBM x CBN) of
     _pair_kernel on grid axes 1, 2, in (FB x FB) sub-tiles holding a bad pair."""
     sc = tl.cast(sc, tl.float32)
     sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _grid2(tl.cdiv(NQ, CBM), tl.cdiv(NK, CBN))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if (pi * CBM >= NQ) | (pj * CBN >= NK):     # _pair_kernel left this tile's TBAD entry unwritten
+            return
     n_bad = tl.load(TBAD + tl.program_id(0))
     if n_bad > 0:
-        Q, K, AK, AV = Q + bh * NQ * D, K + bh * NK * D, AK + bh * NA * D, AV + bh * NA * DV
+        Q, K, AK, AV = Q + bh * SQ * D, K + bh * SK * D, AK + bh * SA * D, AV + bh * SA * DV
         mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
         rd, rdv = tl.arange(0, BD), tl.arange(0, BDV)
         for si in range(0, CBM, FB):
             for sj in range(0, CBN, FB):
                 ri, rj = pi * CBM + si + tl.arange(0, FB), pj * CBN + sj + tl.arange(0, FB)
-                bad = _load2(BAD + bh * NQ * NK, ri, rj, NQ, NK, NK, 0) != 0
+                bad = _load2(BAD + bh * SQ * SK, ri, rj, NQ, NK, SK, 0) != 0
                 if tl.sum(bad.to(tl.int32)) > 0:
-                    u = tl.where(bad, _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
+                    u = tl.where(bad, _u_tile(LU + bh * SK, LZ + bh * SQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
                                               MASK_KIND, CAUSAL), 0.0)
                     xq, xk = _load2(Q, ri, rd, NQ, D, D, 0.0), _load2(K, rj, rd, NK, D, D, 0.0)
                     lse = _pair_lse(xq, xk, AK, ri, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn, FB, BT, BD,
@@ -493,7 +550,7 @@ def _fallback_fwd_kernel(Q, K, AK, AV, MASK, LU, LZ, BAD, TBAD, OUT,
                                         BD, MASK_KIND, CAUSAL, UPCAST, PRECISION)
                         w = tl.sum(u[:, :, None] * p, 1)
                         out += _mm32(w, _load2(AV, rt, rdv, NA, DV, DV, 0.0))
-                    optr = OUT + bh * NQ * DV + ri[:, None] * DV + rdv[None, :]
+                    optr = OUT + bh * SQ * DV + ri[:, None] * DV + rdv[None, :]
                     tl.atomic_add(optr, out, mask=(ri[:, None] < NQ) & (rdv[None, :] < DV))
 
 
@@ -502,7 +559,8 @@ def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG,
                          NQ, NK, NA, D, DV, sc, sg, BH0, H, s_mb, s_mh, s_mm, s_mn,
                          NEED_UG: tl.constexpr, CBM: tl.constexpr, CBN: tl.constexpr, FB: tl.constexpr,
                          BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, MASK_KIND: tl.constexpr,
-                         CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                         CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CU_Q=None,
+                         CU_K=None, VARLEN: tl.constexpr = False):
     """The bad pairs' share of the backward, per pair P_ijt with dL_ijt = u_ij P_ijt (dW_it - g_ij)
     (dW shifted by delta as in _dc_kernel, so that g, hence UG, matches the matmul path's):
     d a_v_t += sum W_it dout_i, dq_i += sc sum dL a_t, dk_j += sg sum dL a_t,
@@ -510,22 +568,27 @@ def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG,
     sc = tl.cast(sc, tl.float32)
     sg = tl.cast(sg, tl.float32)  # inductor hands Python floats over as fp64 scalars
     bh, pi, pj = _grid2(tl.cdiv(NQ, CBM), tl.cdiv(NK, CBN))
+    SQ, SK, SA = NQ, NK, NA
+    if VARLEN:
+        NQ, NK, NA = _pair_lengths(CU_Q, CU_K, BH0 + bh, H, NK, NA)
+        if (pi * CBM >= NQ) | (pj * CBN >= NK):     # _pair_kernel left this tile's TBAD entry unwritten
+            return
     n_bad = tl.load(TBAD + tl.program_id(0))
     if n_bad > 0:
-        Q, K, AK, AV = Q + bh * NQ * D, K + bh * NK * D, AK + bh * NA * D, AV + bh * NA * DV
-        DOUT, DAV, DAK = DOUT + bh * NQ * DV, DAV + bh * NA * DV, DAK + bh * NA * D
+        Q, K, AK, AV = Q + bh * SQ * D, K + bh * SK * D, AK + bh * SA * D, AV + bh * SA * DV
+        DOUT, DAV, DAK = DOUT + bh * SQ * DV, DAV + bh * SA * DV, DAK + bh * SA * D
         mask_ptr = _mask_base(MASK, bh, BH0, H, s_mb, s_mh)
         rd, rdv = tl.arange(0, BD), tl.arange(0, BDV)
         for si in range(0, CBM, FB):
             for sj in range(0, CBN, FB):
                 ri, rj = pi * CBM + si + tl.arange(0, FB), pj * CBN + sj + tl.arange(0, FB)
-                bad = _load2(BAD + bh * NQ * NK, ri, rj, NQ, NK, NK, 0) != 0
+                bad = _load2(BAD + bh * SQ * SK, ri, rj, NQ, NK, SK, 0) != 0
                 if tl.sum(bad.to(tl.int32)) > 0:
-                    u = tl.where(bad, _u_tile(LU + bh * NK, LZ + bh * NQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
+                    u = tl.where(bad, _u_tile(LU + bh * SK, LZ + bh * SQ, mask_ptr, ri, rj, NQ, NK, s_mm, s_mn,
                                               MASK_KIND, CAUSAL), 0.0)
                     xq, xk = _load2(Q, ri, rd, NQ, D, D, 0.0), _load2(K, rj, rd, NK, D, D, 0.0)
                     dout = _load2(DOUT, ri, rdv, NQ, DV, DV, 0.0)
-                    delta = tl.load(DELTA + bh * NQ + ri, mask=ri < NQ, other=0.0)
+                    delta = tl.load(DELTA + bh * SQ + ri, mask=ri < NQ, other=0.0)
                     lse = _pair_lse(xq, xk, AK, ri, NQ, NK, NA, D, sc, sg, mask_ptr, s_mm, s_mn, FB, BT, BD,
                                     MASK_KIND, CAUSAL, UPCAST, PRECISION)
                     g = tl.zeros((FB, FB), tl.float32)
@@ -536,7 +599,7 @@ def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG,
                         dw = _mm32(dout, tl.trans(_load2(AV, rt, rdv, NA, DV, DV, 0.0))) - delta[:, None]
                         g += tl.sum(p * dw[:, None, :], 2)
                     if NEED_UG:
-                        uptr = UG + bh * NQ * NK + ri[:, None] * NK + rj[None, :]
+                        uptr = UG + bh * SQ * SK + ri[:, None] * SK + rj[None, :]
                         tl.store(uptr, u * g, mask=bad & (ri[:, None] < NQ) & (rj[None, :] < NK))
                     dq = tl.zeros((FB, BD), tl.float32)
                     dk = tl.zeros((FB, BD), tl.float32)
@@ -557,7 +620,7 @@ def _fallback_bwd_kernel(Q, K, AK, AV, DOUT, DELTA, MASK, LU, LZ, BAD, TBAD, UG,
                         tl.atomic_add(DAK + rt[:, None] * D + rd[None, :], dak, mask=in_a & (rd[None, :] < D))
                         dav = _mm32(tl.trans(tl.sum(up, 1)), dout)
                         tl.atomic_add(DAV + rt[:, None] * DV + rdv[None, :], dav, mask=in_a & (rdv[None, :] < DV))
-                    tl.atomic_add(DQ + bh * NQ * D + ri[:, None] * D + rd[None, :], dq * sc,
+                    tl.atomic_add(DQ + bh * SQ * D + ri[:, None] * D + rd[None, :], dq * sc,
                                   mask=(ri[:, None] < NQ) & (rd[None, :] < D))
-                    tl.atomic_add(DK + bh * NK * D + rj[:, None] * D + rd[None, :], dk * sg,
+                    tl.atomic_add(DK + bh * SK * D + rj[:, None] * D + rd[None, :], dk * sg,
                                   mask=(rj[:, None] < NK) & (rd[None, :] < D))
