@@ -8,7 +8,9 @@ Backends:
   about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
   faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
-  It computes ``softcap`` in its kernels; a window reaches it folded into the mask.
+  It computes ``softcap`` in its kernels, and takes ``window_size`` itself: every pass skips the tiles
+  outside the band, and a causal window solves each row's window problem in batches (causal_window.py).
+  The other backends get a window folded into the mask.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
   (gradient of the Sinkhorn fixed point); never chosen by auto, only by name.
 """
@@ -104,7 +106,7 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
 if HAVE_TRITON:
     register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
                      _triton_supports, priority=20, auto_devices=("cuda",), specialize=sinkhorn_bound.specialize,
-                     extras=("softcap",),
+                     extras=("softcap", "window_size"),
                      description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
