@@ -61,8 +61,8 @@ class BoundSinkhorn:
         bq, bk = st.length_bucket(nq), st.length_bucket(nk)
         rows = (*s["rows"], bq, bk)   # a row pass: X = q, Y = k
         cols = (*s["cols"], bk, bq)   # a column pass: X = k, Y = q
-        meta_rows = dict(s["meta"], MASK_SHAPE=s["shape_rows"])
-        meta_cols = dict(s["meta"], MASK_SHAPE=s["shape_cols"])
+        meta_rows = dict(s["meta"], MASK_SHAPE=s["shape_rows"], **s["band_rows"])
+        meta_cols = dict(s["meta"], MASK_SHAPE=s["shape_cols"], **s["band_cols"])
         bh = B * H
 
         def bind(kernel, kind, width, nx, meta):

@@ -9,13 +9,15 @@ window alone, never a growing prefix:
 
 - the rows i >= w + max(0, -off) ("full" rows) all have a (w + 1) x (w + 1) problem with no mask: the
   windows are unfold views of q, k, v, stacked along the batch axis, and solved by one non-causal call
-  (a few calls for very many rows: ``rows_per_call``);
+  (more calls when the rows are very many: ``rows_per_call`` keeps the grid within CUDA's limit and one
+  call's gathered windows within MAX_ELEMENTS_PER_CALL);
 - the at most w rows before them ("short" rows) have smaller windows: they are padded to w + 1 tokens
   on the left with positions masked out entirely (a fully masked row or column drops out of a Sinkhorn
   problem; the column target's constant does not change the plan), and solved by one more call;
 - rows with no key (i + off < 0, more queries than keys) are zero rows, as every empty row.
 
-Work O(n_iters N w^2 D) instead of the prefix loop's O(n_iters N^3 D), in O(1) calls instead of N.
+Work O(n_iters N w^2 D) instead of the prefix loop's O(n_iters N^3 D), in O(1) calls instead of N
+(two at short lengths: the short rows and the full ones).
 Each call runs under activation checkpointing when gradients are recorded (as the prefix loop): what
 autograd keeps is q, k, v, not each call's (rows, w + 1, D) windows and potentials.
 """
@@ -26,8 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 # the kernels' grid has B*H (here B*H*rows) on its second axis, which CUDA caps at 2^16 - 1
 MAX_GRID_Y = 65535
-# windows' tokens per call (rows * (w + 1)): bounds the memory of one call's gathered q, k, v
-MAX_TOKENS_PER_CALL = 1 << 20
+# elements of one call's gathered q (B * H * rows * (w + 1) * D; k and v alike): bounds a call's memory
+MAX_ELEMENTS_PER_CALL = 1 << 27
 
 
 def window_restricts(left: int, nk: int) -> bool:
@@ -35,9 +37,10 @@ def window_restricts(left: int, nk: int) -> bool:
     return 0 <= left < nk - 1
 
 
-def rows_per_call(batch_heads: int, width: int) -> int:
-    """How many window problems of ``width`` tokens one call solves."""
-    return max(1, min(MAX_GRID_Y // max(1, batch_heads), MAX_TOKENS_PER_CALL // width))
+def rows_per_call(batch_heads: int, width: int, head_dim: int) -> int:
+    """How many rows' window problems of ``width`` tokens one call solves (for every batch and head)."""
+    bh = max(1, batch_heads)
+    return max(1, min(MAX_GRID_Y // bh, MAX_ELEMENTS_PER_CALL // (bh * width * max(head_dim, 1))))
 
 
 def _solve(run, qw, kw, vw, mask):
@@ -95,7 +98,7 @@ def causal_by_window(run, q, k, v, left: int):
         else:
             parts.append(fn(run, q, k, v, left, a, b))
 
-    step = rows_per_call(B * H, left + 1)
+    step = rows_per_call(B * H, left + 1, max(q.shape[-1], v.shape[-1]))
     for a in range(first, full_from, step):
         call(_short_rows, a, min(a + step, full_from))
     for a in range(full_from, nq, step):

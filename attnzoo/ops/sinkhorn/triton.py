@@ -215,7 +215,9 @@ class TritonEngine:
         shape = lambda st: 1 if st[2] == 0 else 2 if st[3] == 0 else 0  # see _apply_mask
         a = p.logit_scale
         # a window: a row pass walks its band, a column pass the transposed band (triton_kernels._band_span)
-        band_rows = band_cols = {}
+        # passed to every launch, also without a band: inductor's write analysis binds only the arguments
+        # a launch is handed (triton_utils.packed_defaults)
+        band_rows = band_cols = dict(left=0, right=0, BAND=False)
         if p.band is not None:
             left, right = p.band
             band_rows, band_cols = dict(left=left, right=right, BAND=True), dict(left=right, right=left, BAND=True)
