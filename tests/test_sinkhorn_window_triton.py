@@ -218,6 +218,27 @@ def test_window_is_taken_by_the_triton_backend_itself():
     assert "window_size" in choice.backend.extras
 
 
+@pytest.mark.parametrize("cost,dtype", [("l2", torch.float32), ("dot", torch.bfloat16)])
+def test_window_on_a_kept_plan_equals_the_general_route(cost, dtype, monkeypatch):
+    """A repeated windowed call runs its plan's bound launches (ops/sinkhorn/bound.py: the band bound into
+    every pass, g^0 and delta from row-dot launches): the general route's numbers, bit for bit."""
+    from attnzoo.ops import plan
+    from attnzoo.ops.sinkhorn import bound
+    from attnzoo.ops.sinkhorn.triton import sinkhorn_attention
+    ran = []
+    forward = bound.BoundSinkhorn.forward
+    monkeypatch.setattr(bound.BoundSinkhorn, "forward", lambda self, *a: ran.append(1) or forward(self, *a))
+    q, k, v, dout = inputs(2, 37, 30, seed=12)
+    mask = key_padding(30, 2)
+    kw = dict(window_size=(5, 3), attn_mask=mask, cost=cost, n_iters=2)
+    plan.clear()
+    kept = run(lambda *t: AF.sinkhorn(*t, backend="triton", **kw), [q, k, v], dtype, dout)
+    assert ran
+    general = run(lambda *t: sinkhorn_attention(*t, **kw), [q, k, v], dtype, dout)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], kept, general):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("side", ["keys", "queries"])
 def test_window_skips_the_tiles_outside_every_band(side):
     """NaN planted in whole 16-row tiles that no band reaches. A pass that visited those tiles, even masked,
