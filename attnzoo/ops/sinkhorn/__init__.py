@@ -121,7 +121,8 @@ RECORD = declare(Variant(
     extras_refused={"sinks": "its rows and columns are normalised in turn, and a key with no value would need a column "
                                 "marginal of its own, which the papers do not define"},
     couples_queries=True,
-    complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3)",
+    complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3); "
+               "a window of w on triton: O(n_iters N w D), causal O(n_iters N w^2 D)",
     parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022",
     flops=sinkhorn_flops, flop_formula=FORMULA, reference_bytes=sinkhorn_reference_bytes,
 ))

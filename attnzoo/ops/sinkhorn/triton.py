@@ -24,7 +24,9 @@ The forward and the two backwards are torch custom ops (``attnzoo::sinkhorn_fwd`
 ``_bwd_implicit``): torch.compile sees through the forward and the unrolled backward
 (``triton_op`` on a GPU); the implicit backward stops when its series converges, a data-dependent
 loop, so it is an opaque op. Causal attention runs the prefix loop of
-``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work).
+``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work); under a sliding window with no
+other mask, each row's window problem instead, batched (``causal_window.py``, O(n_iters N w^2)). A
+non-causal window reaches every pass as its band's two offsets: the tiles outside it are skipped.
 
 Tiles: on a GPU each kernel has a short list of (BLOCK_X, BLOCK_Y, warps, stages) candidates
 (``candidates``); large problems pick among them with ``triton.autotune`` (one compile per

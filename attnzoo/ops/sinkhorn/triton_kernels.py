@@ -45,6 +45,14 @@ shared buffers on sm_90. The unrolled adjoint's terms are a product of rank-one 
 tune_nx / tune_ny: power-of-two buckets of Nx / Ny, unused by the code: the autotuning key, so a
 new length retunes only when it changes bucket (triton.py).
 
+Sliding windows (BAND, a constexpr; the band's two offsets left, right as in triton_logit_extras): a
+program walks only the Y tiles that meet its X block's band (_band_span, the softmax family's
+band_keys), unmasked inside every row's band, masked elementwise on the band's edges (_band_cut). A
+column pass is the same test on the transposed problem (X = k, Y = q: the host swaps the offsets). A
+program that walks no tile sums to 0: lse = 0 and a zero output row, as the band folded into the mask
+gives. G0_MODE and DELTA_HERE (an O(N) vector written by the program that walks every y) are refused
+with a band: the host computes those vectors first.
+
 Out-of-range rows and columns need no 2-D bounds mask: the per-Y vectors are loaded with -inf
 (or +inf for a subtracted log-normaliser) past the end, which makes every exponential there 0, and
 the loaded X / Y rows are zeros there, so nothing is NaN. Masks (MASK_KIND 1 = bool as uint8,
