@@ -310,3 +310,16 @@ def test_causal_window_with_a_mask_keeps_the_prefix_rule():
     got = AF.sinkhorn(q.float(), k.float(), v.float(), backend="triton", **kw)
     want = AF.sinkhorn(q, k, v, backend="reference", **kw)
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_gpu_speed_grid_times_sinkhorn_windows():
+    """`attnzoo bench`'s speed grid has a Sinkhorn window row on the Triton backend at long N (no SDPA or
+    Flex row for it: they compute softmax, not this attention)."""
+    from attnzoo.bench import speed_grid
+    from attnzoo.bench.flops import Shape
+    from attnzoo.bench.problem import Problem
+    cases = [c for c in speed_grid.speed_cases(torch.device("cuda")) if "sinkhorn+window" in c.label]
+    assert [c.label for c in cases] == ["sinkhorn+window256 / triton"]
+    long = Problem(Shape(batch=1, heads=16, seq_q=16384, head_dim=128), torch.bfloat16, torch.device("cuda"),
+                   "fwd+bwd", True)
+    assert cases[0].applies(long) and cases[0].spec.kwargs["window_size"] == (255, 0)
