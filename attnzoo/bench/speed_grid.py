@@ -220,4 +220,5 @@ def speed_cases(device: torch.device) -> list[Case]:
 
 
 __all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "SINKHORN_WINDOW_SPECS", "T5Case", "VARIANT_FLAVOURS",
-           "attnzoo_cases", "baseline_cases", "extras_cases", "benchmark_problems", "cuda_backends", "problem_from_fields", "row_fields", "speed_cases"]
+           "attnzoo_cases", "baseline_cases", "extras_cases", "benchmark_problems", "cuda_backends",
+           "problem_from_fields", "row_fields", "speed_cases"]
