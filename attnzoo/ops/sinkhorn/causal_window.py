@@ -86,7 +86,7 @@ def causal_by_window(run, q, k, v, left: int):
     B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     off = nk - nq
     first = max(0, -off)                    # rows before it see no key
-    full_from = min(max(first, left + max(0, -off)), nq)
+    full_from = min(first + left, nq)       # rows from it on have a whole window
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     parts = []
     if first > 0:
