@@ -336,6 +336,10 @@ SINKHORN_CASES = [  # (cost, mask, is_causal, grad_mode, large): every flag of t
     ("l2", "bool", False, "unrolled", False, 30.0),
     ("dot", "none", True, "unrolled", False, 30.0),
     ("l2", "float", False, "unrolled", True, 30.0),
+    # issue 29: a window's band (BAND, its two offsets) in every pass; causal: batched window problems
+    ("l2", "bool", False, "unrolled", False, None, (31, 8)),
+    ("dot", "none", False, "unrolled", False, 30.0, (16, -1)),
+    ("l2", "none", True, "unrolled", False, None, (7, 0)),
 ]
 
 
@@ -344,21 +348,24 @@ def sinkhorn_calls(dtype_name):
         return  # sinkhorn/triton.py refuses float64
     dtype = TORCH_DTYPES[dtype_name]
     for d in SINKHORN_HEAD_DIMS:
-        for cost, mask, causal, grad_mode, large, *cap in SINKHORN_CASES:
+        for cost, mask, causal, grad_mode, large, *extras in SINKHORN_CASES:
+            cap = [extras[0]] if extras and extras[0] is not None else []
+            window = extras[1] if len(extras) > 1 else None
             # causal runs the kernels of the non-causal call on every prefix: only the int
             # specialisations differ (Nq = Nk = 1, sizes that are no multiple of 16), so N = 15
             n = 15 if causal else 64
             q, k, v = qkv(dtype, n, n, d, d)
             label = f"sinkhorn {dtype_name} D=Dv={d} {cost} mask={mask} causal={causal} {grad_mode}" + " large" * large
             label += f" softcap={cap[0]}" if cap else ""
+            label += f" window={window}" if window else ""
 
             run = lambda q, k, v, **kw: sinkhorn_triton.sinkhorn_attention(q, k, v, **kw)
 
             def call(q=q, k=k, v=v, mask=mask, causal=causal, cost=cost, grad_mode=grad_mode, large=large,
-                     softcap=cap[0] if cap else None):
+                     softcap=cap[0] if cap else None, window=window):
                 with mock.patch.object(sinkhorn_triton, "FOLD_BELOW", 0) if large else contextlib.nullcontext():
                     forward_backward(run, q, k, v, attn_mask=masks(mask, dtype, n, n), is_causal=causal, cost=cost,
-                                     grad_mode=grad_mode, n_iters=3, softcap=softcap)
+                                     grad_mode=grad_mode, n_iters=3, softcap=softcap, window_size=window)
             yield label, call
 
 

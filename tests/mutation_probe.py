@@ -93,6 +93,8 @@ def _cases():
         "sinkhorn-varlen": lambda: sinkhorn_varlen.attention(*packed, cu, cu, 20, 20, scale=0.25, n_iters=2, eps=1.0,
                                                              cost="l2"),
         "sinkhorn-implicit": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, grad_mode="implicit"),
+        # a window: every pass walks only its band's tiles (BAND), g^0 and delta computed before the passes
+        "sinkhorn-window": lambda: sinkhorn_attention(q, k, v, scale=0.25, n_iters=2, window_size=(5, 2)),
         "linear-causal": lambda: linear_attention_triton(q, k, v, is_causal=True),
         # half inputs: the attend / output kernels also write the unrounded output (issue 21)
         "sinkhorn-bf16": lambda: sinkhorn_attention(*half, scale=0.25, n_iters=2),

@@ -184,6 +184,9 @@ def attnzoo_cases(device: torch.device) -> list[Case]:
 EXTRAS_SPECS = [("softmax+softcap", "softmax(softcap=30)"), ("softmax+sinks", "softmax(sinks=True)"),
                 ("softmax+window256", "softmax(window_size=(255, 0))"),
                 ("softmax+window1024", "softmax(window_size=(1023, 0))")]
+# Sinkhorn's window (its Triton passes skip the tiles outside the band; causal: batched window problems):
+# attnzoo's backends only, SDPA and Flex compute softmax, not this attention
+SINKHORN_WINDOW_SPECS = [("sinkhorn+window256", "sinkhorn(window_size=(255, 0))")]
 
 
 def _long(p: Problem) -> bool:
@@ -200,6 +203,11 @@ def extras_cases(device: torch.device) -> list[Case]:
         cases.append(SdpaExtrasTarget(spec, "sdpa", label=f"sdpa+{name.split('+')[1]}", applies=_long))
         if torch.device(device).type == "cuda":
             cases.append(FlexExtrasTarget(spec, "flex", label=f"flex+{name.split('+')[1]}", applies=_long))
+    for name, spec_text in SINKHORN_WINDOW_SPECS:
+        spec = parse_variant(spec_text)
+        names = cuda_backends(spec.kernel) if torch.device(device).type == "cuda" else [
+            n for n in dispatch.backends(spec.kernel) if n != "reference"]
+        cases += [AttnzooTarget(spec, backend, PLAIN, f"{name} / {backend}", None, _long) for backend in names]
     return cases
 
 
@@ -211,5 +219,6 @@ def speed_cases(device: torch.device) -> list[Case]:
             + packed_cases(device)]
 
 
-__all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "T5Case", "VARIANT_FLAVOURS", "attnzoo_cases", "baseline_cases",
-           "extras_cases", "benchmark_problems", "cuda_backends", "problem_from_fields", "row_fields", "speed_cases"]
+__all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "SINKHORN_WINDOW_SPECS", "T5Case", "VARIANT_FLAVOURS",
+           "attnzoo_cases", "baseline_cases", "extras_cases", "benchmark_problems", "cuda_backends",
+           "problem_from_fields", "row_fields", "speed_cases"]

@@ -8,7 +8,9 @@ Backends:
   about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
   faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
-  It computes ``softcap`` in its kernels; a window reaches it folded into the mask.
+  It computes ``softcap`` in its kernels, and takes ``window_size`` itself: every pass skips the tiles
+  outside the band, and a causal window solves each row's window problem in batches (causal_window.py).
+  The other backends get a window folded into the mask.
 - packed calls (ops/varlen.py) with backend "triton" (or auto on CUDA): every sequence in one launch per
   pass (varlen.py); causal: prefix i of every sequence in one launch set; a window runs per length.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
@@ -108,7 +110,7 @@ register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "i
 if HAVE_TRITON:
     register_backend("sinkhorn", "triton", _backend(sinkhorn_triton.sinkhorn_attention, "unrolled"),
                      _triton_supports, priority=20, auto_devices=("cuda",), specialize=sinkhorn_bound.specialize,
-                     extras=("softcap",),
+                     extras=("softcap", "window_size"),
                      description="Triton kernels (logsumexp passes on the tensor cores), O(N) memory, backward "
                                  "unrolled through the passes")
     register_backend("sinkhorn", "triton_implicit",
@@ -125,7 +127,8 @@ RECORD = declare(Variant(
     extras_refused={"sinks": "its rows and columns are normalised in turn, and a key with no value would need a column "
                                 "marginal of its own, which the papers do not define"},
     couples_queries=True,
-    complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3)",
+    complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3); "
+               "a window of w on triton: O(n_iters N w D), causal O(n_iters N w^2 D)",
     parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022",
     flops=sinkhorn_flops, flop_formula=FORMULA, reference_bytes=sinkhorn_reference_bytes,
 ))

@@ -7,7 +7,9 @@ its constexprs and tile, and every scalar argument (sizes, the logit factor A, t
 strides, the length buckets). A call then allocates the potentials' stacks and outputs and launches
 the passes in the engine's order with the same arguments: the numbers are the engine's.
 
-Served: non-causal calls (the causal prefix loop makes a new shape per prefix), the unrolled
+Served: non-causal calls (the causal prefix loop makes a new shape per prefix), with or without a
+window (its band's two offsets are bound into every pass; g^0 and delta then come from a row-dot launch
+before the pass that reads them, as in the engine), the unrolled
 backward, n_iters >= 1, k and v in q's dtype, and sizes where no launch autotunes and the O(N)
 vectors are folded into the first passes (B*H*Nq*Nk < AUTOTUNE_MIN_WORK = FOLD_BELOW: every launch
 takes its kind's first tile, as triton.py's ``_launch`` does there). What a signature does not fix
@@ -40,13 +42,13 @@ def _tile(kind, width, dtype, meta):
 class BoundSinkhorn:
     """One signature's forward and unrolled backward passes (see the module docstring)."""
 
-    def __init__(self, q, k, v, attn_mask, scale, n_iters, eps, cost):
+    def __init__(self, q, k, v, attn_mask, scale, n_iters, eps, cost, window=None):
         B, H, nq, D = q.shape
         nk, DV = k.shape[2], v.shape[3]
         self.generic_kw = dict(is_causal=False, scale=scale, n_iters=n_iters, eps=eps, cost=cost, dropout_p=0.0,
-                               grad_mode="unrolled")
+                               grad_mode="unrolled", window_size=window)
         self.record_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        p = st._problem(q, k, v, attn_mask, scale, eps, cost == "l2", True)
+        p = st._problem(q, k, v, attn_mask, scale, eps, cost == "l2", True, 0.0, *(window or (-1, -1)))
         s = st.ENGINE._setup(p)  # the engine's shapes, logit factor and mask orientation
         self.T, self.c, self.A = int(n_iters), float(p.col_target), s["A"]
         A = self.A
@@ -61,8 +63,8 @@ class BoundSinkhorn:
         bq, bk = st.length_bucket(nq), st.length_bucket(nk)
         rows = (*s["rows"], bq, bk)   # a row pass: X = q, Y = k
         cols = (*s["cols"], bk, bq)   # a column pass: X = k, Y = q
-        meta_rows = dict(s["meta"], MASK_SHAPE=s["shape_rows"])
-        meta_cols = dict(s["meta"], MASK_SHAPE=s["shape_cols"])
+        meta_rows = dict(s["meta"], MASK_SHAPE=s["shape_rows"], **s["band_rows"])
+        meta_cols = dict(s["meta"], MASK_SHAPE=s["shape_cols"], **s["band_cols"])
         bh = B * H
 
         def bind(kernel, kind, width, nx, meta):
@@ -71,7 +73,14 @@ class BoundSinkhorn:
 
         wide = max(D, DV)
         scan = dict(MIN_SUM=st.MIN_SUM, SPREAD_MAX=st.SPREAD_MAX)
-        g0_mode = 1 if cost == "dot" else 2  # folded (module doc): g^0 written by the first row pass
+        # folded (module doc): g^0 written by the first row pass; under a band (whose first program does not
+        # walk every key) a row-dot launch writes it first (l2) or it is zeroed (dot), as the engine does
+        self.banded = window is not None
+        g0_mode = 0 if self.banded else 1 if cost == "dot" else 2
+        self.g0 = None
+        if self.banded and cost == "l2":
+            self.g0 = self._row_dot(B * H * nk, D, -s["a"])
+        self.delta_dot = self._row_dot(B * H * nq, DV, 1.0) if self.banded else None
         self.first_row = (*bind(K._lse_kernel, "scan", D, nq, dict(meta_rows, BOUNDED=False, G0_MODE=g0_mode,
                                                                    **scan)),
                           (H, nq, nk, D, A, 0.0, 0.0, *rows))
@@ -85,7 +94,7 @@ class BoundSinkhorn:
                        (H, nq, nk, D, DV, A, self.c, *rows))
         # fp16: SPREAD_MAX -1 (triton.py's grad_v_and_bias says why)
         self.grad_v = (*bind(K._grad_v_kernel, "grad_v", wide, nk,
-                             dict(meta_cols, BLOCK_DV=st._block(DV), DELTA_HERE=True, SPLIT_P=self.split_p,
+                             dict(meta_cols, BLOCK_DV=st._block(DV), DELTA_HERE=not self.banded, SPLIT_P=self.split_p,
                                   SPREAD_MAX=-1.0 if q.dtype == torch.float16 else st.SPREAD_MAX)),
                        (H, nk, nq, D, DV, A, *cols))
         spread = dict(SPREAD_MAX=st.SPREAD_MAX)
@@ -100,6 +109,14 @@ class BoundSinkhorn:
         self.grad_qk = (*bind(K._grad_qk_kernel, "grad_qk", wide, nk,
                               dict(meta_cols, L2=cost == "l2", BLOCK_DV=st._block(DV), KT=st.FACTOR_COLUMNS)),
                         (H, nk, nq, D, DV, A, *cols))
+
+    @staticmethod
+    def _row_dot(rows, width, scale):
+        """(launch, kwargs, tail) of triton.py's row_dot over ``rows`` rows of ``width``: scale * sum a * b."""
+        block = 16 if INTERPRETED else 64
+        opts = {} if INTERPRETED else dict(num_warps=4)
+        return (K._row_dot_kernel[(triton.cdiv(rows, block),)], dict(BLOCK_R=block, BLOCK_D=st._block(width), **opts),
+                (rows, width, float(scale)))
 
     def __call__(self, q, k, v, *, attn_mask=None, **_):
         if st._PINNED or torch._C._len_torch_dispatch_stack():
@@ -122,6 +139,11 @@ class BoundSinkhorn:
         F = torch.empty(self.F_shape, dtype=torch.float32, device=self.device)
         G = torch.empty(self.G_shape, dtype=torch.float32, device=self.device)
         f, g = F.unbind(0), G.unbind(0)
+        if self.g0 is not None:
+            launch, kw, tail = self.g0
+            launch(k, k, g[0], *tail, **kw)
+        elif self.banded:
+            g[0].zero_()
         launch, kw, tail = self.first_row
         launch(q, k, g[0], f[0], f[0], m, *tail, **kw)
         col, col_kw, col_tail = self.col
@@ -147,6 +169,9 @@ class BoundSinkhorn:
         DF = torch.empty(self.F_shape, dtype=torch.float32, device=dev)
         f, g, dg, df = F.unbind(0), G.unbind(0), DG.unbind(0), DF.unbind(0)
         dv = torch.empty_like(v)
+        if self.delta_dot is not None:  # banded: delta = dout.out before the pass (its first program walks a band)
+            launch, kw, tail = self.delta_dot
+            launch(dout, out, delta, *tail, **kw)
         launch, kw, tail = self.grad_v
         launch(k, q, v, dout, out, g[T], lse, delta, dv, dg[T - 1], m, *tail, **kw)
         row, row_kw, row_tail = self.wsum_row
@@ -190,9 +215,10 @@ def specialize(q, k, v, *, attn_mask=None, is_causal=False, scale, dropout_p=0.0
                enable_gqa=False, **others):
     """The "triton" backend's ``specialize`` hook: a :class:`BoundSinkhorn` for the signatures it
     serves (module docstring), else None (the general route)."""
+    window = others.pop("window_size", None)
     if (not HAVE_TRITON or others or is_causal or dropout_p or int(n_iters) < 1 or type(q) is not torch.Tensor
             or k.dtype != q.dtype or v.dtype != q.dtype or torch.compiler.is_compiling()
             or q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= min(st.AUTOTUNE_MIN_WORK, st.FOLD_BELOW)):
         return None
     return BoundSinkhorn(q, k, v, attn_mask, 1.0 / q.shape[-1] ** 0.5 if scale is None else scale, n_iters, eps,
-                         cost)
+                         cost, window)

@@ -78,6 +78,7 @@ class Problem:
     mask: Optional[torch.Tensor] = None   # the raw attn_mask (engines that read it as is; keep/bias None)
     tune: bool = True                      # engines may autotune tiles for this shape
     softcap: float = 0.0                   # the logit cap (0: none); only the Triton engine takes one
+    band: Optional[tuple] = None           # (left, right) of a window (triton_logit_extras.band_bounds); Triton only
 
     @property
     def col_target(self) -> float:

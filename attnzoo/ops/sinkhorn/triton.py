@@ -24,7 +24,9 @@ The forward and the two backwards are torch custom ops (``attnzoo::sinkhorn_fwd`
 ``_bwd_implicit``): torch.compile sees through the forward and the unrolled backward
 (``triton_op`` on a GPU); the implicit backward stops when its series converges, a data-dependent
 loop, so it is an opaque op. Causal attention runs the prefix loop of
-``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work).
+``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work); under a sliding window with no
+other mask, each row's window problem instead, batched (``causal_window.py``, O(n_iters N w^2)). A
+non-causal window reaches every pass as its band's two offsets: the tiles outside it are skipped.
 
 Tiles: on a GPU each kernel has a short list of (BLOCK_X, BLOCK_Y, warps, stages) candidates
 (``candidates``); large problems pick among them with ``triton.autotune`` (one compile per
@@ -45,8 +47,11 @@ import torch
 import triton
 from torch import Tensor
 
+from ..logit_extras import mask_with_window, window_band
+from ..triton_logit_extras import band_bounds
 from ..triton_utils import INTERPRETED, dot_precision, kernel_op, launcher, quick_bench, stand_in, tracing_only
 from . import triton_kernels as K
+from .causal_window import causal_by_window, window_restricts
 from .cpu import check_options
 from .streaming import Problem, causal_by_prefix, streaming_backward
 
@@ -211,9 +216,19 @@ class TritonEngine:
             rows, cols = (sb, sh, sm, sn), (sb, sh, sn, sm)
         shape = lambda st: 1 if st[2] == 0 else 2 if st[3] == 0 else 0  # see _apply_mask
         a = p.logit_scale
+        # a window: a row pass walks its band, a column pass the transposed band (triton_kernels._band_span)
+        # passed to every launch, also without a band: inductor's write analysis binds only the arguments
+        # a launch is handed (triton_utils.packed_defaults)
+        band_rows = band_cols = dict(left=0, right=0, BAND=False)
+        if p.band is not None:
+            left, right = p.band
+            band_rows, band_cols = dict(left=left, right=right, BAND=True), dict(left=right, right=left, BAND=True)
         s = dict(B=B, H=H, nq=nq, nk=nk, D=D, DV=DV, BH=B * H, a=a, A=2.0 * a if p.cost == "l2" else a,
                  mask=mask, rows=rows, cols=cols, shape_rows=shape(rows), shape_cols=shape(cols),
-                 fold=B * H * nq * nk < FOLD_BELOW, split_p=p.q.dtype in HALF,
+                 band_rows=band_rows, band_cols=band_cols,
+                 # the O(N) vectors folded into a pass's first program need that program to walk every
+                 # row: not under a band
+                 fold=B * H * nq * nk < FOLD_BELOW and p.band is None, split_p=p.q.dtype in HALF,
                  meta=dict(MASK_KIND=kind, BLOCK_D=_block(D), UPCAST=INTERPRETED, PRECISION=dot_precision(p.q.dtype),
                            CAP=float(p.softcap), CAP_L2=bool(p.softcap) and p.cost == "l2"))
         p._triton = s
@@ -225,8 +240,8 @@ class TritonEngine:
     def _orient(self, p, s, rows):
         """(X, Y, Nx, Ny, mask strides, meta) of a row pass (X = q) or a column pass (X = k)."""
         if rows:
-            return p.q, p.k, s["nq"], s["nk"], s["rows"], dict(s["meta"], MASK_SHAPE=s["shape_rows"])
-        return p.k, p.q, s["nk"], s["nq"], s["cols"], dict(s["meta"], MASK_SHAPE=s["shape_cols"])
+            return p.q, p.k, s["nq"], s["nk"], s["rows"], dict(s["meta"], MASK_SHAPE=s["shape_rows"], **s["band_rows"])
+        return p.k, p.q, s["nk"], s["nq"], s["cols"], dict(s["meta"], MASK_SHAPE=s["shape_cols"], **s["band_cols"])
 
     def row_dot(self, a, b, out=None, scale=1.0):
         """scale * sum_d a_d b_d per row, float32 (shape a.shape[:-1]), into ``out`` if given."""
@@ -301,7 +316,7 @@ class TritonEngine:
         lse = self._vec(p, s["nq"])
         args = (p.q, p.k, p.v, g, lse if ref is None else ref, out, exact if s["split_p"] else out, lse, s["mask"],
                 s["H"], s["nq"], s["nk"], s["D"], s["DV"], s["A"], float(ref_shift), *s["rows"])
-        meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]),
+        meta = dict(s["meta"], MASK_SHAPE=s["shape_rows"], BLOCK_DV=_block(s["DV"]), **s["band_rows"],
                     BOUNDED=ref is not None and p.q.dtype != torch.float16, MIN_SUM=MIN_SUM, SPREAD_MAX=SPREAD_MAX,
                     SPLIT_P=s["split_p"])
         _launch(K._attend_kernel, "attend", max(s["D"], s["DV"]), s["nq"], s["nk"], s["BH"], p.q, args, meta, p.tune)
@@ -318,6 +333,7 @@ class TritonEngine:
         # fp16: the row potential stays in the exponent (SPREAD_MAX -1), so the plan tile rounded to fp16
         # is the plan itself (<= 1), not the plan scaled down by up to 2^SPREAD_MAX below fp16's range
         meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], BLOCK_DV=_block(s["DV"]), DELTA_HERE=out is not None,
+                    **s["band_cols"],
                     SPREAD_MAX=-1.0 if p.q.dtype == torch.float16 else SPREAD_MAX, SPLIT_P=s["split_p"])
         _launch(K._grad_v_kernel, "grad_v", max(s["D"], s["DV"]), s["nk"], s["nq"], s["BH"], p.q, args, meta, p.tune)
         return dv, dg
@@ -349,7 +365,7 @@ class TritonEngine:
         args = (p.k, p.q, p.v, dout, G, lse, delta, F, DG, DF, XF, UF, fast, T, float(p.col_target), dq, dk,
                 s["mask"], H, nk, nq, s["D"], s["DV"], s["A"], *s["cols"])
         meta = dict(s["meta"], MASK_SHAPE=s["shape_cols"], L2=p.cost == "l2", BLOCK_DV=_block(s["DV"]),
-                    KT=FACTOR_COLUMNS)
+                    KT=FACTOR_COLUMNS, **s["band_cols"])
         _launch(K._grad_qk_kernel, "grad_qk", max(s["D"], s["DV"]), nk, nq, BH, p.q, args, meta, p.tune,
                 reset=("DQ",))
         return dq.mul_(s["A"]), dk
@@ -369,7 +385,10 @@ class TritonEngine:
         F = self._vec(p, s["nq"], T)
         G = self._vec(p, s["nk"], T + 1)
         f, g = F.unbind(0), G.unbind(0)   # one view op each, not one per pass
-        if p.cost == "dot" or p.softcap:  # a capped logit carries its own norms (triton_kernels.py)
+        if (p.cost == "dot" or p.softcap) and p.band is not None:  # g^0 = 0, not written by a banded pass
+            g0_mode = 0
+            g[0].zero_()
+        elif p.cost == "dot" or p.softcap:  # a capped logit carries its own norms (triton_kernels.py)
             g0_mode = 1
         elif s["fold"] and T > 0:
             g0_mode = 2
@@ -417,8 +436,11 @@ class TritonEngine:
 ENGINE = TritonEngine()
 
 
-def _problem(q, k, v, mask, scale, eps, l2, tune, softcap=0.0):
-    return Problem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", mask, tune, softcap)
+def _problem(q, k, v, mask, scale, eps, l2, tune, softcap=0.0, window_left=-1, window_right=-1):
+    band = None
+    if (window_left, window_right) != (-1, -1):
+        band = band_bounds((window_left, window_right), False, q.shape[-2], k.shape[-2])
+    return Problem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", mask, tune, softcap, band)
 
 
 def _empty(q, *shape):
@@ -427,24 +449,25 @@ def _empty(q, *shape):
 
 @kernel_op("attnzoo::sinkhorn_fwd", mutates_args=())
 def sinkhorn_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, eps: float, l2: bool,
-                 n_iters: int, implicit: bool, tune: bool,
-                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 n_iters: int, implicit: bool, tune: bool, softcap: float = 0.0, window_left: int = -1,
+                 window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out (B, H, Nq, Dv) in q's dtype, final row lse (B, H, Nq), F = f^1..f^T (T, B, H, Nq),
     G = g^0..g^T (T + 1, B, H, Nk), float32 reduced potentials, and for half inputs the unrounded
     output (float32, (B, H, Nq, Dv); (0,) for float32 inputs), which the backward's delta is taken from.
     ``implicit`` picks the backward, ``tune`` whether large launches may autotune (forward and backward);
-    ``softcap`` caps the logits (0: none; the unrolled backward only)."""
+    ``softcap`` caps the logits (0: none; the unrolled backward only); ``window_left`` / ``window_right``:
+    a sliding window (logit_extras' meaning, -1 unbounded; the passes skip the tiles outside its band)."""
     B, H, nq, _ = q.shape
     nk = k.shape[2]
     if tracing_only(q):
         exact = (B, H, nq, v.shape[-1]) if q.dtype in HALF else (0,)
         return (q.new_empty(B, H, nq, v.shape[-1]), _empty(q, B, H, nq), _empty(q, n_iters, B, H, nq),
                 _empty(q, n_iters + 1, B, H, nk), _empty(q, *exact))
-    return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune, softcap), n_iters)
+    return ENGINE.forward(_problem(q, k, v, mask, scale, eps, l2, tune, softcap, window_left, window_right), n_iters)
 
 
-def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode, softcap=0.0):
-    p = _problem(q, k, v, mask, scale, eps, l2, tune, softcap)
+def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mode, softcap=0.0, window=(-1, -1)):
+    p = _problem(q, k, v, mask, scale, eps, l2, tune, softcap, *window)
     if grad_mode == "unrolled":
         dq, dk, dv = ENGINE.backward_unrolled(p, dout, out, lse, F, G)
     else:
@@ -454,12 +477,13 @@ def _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, grad_mo
 
 @kernel_op("attnzoo::sinkhorn_bwd", mutates_args=())
 def sinkhorn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor, lse: Tensor,
-                 F: Tensor, G: Tensor, scale: float, eps: float, l2: bool, tune: bool,
-                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                 F: Tensor, G: Tensor, scale: float, eps: float, l2: bool, tune: bool, softcap: float = 0.0,
+                 window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the unrolled iterations (the exact gradient of what the forward computed)."""
     if tracing_only(q):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled", softcap)
+    return _backward(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, "unrolled", softcap,
+                     (window_left, window_right))
 
 
 # Not a kernel_op: the implicit adjoint sums its Neumann series until the term's norm falls below a
@@ -480,12 +504,13 @@ def _(dout, q, k, v, mask, out, lse, F, G, scale, eps, l2, tune):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, eps, l2, n_iters, implicit, tune, softcap = inputs
+    q, k, v, mask, scale, eps, l2, n_iters, implicit, tune, softcap, window_left, window_right = inputs
     out, lse, F, G, exact = output
     # the backward reads out only for delta = dout.out: the unrounded one where the output was rounded
     ctx.save_for_backward(q, k, v, mask, exact if q.dtype in HALF else out, lse, F, G)
     ctx.args = (scale, eps, l2, implicit, tune)
     ctx.softcap = softcap
+    ctx.window = (window_left, window_right)
 
 
 def _grad(ctx, dout, _dlse, _dF, _dG, _dexact):
@@ -494,8 +519,9 @@ def _grad(ctx, dout, _dlse, _dF, _dG, _dexact):
     if implicit and F.shape[0] > 0:
         dq, dk, dv = sinkhorn_bwd_implicit(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune)
     else:
-        dq, dk, dv = sinkhorn_bwd(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+        dq, dk, dv = sinkhorn_bwd(dout.contiguous(), q, k, v, mask, out, lse, F, G, scale, eps, l2, tune, ctx.softcap,
+                                  *ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 sinkhorn_fwd.register_autograd(_grad, setup_context=_setup_context)
@@ -520,10 +546,16 @@ def unsupported_reason(q, attn_mask=None, dropout_p=0.0, v=None) -> str | None:
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0, grad_mode="unrolled", softcap=None):
+                       cost="l2", dropout_p=0.0, grad_mode="unrolled", softcap=None, window_size=None):
     """Same semantics as ``reference.sinkhorn_attention``, on Triton kernels.
     ``softcap`` caps the logits in the kernels (forward and the unrolled backward; the implicit
     backward is the fixed point of uncapped logits' passes and refuses it).
+
+    ``window_size`` (left, right), logit_extras' meaning (checked by the call path): non-causal, every
+    pass skips the tiles outside the band (the unrolled backward; the implicit one gets it folded into
+    the mask). Causal with a left reach that removes keys and no attn_mask: row i's problem is its
+    window alone, solved in batches (causal_window.py); with an attn_mask the band is folded into it
+    and the prefix loop runs (exact, ``masking.coupled_causal_rows``).
 
     The mask goes to the kernels as given (bool: False = masked; float: added, -inf = masked),
     broadcast by strides. k and v are taken in q's dtype (a no-op unless they differ, e.g. mixed
@@ -540,13 +572,20 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
         raise ValueError(why)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
-    # the causal prefix loop never autotunes: every prefix is a new shape
-    flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit", not is_causal,
-             float(softcap or 0.0))
+    window = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    by_window = is_causal and attn_mask is None and window_restricts(window[0], k.shape[-2])
+    if window != (-1, -1) and (grad_mode == "implicit" or (is_causal and not by_window)):
+        attn_mask = mask_with_window(attn_mask, window_band(window, q.shape[-2], k.shape[-2], q.device))
+    # the causal prefix loop never autotunes: every prefix is a new shape (the window batches have one)
+    flags = (float(scale), float(eps), cost == "l2", int(n_iters), grad_mode == "implicit",
+             not is_causal or by_window, float(softcap or 0.0))
+    banded = () if is_causal or grad_mode == "implicit" else window
 
     def run(q, k, v, mask):
-        return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags)[0]
+        return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags, *banded)[0]
 
+    if by_window:
+        return causal_by_window(run, q, k, v, window[0])
     if is_causal:
         return causal_by_prefix(run, q, k, v, attn_mask)
     return run(q, k, v, attn_mask)

@@ -45,6 +45,14 @@ shared buffers on sm_90. The unrolled adjoint's terms are a product of rank-one 
 tune_nx / tune_ny: power-of-two buckets of Nx / Ny, unused by the code: the autotuning key, so a
 new length retunes only when it changes bucket (triton.py).
 
+Sliding windows (BAND, a constexpr; the band's two offsets left, right as in triton_logit_extras): a
+program walks only the Y tiles that meet its X block's band (_band_span, the softmax family's
+band_keys), unmasked inside every row's band, masked elementwise on the band's edges (_band_cut). A
+column pass is the same test on the transposed problem (X = k, Y = q: the host swaps the offsets). A
+program that walks no tile sums to 0: lse = 0 and a zero output row, as the band folded into the mask
+gives. G0_MODE and DELTA_HERE (an O(N) vector written by the program that walks every y) are refused
+with a band: the host computes those vectors first.
+
 Out-of-range rows and columns need no 2-D bounds mask: the per-Y vectors are loaded with -inf
 (or +inf for a subtracted log-normaliser) past the end, which makes every exponential there 0, and
 the loaded X / Y rows are zeros there, so nothing is NaN. Masks (MASK_KIND 1 = bool as uint8,
@@ -86,7 +94,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_logit_extras import softcap_tile
+from ..triton_logit_extras import band_keys, in_band, softcap_tile
 from ..triton_utils import mm, mma, packed_sequence
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -177,11 +185,42 @@ def _scores(x, y, a2, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.con
 
 
 @triton.jit
-def _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
-    """The tile a2 x.y + col_y (log2 units: one FFMA per logit; capped: ``_scores``) with the mask applied."""
+def _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND: tl.constexpr,
+            MASK_SHAPE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+            CAP_L2: tl.constexpr, BAND: tl.constexpr, BLOCK_Y: tl.constexpr):
+    """The tile a2 x.y + col_y (log2 units: one FFMA per logit; capped: ``_scores``) with the mask
+    applied, and the band (``_band_cut``)."""
     t, _ = _scores(x, y, a2, UPCAST, PRECISION, CAP, CAP_L2)
-    return _apply_mask(t + col[None, :], Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
+    t = _apply_mask(t + col[None, :], Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
+    return _band_cut(t, y0, offs_x, offs_y, Nx, Ny, band, BAND, BLOCK_Y)
+
+
+@triton.jit
+def _band_span(start_x, Nx, Ny, left, right, BAND: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr):
+    """(lo, hi, a, b, left, right): the block of X rows from start_x walks the Y rows [lo, hi); the
+    tiles inside [a, b) are whole and inside every row's band (unmasked), the others are its edges.
+    Without a band (BAND False) every Y row, all interior. A row pass (X = q) gets the window's
+    (left, right), a column pass (X = k) the transposed band (right, left): the same test with the
+    roles of the two sides swapped (module doc)."""
+    if BAND:
+        lo, a, b, hi = band_keys(start_x, Nx, Ny, left, right, BLOCK_X, BLOCK_Y)
+    else:
+        lo = 0
+        a = 0
+        b = Ny
+        hi = Ny
+    return lo, hi, a, b, left, right
+
+
+@triton.jit
+def _band_cut(t, y0, offs_x, offs_y, Nx, Ny, band, BAND: tl.constexpr, BLOCK_Y: tl.constexpr):
+    """t with -inf outside the band, on the band's edge tiles only (the tile of Y rows from y0; a
+    uniform branch per tile)."""
+    if BAND:
+        lo, hi, a, b, left, right = band
+        if (y0 < a) | (y0 + BLOCK_Y > b):
+            t = tl.where(in_band(offs_x[:, None], offs_y[None, :], Nx, Ny, left, right), t, float("-inf"))
+    return t
 
 
 @triton.jit
@@ -213,17 +252,17 @@ def _lse_finish(m, l, out_shift):
 
 
 @triton.jit
-def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a, sm_x, sm_y,
+def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a, sm_x, sm_y, band,
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, G0_MODE: tl.constexpr, BLOCK_X: tl.constexpr,
                 BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
-                CAP_L2: tl.constexpr):
+                CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """(m, l): running maximum and sum of exp2(t - m) over every y. G0_MODE 0: the per-y vector is
     read from OTHER; 1: it is 0 (g^0, cost dot); 2: it is -a |y|^2 (g^0, reduced l2), computed from
     the loaded rows; in modes 1 and 2 program g0_here (the first of each batch-head) stores it to
     OTHER for the backward."""
     m = tl.full([BLOCK_X], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_X], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         if G0_MODE == 0:
@@ -236,8 +275,8 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
                 g0 = -half_a * tl.sum(yf * yf, 1)
             tl.store(OTHER + offs_y, g0, mask=(offs_y < Ny) & g0_here)
             col = tl.where(offs_y < Ny, g0 * LOG2E, float("-inf"))
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(t - m_safe[:, None]), 1)
@@ -246,20 +285,20 @@ def _lse_online(x, Yh, OTHER, g0_here, Mh, offs_x, offs_d, Nx, Ny, D, a2, half_a
 
 
 @triton.jit
-def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
+def _lse_shifted(x, Yh, OTHER, s, s_row, per_row, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, band,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                  BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
-                 CAP_L2: tl.constexpr):
+                 CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """sum over y of exp2(t - s) (per_row: exp2(t - s_row_x)), the shift an upper bound of every t.
     One loop with a uniform branch per tile, not one loop per case: sm_90 would hold the pipelined
     buffers of both loops at once."""
     l = tl.zeros([BLOCK_X], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(OTHER, offs_y, Ny, float("-inf")) * LOG2E - s
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         if per_row:
             t = t - s_row[:, None]
         l += tl.sum(tl.exp2(t), 1)
@@ -272,7 +311,8 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
                 MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, G0_MODE: tl.constexpr,
                 MIN_SUM: tl.constexpr, SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                 BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
-                CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, X_IS_Q: tl.constexpr = True):
+                CAP_L2: tl.constexpr, left=0, right=0, BAND: tl.constexpr = False,
+                CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, X_IS_Q: tl.constexpr = True):
     """OUT_x = out_shift - lse_y(A x.y + OTHER_y) over the y taking part (natural log; lse = 0 where
     none does): f = -lse (row pass, out_shift 0) or g = c - lse (column pass, out_shift c).
     BOUNDED: ref_shift - REF_x bounds every exponent of row x (module doc), the block is summed
@@ -297,37 +337,41 @@ def _lse_kernel(X, Y, OTHER, REF, OUT, MASK, H, Nx, Ny, D, A, ref_shift, out_shi
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     OTHER = OTHER + bh * Ny
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    band = _band_span(pid * BLOCK_X, Nx, Ny, left, right, BAND, BLOCK_X, BLOCK_Y)
     offs_d = tl.arange(0, BLOCK_D)
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
     a2 = A * LOG2E
     if BOUNDED:
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
         l = _lse_shifted(x, Yh, OTHER, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d, Nx, Ny,
-                         D, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
+                         D, a2, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP,
+                         CAP_L2, BAND)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
-            m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
-                               MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
+            m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y, band,
+                               MASK_KIND, MASK_SHAPE, 0, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2, BAND)
     else:
-        m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y,
-                           MASK_KIND, MASK_SHAPE, G0_MODE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
+        # G0_MODE stores g^0 from the program that walks every y: never with a band (the host computes it)
+        tl.static_assert(G0_MODE == 0 or not BAND)
+        m, l = _lse_online(x, Yh, OTHER, pid == 0, Mh, offs_x, offs_d, Nx, Ny, D, a2, 0.5 * A, sm_x, sm_y, band,
+                           MASK_KIND, MASK_SHAPE, G0_MODE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2, BAND)
     tl.store(OUT + bh * Nx + offs_x, _lse_finish(m, l, out_shift), mask=offs_x < Nx)
 
 
 @triton.jit
-def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y,
+def _wsum_walk(x, Yh, YP, W, inner, s, row_in_exp, Mh, offs_x, offs_d, Nx, Ny, D, a2, sm_x, sm_y, band,
                MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                BLOCK_Y: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
-               CAP_L2: tl.constexpr):
+               CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """sum_y exp2(A' x.y + YP_y + s [+ inner_x if row_in_exp]) W_y, accumulated per logit (one FFMA);
     one loop with a uniform branch per tile (see _lse_shifted)."""
     acc = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(YP, offs_y, Ny, float("-inf")) * LOG2E + s
         w = _load_vec(W, offs_y, Ny, 0.0)
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         if row_in_exp:
             t = t + inner[:, None]
         acc += tl.exp2(t) * w[None, :]
@@ -340,6 +384,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
                  MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, SPREAD_MAX: tl.constexpr,
                  BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr,
+                 left=0, right=0, BAND: tl.constexpr = False,
                  CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False, X_IS_Q: tl.constexpr = True):
     """OUT_x = out_scale sum_y exp(A x.y + XP_x + YP_y + shift) W_y. The callers' exponents are
     entries of a transport plan (<= 1 up to rounding), so no running maximum is needed; with
@@ -363,6 +408,7 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
         shift *= c
     Xh, Yh, Mh = X + bh * Nx * D, Y + bh * Ny * D, MASK + (bh // H) * sm_b + (bh % H) * sm_h
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    band = _band_span(pid * BLOCK_X, Nx, Ny, left, right, BAND, BLOCK_X, BLOCK_Y)
     offs_d = tl.arange(0, BLOCK_D)
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
     xp = (_load_vec(XP + bh * Nx, offs_x, Nx, 0.0) + shift) * LOG2E
@@ -372,26 +418,27 @@ def _wsum_kernel(X, Y, XP, YP, W, OUT, MASK, H, Nx, Ny, D, A, shift, out_scale,
     factor_out = tl.max(tl.where(in_x, xp, float("-inf")), 0) - s <= SPREAD_MAX   # False for NaN: exact walk
     s = tl.where(factor_out, s, 0.0)
     out = _wsum_walk(x, Yh, YP + bh * Ny, W + bh * Ny, xp, s, not factor_out, Mh, offs_x, offs_d, Nx, Ny, D, a2,
-                     sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2)
+                     sm_x, sm_y, band, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, UPCAST, PRECISION, CAP, CAP_L2,
+                     BAND)
     out = out * tl.exp2(tl.where(factor_out, xp - s, 0.0))
     tl.store(OUT + bh * Nx + offs_x, out * out_scale, mask=in_x)
 
 
 @triton.jit
-def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
+def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, band,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                    BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """(m, l, acc) of FlashAttention's online softmax over the tiles of A x.y + G_y."""
     m = tl.full([BLOCK_X], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_X], tl.float32)
     acc = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         m_new = tl.maximum(m, tl.max(t, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -405,19 +452,19 @@ def _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2,
 
 @triton.jit
 def _attend_shifted(x, Yh, Vh, G, s, s_row, per_row, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
+                    band, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BLOCK_X: tl.constexpr,
                     BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                    PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """(l, acc): sums of exp2(t - s) and of exp2(t - s) V_y (per_row: s_row_x), the shift an upper
     bound of every t of its row (one loop, as _lse_shifted)."""
     l = tl.zeros([BLOCK_X], tl.float32)
     acc = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = _load_vec(G, offs_y, Ny, float("-inf")) * LOG2E - s
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         if per_row:
             t = t - s_row[:, None]
         p = tl.exp2(t)
@@ -433,7 +480,8 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, BOUNDED: tl.constexpr, MIN_SUM: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr, left=0, right=0, BAND: tl.constexpr = False,
+                   CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """The final row pass, X = q, Y = k: OUT_x = sum_y softmax_y(A x.y + G_y) V_y and LSE_x of that
     softmax; zeros for an empty row. BOUNDED (n_iters >= 1): ref_shift - REF_x = c - f^T_x bounds
     the exponents of row x (the last column pass normalised the columns), so the block is summed
@@ -460,6 +508,7 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
     Vh = V + bh * Ny * DV
     G = G + bh * Ny
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    band = _band_span(pid * BLOCK_X, Nx, Ny, left, right, BAND, BLOCK_X, BLOCK_Y)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     x = _load_rows(Xh, offs_x, Nx, offs_d, D)
@@ -467,16 +516,16 @@ def _attend_kernel(X, Y, V, G, REF, OUT, OUT32, LSE, MASK, H, Nx, Ny, D, DV, A, 
     if BOUNDED:
         m, per_row = _row_shifts(REF + bh * Nx, offs_x, Nx, ref_shift, SPREAD_MAX)
         l, acc = _attend_shifted(x, Yh, Vh, G, tl.where(per_row, 0.0, tl.max(m, 0)), m, per_row, Mh, offs_x, offs_d,
-                                 offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y,
-                                 BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
+                                 offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE, BLOCK_X,
+                                 BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2, BAND)
         if _needs_second_walk(l, offs_x, Nx, MIN_SUM):
             m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
-                                       MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION,
-                                       CAP, CAP_L2)
+                                       band, MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST,
+                                       PRECISION, CAP, CAP_L2, BAND)
     else:
-        m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y,
+        m, l, acc = _attend_online(x, Yh, Vh, G, Mh, offs_x, offs_d, offs_dv, Nx, Ny, D, DV, a2, sm_x, sm_y, band,
                                    MASK_KIND, MASK_SHAPE, BLOCK_X, BLOCK_Y, BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP,
-                                   CAP_L2)
+                                   CAP_L2, BAND)
     nonempty = l != 0  # a NaN l (a NaN logit) stays NaN, it is not an empty row
     l_safe = tl.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
@@ -501,19 +550,20 @@ def _row_dot_kernel(A, B, OUT, R, D, scale, BLOCK_R: tl.constexpr, BLOCK_D: tl.c
 
 @triton.jit
 def _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, inner, s, row_in_exp, store_delta, Mh, offs_x, offs_d, offs_dv, Nx, Ny,
-                 D, DV, a2, sm_x, sm_y, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
-                 BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr, CAP_L2: tl.constexpr):
+                 D, DV, a2, sm_x, sm_y, band, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr,
+                 DELTA_HERE: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                 CAP_L2: tl.constexpr, BAND: tl.constexpr):
     """(sum_y P'_yx dout_y, sum_y P'_yx DELTA_y) with P'_yx = exp2(A' x.y - LSE_y + s [+ inner_x if
     row_in_exp]); one loop with a uniform branch per tile (see _lse_shifted)."""
     dv = tl.zeros([BLOCK_X, BLOCK_DV], tl.float32)
     pd = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         col = s - _load_vec(LSE, offs_y, Ny, float("inf")) * LOG2E
-        t = _logits(x, y, a2, col, Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE, UPCAST,
-                    PRECISION, CAP, CAP_L2)
+        t = _logits(x, y, a2, col, Mh, y0, offs_x, offs_y, Nx, Ny, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE,
+                    UPCAST, PRECISION, CAP, CAP_L2, BAND, BLOCK_Y)
         if row_in_exp:
             t = t + inner[:, None]
         p = tl.exp2(t)
@@ -535,7 +585,8 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
                    MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, DELTA_HERE: tl.constexpr,
                    SPREAD_MAX: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_DV: tl.constexpr, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+                   CAP: tl.constexpr, CAP_L2: tl.constexpr, left=0, right=0, BAND: tl.constexpr = False,
+                   CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """X = k (this program's keys), Y = q streamed. With the final plan P_yx = exp(A x.y + G_x - LSE_y):
     DVOUT_x = sum_y P_yx dout_y (in V's dtype) and DG_x = sum_y dS_yx = v_x . dV_x - sum_y P_yx DELTA_y,
     the adjoint of the last column potential (dS = P (dout.v - DELTA) summed over queries).
@@ -562,6 +613,9 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     DOh, Oh = DO + bh * Ny * DV, O + bh * Ny * DV
     LSE, DELTA = LSE + bh * Ny, DELTA + bh * Ny
     offs_x = pid * BLOCK_X + tl.arange(0, BLOCK_X)
+    band = _band_span(pid * BLOCK_X, Nx, Ny, left, right, BAND, BLOCK_X, BLOCK_Y)
+    # DELTA_HERE stores delta from the program that walks every y: never with a band (the host computes it)
+    tl.static_assert(not (DELTA_HERE and BAND))
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     in_x = offs_x < Nx
@@ -572,8 +626,8 @@ def _grad_v_kernel(X, Y, V, DO, O, G, LSE, DELTA, DVOUT, DG, MASK, H, Nx, Ny, D,
     factor_out = tl.max(tl.where(in_x, g, float("-inf")), 0) - s <= SPREAD_MAX   # False for NaN: exact walk
     s = tl.where(factor_out, s, 0.0)
     dv, pd = _grad_v_walk(x, Yh, DOh, Oh, LSE, DELTA, g, s, not factor_out, pid == 0, Mh, offs_x, offs_d, offs_dv, Nx,
-                          Ny, D, DV, a2, sm_x, sm_y, MASK_KIND, MASK_SHAPE, DELTA_HERE, BLOCK_X, BLOCK_Y, BLOCK_DV,
-                          SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2)
+                          Ny, D, DV, a2, sm_x, sm_y, band, MASK_KIND, MASK_SHAPE, DELTA_HERE, BLOCK_X, BLOCK_Y,
+                          BLOCK_DV, SPLIT_P, UPCAST, PRECISION, CAP, CAP_L2, BAND)
     row = tl.exp2(tl.where(factor_out, g - s, 0.0))
     dv = dv * row[:, None]
     pd = pd * row
@@ -675,7 +729,8 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
                     L2: tl.constexpr, MASK_KIND: tl.constexpr, MASK_SHAPE: tl.constexpr, KT: tl.constexpr,
                     BLOCK_X: tl.constexpr, BLOCK_Y: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                    CAP: tl.constexpr, CAP_L2: tl.constexpr, CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
+                    CAP: tl.constexpr, CAP_L2: tl.constexpr, left=0, right=0, BAND: tl.constexpr = False,
+                    CU_Q=None, CU_K=None, VARLEN: tl.constexpr = False):
     """X = k (this program's keys), Y = q streamed (FlashAttention-2's backward layout). Per tile
 
         dL_yx = P_yx (dout_y . v_x - DELTA_y - sum_t [XF^t_y UF^t_x]) - sum_{t slow} (C^t dg^t + R^t df^t)_yx
@@ -733,13 +788,15 @@ def _grad_qk_kernel(X, Y, V, DO, GS, LSE, DELTA, FS, DGS, DFS, XF, UF, FAST, T, 
     a2 = A * LOG2E
     dk = tl.zeros([BLOCK_X, BLOCK_D], tl.float32)
     colsum = tl.zeros([BLOCK_X], tl.float32)
-    for y0 in range(0, Ny, BLOCK_Y):
+    band = _band_span(pid * BLOCK_X, Nx, Ny, left, right, BAND, BLOCK_X, BLOCK_Y)
+    for y0 in range(band[0], band[1], BLOCK_Y):
         offs_y = y0 + tl.arange(0, BLOCK_Y)
         in_y = offs_y < Ny
         y = _load_rows(Yh, offs_y, Ny, offs_d, D)
         lse = _load_vec(LSE + bh * Ny, offs_y, Ny, float("inf")) * LOG2E
         t, slope = _scores(x, y, a2, UPCAST, PRECISION, CAP, CAP_L2)
         t = _apply_mask(t - lse[None, :], Mh, offs_x, offs_y, Nx, Ny, sm_x, sm_y, MASK_KIND, MASK_SHAPE)
+        t = _band_cut(t, y0, offs_x, offs_y, Nx, Ny, band, BAND, BLOCK_Y)
         delta = _load_vec(DELTA + bh * Ny, offs_y, Ny, 0.0)
         dp = tl.zeros([BLOCK_X, BLOCK_Y], tl.float32)
         for k0 in range(0, 2 * T + 1, KT):   # KT factor columns at a time: one round up to n_iters = 3
