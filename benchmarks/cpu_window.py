@@ -12,6 +12,10 @@ over the state just before the call (the inputs are made before and counted in n
 * resident peak: the process's peak RSS (ru_maxrss) added by the timed calls, what the OS saw
   (noisier: the allocator keeps or returns freed pages as it likes).
 
+``--variant linear``: linear attention's window is compared with the same window folded into the mask
+(its other backends' route, the N x N reference) instead of with no window (which linear attention
+computes in O(N) by prefix sums); the window runs on backend "band" (ops/linear/band.py).
+
 Of either, the output and the three input gradients (4 x B H N D numbers, 16 MiB at the defaults)
 are what any call returns; the rest is the attention's own temporaries, reported apart.
 
@@ -44,7 +48,7 @@ def tensor_peak_mib(step) -> float:
     return (max(r["Total Allocated"] for r in records) - start) / 2 ** 20
 
 
-def one_case(n: int, window: int, repeats: int) -> dict:
+def one_case(n: int, window: int, repeats: int, variant: str = "softmax", backend: str = "cpu") -> dict:
     import torch
 
     import attnzoo.functional as AF
@@ -56,12 +60,13 @@ def one_case(n: int, window: int, repeats: int) -> dict:
     # warm up the same path on a small call first: one-off runtime allocations (libraries, thread pools)
     # then stay out of the peak this case adds
     small = [t.detach()[:, :, :256].clone().requires_grad_() for t in (q, k, v)]
-    AF.softmax(*small, is_causal=True, backend="cpu", **kw).sum().backward()
+    attend = getattr(AF, variant)
+    attend(*small, is_causal=True, backend=backend, **kw).sum().backward()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     times, cpu_times = [], []
     for _ in range(repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
-        out = AF.softmax(q, k, v, is_causal=True, backend="cpu", **kw)
+        out = attend(q, k, v, is_causal=True, backend=backend, **kw)
         out.backward(grad)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
@@ -69,11 +74,11 @@ def one_case(n: int, window: int, repeats: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def step():
-        AF.softmax(q, k, v, is_causal=True, backend="cpu", **kw).backward(grad)
+        attend(q, k, v, is_causal=True, backend=backend, **kw).backward(grad)
     tensors = tensor_peak_mib(step)
     q.grad = k.grad = v.grad = None
     returned = 4 * q.numel() * q.element_size() / 2 ** 20  # the output and dq, dk, dv
-    return {"n": n, "window": window or None, "seconds": min(times), "cpu_seconds": min(cpu_times),
+    return {"variant": variant, "backend": backend, "n": n, "window": window or None, "seconds": min(times), "cpu_seconds": min(cpu_times),
             "peak_added_mib": (peak - before) / 1024, "tensor_peak_mib": tensors, "returned_mib": returned,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -84,15 +89,21 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="also write the rows and ratios to this JSON file")
+    parser.add_argument("--variant", choices=("softmax", "linear"), default="softmax",
+                        help="linear: the band backend against the window folded into the mask (see the module)")
     parser.add_argument("--case", type=int, default=None, help=argparse.SUPPRESS)  # internal: one case
+    parser.add_argument("--backend", default="cpu", help=argparse.SUPPRESS)      # internal: the case's backend
     args = parser.parse_args()
     if args.case is not None:
-        print(json.dumps(one_case(args.n, args.case, args.repeats)))
+        print(json.dumps(one_case(args.n, args.case, args.repeats, args.variant, args.backend)))
         return
     rows = []
-    for window in (0, args.window):
+    cases = ((0, "cpu"), (args.window, "cpu")) if args.variant == "softmax" else \
+        ((args.window, "reference"), (args.window, "band"))
+    for window, backend in cases:
         out = subprocess.run([sys.executable, __file__, "--n", str(args.n), "--repeats", str(args.repeats),
-                              "--case", str(window)], check=True, capture_output=True, text=True).stdout
+                              "--variant", args.variant, "--backend", backend, "--case", str(window)],
+                             check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     full, band = rows
 
@@ -103,7 +114,7 @@ def main() -> None:
         return a / max(b, 1e-9)
 
     for r in rows:
-        print(f"N={r['n']} window={r['window']}: {r['seconds']:.3f} s wall, {r['cpu_seconds']:.3f} s CPU; "
+        print(f"{r['variant']} on {r['backend']}, N={r['n']} window={r['window']}: {r['seconds']:.3f} s wall, {r['cpu_seconds']:.3f} s CPU; "
               f"tensor peak +{r['tensor_peak_mib']:.2f} MiB ({r['returned_mib']:.1f} returned, "
               f"{own(r, 'tensor_peak_mib'):.2f} temporaries); resident peak +{r['peak_added_mib']:.1f} MiB "
               f"({own(r, 'peak_added_mib'):.1f} beyond the returned)")
@@ -112,7 +123,7 @@ def main() -> None:
               "tensor_temporaries": ratio(own(band, "tensor_peak_mib"), own(full, "tensor_peak_mib")),
               "resident_peak": ratio(band["peak_added_mib"], full["peak_added_mib"]),
               "resident_temporaries": ratio(own(band, "peak_added_mib"), own(full, "peak_added_mib"))}
-    print("window / no window: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
+    print(("window / no window: " if args.variant == "softmax" else "band / folded mask: ") + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(["python"] + sys.argv), "rows": rows, "ratios": ratios,

@@ -6,7 +6,8 @@ custom autograd, priority 10 (benchmarks/fused_linear_ot.py: at least as fast as
 every size measured, far less memory); "triton", the chunked parallel form for causal calls (triton.py,
 triton_kernels.py) and a key-state reduction for non-causal ones (noncausal.py,
 noncausal_kernels.py), priority 20, auto on CUDA only; packed calls reach the same kernels through
-varlen.py (ops/varlen_triton.py).
+varlen.py (ops/varlen_triton.py); "band", a sliding window in O(N w) on any device (band.py), the
+backend a windowed call takes (the others get the band folded into an N x N mask).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..measured import register_flavour
 from ..triton_utils import device_reason, register_triton
 from ..catalog import declare
 from ..record import Variant
+from .band import linear_attention_band, supports_band
 from .bound import specialize as bind_causal
 from .cost import BACKWARD_FACTOR, FORMULA, linear_flops, linear_reference_bytes
 from .cpu import linear_attention_cpu, supports_linear_fused
@@ -37,6 +39,11 @@ register_triton("linear", linear_attention_triton,
                             "fp32 state scan), non-causal as a split key-state reduction and a query pass; "
                             "forward and backward")
 
+register_backend("linear", "band", linear_attention_band, supports=supports_band, priority=5,
+                 extras=("window_size",),
+                 description="a sliding window in O(N w): each block of queries against its run of keys (unfold "
+                             "views), plain autograd, any device; windowed calls only (window_size bounded on both "
+                             "sides, or left with is_causal) with at most a key mask")
 # packed (varlen) calls on "triton" (auto: CUDA) run the kernels above on all sequences at once
 varlen_triton.register_route("linear", packed_route)
 
@@ -48,7 +55,7 @@ RECORD = declare(Variant(
     extras_refused={"softcap": "it has no logits (its weights are feature maps phi(q_i).phi(k_j))",
                     "sinks": "it has no logits, so no sink logit can join its normaliser"},
     default_scale=1.0, doc="Linear attention; its kernel uses no 1/sqrt(d) scale (see functional.linear).",
-    complexity="O(N D Dv) without a general mask; a general mask needs O(N^2)",
+    complexity="O(N D Dv) without a general mask; a window of w: O(N w D); a general mask needs O(N^2)",
     parameters="feature_map", paper="paper 002 eq (2.2); Katharopoulos et al. 2020",
     flops=linear_flops, flop_formula=FORMULA, backward_factor=BACKWARD_FACTOR,
     reference_bytes=linear_reference_bytes,
