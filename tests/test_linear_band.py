@@ -130,3 +130,9 @@ def test_no_batch_or_no_head(dims):
     assert out.shape == (*dims, 3, 8)
     out.sum().backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+def test_the_gpu_speed_grid_times_the_band_against_the_folded_mask():
+    from attnzoo.bench import speed_grid
+    labels = [c.label for c in speed_grid.speed_cases(torch.device("cuda")) if c.label.startswith("linear+window")]
+    assert labels == ["linear+window256 / band", "linear+window256 / reference"]

@@ -187,6 +187,10 @@ EXTRAS_SPECS = [("softmax+softcap", "softmax(softcap=30)"), ("softmax+sinks", "s
 # Sinkhorn's window (its Triton passes skip the tiles outside the band; causal: batched window problems):
 # attnzoo's backends only, SDPA and Flex compute softmax, not this attention
 SINKHORN_WINDOW_SPECS = [("sinkhorn+window256", "sinkhorn(window_size=(255, 0))")]
+# linear attention's window: its band backend (O(N w)) against the band folded into the reference's mask
+# (what every other backend would run: the factorised forms cannot take a band)
+LINEAR_WINDOW_SPECS = [("linear+window256", "linear(window_size=(255, 0))")]
+LINEAR_WINDOW_BACKENDS = ("band", "reference")
 
 
 def _long(p: Problem) -> bool:
@@ -208,6 +212,10 @@ def extras_cases(device: torch.device) -> list[Case]:
         names = cuda_backends(spec.kernel) if torch.device(device).type == "cuda" else [
             n for n in dispatch.backends(spec.kernel) if n != "reference"]
         cases += [AttnzooTarget(spec, backend, PLAIN, f"{name} / {backend}", None, _long) for backend in names]
+    for name, spec_text in LINEAR_WINDOW_SPECS:
+        spec = parse_variant(spec_text)
+        cases += [AttnzooTarget(spec, backend, PLAIN, f"{name} / {backend}", None, _long)
+                  for backend in LINEAR_WINDOW_BACKENDS]
     return cases
 
 
@@ -219,6 +227,7 @@ def speed_cases(device: torch.device) -> list[Case]:
             + packed_cases(device)]
 
 
-__all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "MODE", "SINKHORN_WINDOW_SPECS", "T5Case", "VARIANT_FLAVOURS",
+__all__ = ["AUTO", "EXTRAS_SPECS", "FLEX_N", "LINEAR_WINDOW_BACKENDS", "LINEAR_WINDOW_SPECS", "MODE",
+           "SINKHORN_WINDOW_SPECS", "T5Case", "VARIANT_FLAVOURS",
            "attnzoo_cases", "baseline_cases", "extras_cases", "benchmark_problems", "cuda_backends",
            "problem_from_fields", "row_fields", "speed_cases"]
