@@ -1,13 +1,18 @@
-"""Sinkhorn's sliding window on the Triton backend (issue 29): the band in the kernels against the same
-band folded into the mask (every tile visited), and a causal window solved as batched window problems
-against the prefix loop (the band folded into the mask, is_causal=True: N growing prefixes).
+"""Sinkhorn's sliding window (issue 29): on the Triton backend the band in the kernels against the same
+band folded into the mask (every tile visited); on the Triton and CPU backends a causal window solved as
+batched window problems against the prefix loop (the band folded into the mask, is_causal=True: N
+growing prefixes), with --key-padding also under a per-key mask (a quarter of the keys padded: what a
+Hugging Face sliding layer hands the kernel).
 
-Forward only, fp32 on the CPU under TRITON_INTERPRET=1 (there the time is about proportional to the
-tiles the programs visit: a proxy, not a GPU speed), bf16 on a GPU. B = 1, H = 1, D = 16, n_iters = 3;
-the best of --repeats after one warm-up call; the largest difference of the two outputs is printed too.
+Forward only. Triton: fp32 on the CPU under TRITON_INTERPRET=1 (there the time is about proportional to
+the tiles the programs visit: a proxy, not a GPU speed), bf16 on a GPU. CPU backend ("cpu", the streaming
+PyTorch passes): fp32, real CPU time. B = 1, H = 1, D = 16, n_iters = 3; the best of --repeats after one
+warm-up call; the largest difference of the two outputs is printed too.
 
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/sinkhorn_window.py --n 512 --window 16 --causal-n 64 \
         --causal-window 4
+    PYTHONPATH=$PWD python benchmarks/sinkhorn_window.py --backends cpu --causal-n 512 --causal-window 16 \
+        --key-padding
 """
 from __future__ import annotations
 
@@ -41,20 +46,35 @@ def main() -> None:
     parser.add_argument("--causal-n", type=int, default=64)
     parser.add_argument("--causal-window", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--backends", default="triton,cpu", help="comma-separated: triton, cpu")
+    parser.add_argument("--key-padding", action="store_true", help="causal rows also under a per-key mask")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    for causal, n, w in ((False, args.n, args.window), (True, args.causal_n, args.causal_window)):
-        q, k, v = (torch.randn(1, 1, n, 16, generator=gen).to(device, dtype) for _ in range(3))
-        kw = dict(is_causal=causal, backend="triton", n_iters=3)
-        native, a = best_time(lambda: AF.sinkhorn(q, k, v, window_size=(w, 0), **kw), args.repeats)
-        band = window_band((w, 0), n, n, q.device)
-        folded, b = best_time(lambda: AF.sinkhorn(q, k, v, attn_mask=band, **kw), args.repeats)
-        what = ("causal: batched window problems vs the prefix loop" if causal
-                else "non-causal: band in the kernels vs the folded mask")
-        print(f"{what}, N = {n}, w = {w}, {device} {dtype}: {native:.3f} s vs {folded:.3f} s "
-              f"({folded / native:.1f}x), max |diff| {float((a.float() - b.float()).abs().max()):.2e}")
+    for backend in args.backends.split(","):
+        device = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        # on "cpu" a non-causal band is folded into the mask inside the backend: nothing to compare
+        cases = [(True, args.causal_n, args.causal_window, False)]
+        if backend == "triton":
+            cases.insert(0, (False, args.n, args.window, False))
+        if args.key_padding:
+            cases.append((True, args.causal_n, args.causal_window, True))
+        for causal, n, w, padded in cases:
+            q, k, v = (torch.randn(1, 1, n, 16, generator=gen).to(device, dtype) for _ in range(3))
+            keys = None
+            if padded:
+                keys = (torch.rand(1, 1, 1, n, generator=gen) > 0.25).to(device)
+            kw = dict(is_causal=causal, backend=backend, n_iters=3)
+            native, a = best_time(lambda: AF.sinkhorn(q, k, v, attn_mask=keys, window_size=(w, 0), **kw),
+                                  args.repeats)
+            band = window_band((w, 0), n, n, q.device)
+            mask = band if keys is None else band & keys
+            folded, b = best_time(lambda: AF.sinkhorn(q, k, v, attn_mask=mask, **kw), args.repeats)
+            what = ("causal: batched window problems vs the prefix loop" if causal
+                    else "non-causal: band in the kernels vs the folded mask")
+            print(f"{backend}, {what}{', key padding' if padded else ''}, N = {n}, w = {w}, {device} {dtype}: "
+                  f"{native:.3f} s vs {folded:.3f} s ({folded / native:.1f}x), "
+                  f"max |diff| {float((a.float() - b.float()).abs().max()):.2e}")
 
 
 if __name__ == "__main__":

@@ -302,10 +302,11 @@ def test_causal_window_rows_are_their_window_problems(case, monkeypatch):
 
 
 def test_causal_window_with_a_mask_keeps_the_prefix_rule():
-    """With an attn_mask the band is folded into it and each row runs its prefix problem by
-    masking.coupled_causal_rows (exact; the windows are not sliced)."""
+    """With a per-pair attn_mask the band is folded into it and each row runs its prefix problem by
+    masking.coupled_causal_rows (exact; the windows are not sliced). A per-key mask is sliced:
+    tests/test_sinkhorn_causal_window.py."""
     q, k, v, _ = inputs(1, 12, 12, seed=5)
-    mask = key_padding(12, 6)
+    mask = torch.rand(12, 12, generator=torch.Generator().manual_seed(6)) > 0.25
     kw = dict(is_causal=True, window_size=(3, 0), attn_mask=mask, n_iters=2)
     got = AF.sinkhorn(q.float(), k.float(), v.float(), backend="triton", **kw)
     want = AF.sinkhorn(q, k, v, backend="reference", **kw)

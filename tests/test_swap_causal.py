@@ -158,6 +158,73 @@ def test_causal_and_rest(name):
     assert is_causal_f == causal and (got_f is None) == (got is None)
 
 
+def _band(n, width):
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j <= i) & (j > i - width)
+
+
+PAD = torch.tensor([0, 1, 1, 1, 1, 1]).bool()
+WINDOW_SPLITS = {  # name -> (mask, the kernel's window_size, expected kernel mask ("same": the mask itself))
+    "causal & band & padding": (_band(6, 3) & PAD, (2, 0), PAD[None]),
+    "causal & band": (_band(6, 3), (2, 0), None),
+    # the kernel applies its band itself: outside it the mask is not read
+    "causal & padding, the band left to the kernel": (_band(6, 6) & PAD, (2, 0), PAD[None]),
+    "a narrower band than the kernel's": (_band(6, 2) & PAD, (2, 0), "same"),
+    "a key masked for one query only": (_band(6, 3) & ~((torch.arange(6)[:, None] == 3) & (torch.arange(6) == 2)),
+                                        (2, 0), "same"),
+    "bidirectional": (_band(6, 3) | _band(6, 3).T, (2, 0), "same"),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_SPLITS))
+def test_causal_and_rest_with_the_kernels_window(name):
+    """HF's sliding layers: the kernel gets window_size too, so a mask that is exactly causal AND the band
+    AND per-key padding reaches it as the padding row (or None); anything else stays the mask itself."""
+    mask, window, want = WINDOW_SPLITS[name]
+    got, is_causal = causal_and_rest(mask, 6, 6, window)
+    assert is_causal == (name != "bidirectional")
+    if want is None:
+        assert got is None
+    elif isinstance(want, str):
+        assert got is mask
+    else:
+        assert torch.equal(got, want)
+    as_float = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    got_f, _ = causal_and_rest(as_float, 6, 6, window)
+    if isinstance(want, torch.Tensor):
+        assert got_f.dtype == as_float.dtype and torch.equal(got_f > float("-inf"), want)
+    else:
+        assert (got_f is None) == (want is None)
+    if isinstance(want, torch.Tensor):  # a float bias inside the band is not padding
+        biased = as_float.clone()
+        biased[5, 4] = 0.5
+        assert causal_and_rest(biased, 6, 6, window)[0] is biased
+
+
+def test_sinkhorn_kernel_keeps_a_per_key_causal_mask_and_zeroes_the_padded_rows():
+    """run_kernel hands a causal Sinkhorn call its per-key padding row as it is (a causal window can then
+    be batched) and zeroes the padded tokens' rows after the call: the same outputs as the dense mask
+    with those query rows masked (drop_padded_queries), right padding included, where the rule alone
+    would give a padded query a non-zero row of its own."""
+    from attnzoo.adapters.kernel import kernel_layer, run_kernel
+    from attnzoo.adapters.spec import resolve
+    layer = kernel_layer(resolve("sinkhorn(n_iters=2)", {}), 8, 2, 4).double()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    keys = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]]).bool()[:, None, None, :]
+    dense = (keys & torch.ones(6, 6, dtype=torch.bool).tril()).contiguous()
+    for window in (None, (2, 0)):
+        extras = None if window is None else {"window_size": window}
+        with attnzoo.use_backend("reference"):
+            got = run_kernel(layer, q, k, v, attn_mask=keys, is_causal=True, self_attention=True, extras=extras)
+            want = run_kernel(layer, q, k, v, attn_mask=dense, is_causal=True, self_attention=True, extras=extras)
+            rule = layer.attend(q, k, v, attn_mask=keys, is_causal=True, x=q, **(extras or {}))
+        assert max_diff(got, want) <= 1e-12
+        assert got[0, :, 4:].abs().max() == 0 and got[1, :, 0].abs().max() == 0
+        assert rule[0, :, 4:].abs().min() > 0   # what the zeroing changes: the padded rows alone
+        assert max_diff(rule[0, :, :4], got[0, :, :4]) <= 1e-12
+
+
 # ---- torch.nn ----------------------------------------------------------------------------------
 def _tokens(n=N, seed=1):
     return torch.randn(2, n, E, generator=torch.Generator().manual_seed(seed))

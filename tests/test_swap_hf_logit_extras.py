@@ -139,16 +139,18 @@ def cases():
     return out
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+@pytest.mark.parametrize("family,backend", [("gemma2", "reference"), ("mistral", "reference"), ("mistral", "cpu"),
+                                            ("qwen2", "cpu")])
 @pytest.mark.parametrize("cache", ["sliding", "full"])
-def test_sinkhorn_decodes_under_a_window_with_left_padding(family, cache):
+def test_sinkhorn_decodes_under_a_window_with_left_padding(family, backend, cache):
     """A variant that couples queries, under a sliding window, with left padding, generating past the
     window (the padding and the first tokens leave it): the cached steps equal the uncached forward.
     The model's own cache keeps only the window's keys in its sliding layers; a plain DynamicCache()
-    keeps every key, and HF's one-row mask then drops those that left the window."""
+    keeps every key, and HF's one-row mask then drops those that left the window. Backend "cpu": the
+    uncached forwards solve the window problems batched (test_sinkhorn_window_layers_run_batched)."""
     model = swapped(family, "sinkhorn")
     prompt, pad = IDS[:, :6], LEFT_PAD[:, :6]
-    with torch.no_grad():
+    with torch.no_grad(), attnzoo.use_backend(backend):
         out = {}
         for use_cache in (True, False):
             given = {"cache": transformers.DynamicCache()} if use_cache and cache == "full" else {}
@@ -157,6 +159,41 @@ def test_sinkhorn_decodes_under_a_window_with_left_padding(family, cache):
                                             **given)
     assert torch.equal(out[True].sequences, out[False].sequences)
     assert max(max_diff(a, b) for a, b in zip(out[True].logits, out[False].logits)) <= 1e-10
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sinkhorn_window_layers_run_batched(family, monkeypatch):
+    """Mistral / Qwen 2 with sliding_window=4 and left padding in a batch of 2, Sinkhorn on the "cpu"
+    backend: HF's causal AND band AND padding mask reaches the kernel as the per-key padding row with
+    is_causal and window_size, so each row's window problem is solved in batches (the prefix loop never
+    runs), and the logits and the gradients equal the reference backend's (the band folded into HF's
+    dense mask: the rule by construction) to float64 roundoff."""
+    from attnzoo.adapters import hf
+    from attnzoo.ops.sinkhorn import causal_window, cpu
+    seen, batched = [], []
+    real_run, real_window = hf.run_kernel, cpu.causal_by_window
+
+    def spy(kernel, q, k, v, *, attn_mask=None, **kw):
+        seen.append((None if attn_mask is None else tuple(attn_mask.shape), kw.get("is_causal"),
+                     (kw.get("extras") or {}).get("window_size")))
+        return real_run(kernel, q, k, v, attn_mask=attn_mask, **kw)
+
+    model = swapped(family, "sinkhorn")
+    want = {}
+    with attnzoo.use_backend("reference"):
+        want["logits"] = model(IDS, attention_mask=LEFT_PAD).logits
+        want["grads"] = torch.autograd.grad(want["logits"][LEFT_PAD.bool()].square().sum(), list(model.parameters()))
+    monkeypatch.setattr(hf, "run_kernel", spy)
+    monkeypatch.setattr(cpu, "causal_by_prefix", lambda *a, **k: pytest.fail("ran the prefix loop"))
+    monkeypatch.setattr(cpu, "causal_by_window", lambda *a, **k: batched.append(1) or real_window(*a, **k))
+    with attnzoo.use_backend("cpu"):
+        got = model(IDS, attention_mask=LEFT_PAD).logits
+        grads = torch.autograd.grad(got[LEFT_PAD.bool()].square().sum(), list(model.parameters()))
+    assert seen == [((2, 1, 1, IDS.shape[1]), True, (WINDOW - 1, 0))] * 2
+    assert len(batched) == 2 and causal_window.takes(True, torch.ones(2, 1, 1, 9, dtype=torch.bool), WINDOW - 1, 9)
+    real = LEFT_PAD.bool()
+    assert max_diff(got[real], want["logits"][real]) <= 1e-10
+    assert max(max_diff(a, b) for a, b in zip(grads, want["grads"])) <= 1e-10
 
 
 def test_sinkhorn_beam_search_under_a_window():

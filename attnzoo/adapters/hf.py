@@ -141,7 +141,7 @@ def _run(kernel: AttentionLayer, module, query, key, value, attention_mask, drop
             # to the kernel as is_causal (see causal_and_rest); one split per forward, as every layer gets
             # the same mask
             mask, causal = _split_once(attention_mask, mask, kwargs.get("position_bias"), query.shape[-2],
-                                       key.shape[-2])
+                                       key.shape[-2], extras.get("window_size"))
         else:
             # while torch.compile traces, a kernel whose rows do not couple (nor read the earlier positions'
             # tokens) gets the mask alone: it already removes every key causality would, and the split's
@@ -194,16 +194,18 @@ def _each_new_row(kernel: AttentionLayer, query, key, value, mask, tokens, new: 
 _LAST_SPLIT: list = [None]  # (weak reference to an HF mask, its version and sizes, causal_and_rest's answer)
 
 
-def _split_once(attention_mask, mask, position_bias, nq: int, nk: int):
+def _split_once(attention_mask, mask, position_bias, nq: int, nk: int, window=None):
     """causal_and_rest(mask), remembered for the last HF mask tensor: the layers of one forward share
-    it, and the split reads the mask's values (a device sync on a GPU) once instead of once per layer."""
+    it, and the split reads the mask's values (a device sync on a GPU) once instead of once per layer.
+    ``window``: the window_size the kernel gets (a sliding layer): HF's band in the mask is then
+    redundant, and a mask of causality AND the band AND padding reaches the kernel as its per-key row."""
     if position_bias is not None or attention_mask is None:
-        return causal_and_rest(mask, nq, nk)
-    slot = (attention_mask._version, nq, nk, mask.dtype, mask.shape)
+        return causal_and_rest(mask, nq, nk, window)
+    slot = (attention_mask._version, nq, nk, mask.dtype, mask.shape, window)
     last = _LAST_SPLIT[0]
     if last is not None and last[0]() is attention_mask and last[1] == slot:
         return last[2]
-    answer = causal_and_rest(mask, nq, nk)
+    answer = causal_and_rest(mask, nq, nk, window)
     _LAST_SPLIT[0] = (weakref.ref(attention_mask), slot, answer)
     return answer
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..layers.base import AttentionLayer
+from ..ops.logit_extras import window_keep
 from ..ops.masking import split_causal
 from .spec import Target
 
@@ -42,14 +43,31 @@ def drop_padded_queries(attn_mask, nq: int, first_token_key: int = 0):
     return attn_mask.masked_fill(~rows, -math.inf)
 
 
-def causal_and_rest(attn_mask: torch.Tensor, nq: int, nk: int) -> tuple[Optional[torch.Tensor], bool]:
+def padded_rows(attn_mask, nq: int, first_token_key: int = 0):
+    """Causal self-attention with a per-key mask (..., 1, Nk), Nk == nq: the (..., nq, 1) rows of the
+    padded tokens (True), whose outputs drop_padded_queries would make 0; None for any other mask.
+    Under the causal rule (masking.coupled_causal_rows) a padded token is in no other row's problem
+    already, so the kernel may keep the per-key mask (a causal window then runs batched, not as the
+    prefix loop of a per-pair mask) and these rows are zeroed after the call: the same outputs."""
+    if (attn_mask is None or first_token_key != 0 or attn_mask.dim() < 2 or attn_mask.shape[-2] != 1
+            or attn_mask.shape[-1] != nq):
+        return None
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
+    return ~keep.transpose(-1, -2)
+
+
+def causal_and_rest(attn_mask: torch.Tensor, nq: int, nk: int,
+                    window: Optional[tuple[int, int]] = None) -> tuple[Optional[torch.Tensor], bool]:
     """A host's mask that already holds causality (Hugging Face builds one (B, 1, Nq, Nk) mask of
     causal AND padding, maybe AND a window or packed blocks) -> (mask for the kernel, is_causal):
     ``ops.masking.split_causal``, the one definition both adapters use. A causal mask reaches the
     kernel as is_causal=True (with the per-key padding, or the mask itself when it has more structure),
     so a variant that couples queries solves each row's problem as ``masking.coupled_causal_rows``
-    defines and no later token moves an earlier output. Reads the mask's values (a host sync on a GPU)."""
-    return split_causal(attn_mask, nq, nk)
+    defines and no later token moves an earlier output. ``window``: the window_size the kernel gets
+    too; the mask's band is then redundant (split_causal's ``band``). Reads the mask's values (a host
+    sync on a GPU)."""
+    band = None if window is None else window_keep(window, nq, nk, attn_mask.device)
+    return split_causal(attn_mask, nq, nk, band)
 
 
 def attend_each_prefix(layer: AttentionLayer, q, k, v, attn_mask, x, first: int = 0, **call) -> torch.Tensor:
@@ -124,8 +142,11 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
     ``extras``: softcap / sinks / window_size (ops/logit_extras.py), passed on to the kernel."""
     nq = q.shape[-2]
     rows = nq if last_rows is None else last_rows
+    padded = None
     if self_attention and layer.couples_queries:
-        attn_mask = drop_padded_queries(attn_mask, nq, first_token_key)
+        padded = padded_rows(attn_mask, nq, first_token_key) if is_causal and rows == nq else None
+        if padded is None:
+            attn_mask = drop_padded_queries(attn_mask, nq, first_token_key)
     k, v = keys_and_values(layer, q, k, v)
     if causal_queries and not self_attention and layer.reads_positions:
         # offsets j - i between a decoder position and an encoder token are bottom-right aligned on the
@@ -147,4 +168,5 @@ def run_kernel(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch
             raise ValueError("last_rows is for causal self-attention or causal queries of a variant that "
                              "couples queries")
         return attend_last_rows(layer, q, k, v, attn_mask, rows, x, **call)
-    return layer.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x if x is not None else q, **call)
+    out = layer.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, x=x if x is not None else q, **call)
+    return out if padded is None else out.masked_fill(padded, 0.0)

@@ -177,7 +177,7 @@ def keeps_only_causal(keep: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
     return ~(keep & ~causal_keep(nq, nk, keep.device)).any()
 
 
-def split_causal(attn_mask: torch.Tensor, nq: int, nk: int):
+def split_causal(attn_mask: torch.Tensor, nq: int, nk: int, band=None):
     """A host's mask that may hold causality (Hugging Face's (B, 1, Nq, Nk) mask of causal AND padding
     AND maybe a window or packed blocks; torch's square subsequent mask) -> (mask for the kernel,
     is_causal). The one place the adapters decide it; it reads the mask's values (a host sync on a GPU).
@@ -186,12 +186,27 @@ def split_causal(attn_mask: torch.Tensor, nq: int, nk: int):
     is_causal=True, with None when the mask is exactly the causal pattern, the per-key (..., 1, Nk) last
     row when it is exactly causal AND per-key padding, else the mask itself: under the rule above
     (``coupled_causal_rows``) a variant that couples queries reads only its causal part, and for any
-    other variant is_causal adds nothing the mask does not already remove."""
+    other variant is_causal adds nothing the mask does not already remove.
+
+    ``band``: a bool (Nq, Nk) sliding window (``logit_extras.window_keep``) that the kernel applies itself
+    (it gets ``window_size`` too). The mask is then compared inside the band only, so a mask that is
+    exactly causal AND the band AND per-key padding gives None or the per-key row (key j's value, read
+    where some query keeps it; the key is masked where none does): the kernel removes the same keys, and
+    under the rule a variant that couples queries solves the same problems (within a row's window every
+    pair is causal and in the band), without reading a dense mask."""
     keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
     if not bool(keeps_only_causal(keep, nq, nk)):
         return attn_mask, False
     causal = causal_keep(nq, nk, attn_mask.device)
-    per_key = keep[..., -1:, :]  # the last query sees every key causality allows: only padding is missing
+    if band is None:
+        per_key = keep[..., -1:, :]  # the last query sees every key causality allows: only padding is missing
+        inside = None
+    else:
+        inside = band.to(attn_mask.device)
+        keep = keep & inside
+        causal = causal & inside
+        # a key no query keeps (in its band) is removed for all; one in no query's band may stay
+        per_key = keep.any(-2, keepdim=True) | ~causal.any(-2, keepdim=True)
     exact = bool((keep == (per_key & causal)).all())
     if exact and attn_mask.dtype != torch.bool:
         exact = bool((attn_mask.masked_fill(~keep, 0) == 0).all())  # a float bias is not padding
@@ -199,4 +214,8 @@ def split_causal(attn_mask: torch.Tensor, nq: int, nk: int):
         return attn_mask, True
     if bool(per_key.all()):
         return None, True
-    return (per_key if attn_mask.dtype == torch.bool else attn_mask[..., -1:, :]), True
+    if attn_mask.dtype == torch.bool:
+        return per_key, True
+    if inside is None:
+        return attn_mask[..., -1:, :], True
+    return torch.zeros(per_key.shape, dtype=attn_mask.dtype, device=attn_mask.device).masked_fill(~per_key, -math.inf), True

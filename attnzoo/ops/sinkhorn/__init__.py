@@ -6,11 +6,15 @@ Backends:
 - "cpu": blockwise PyTorch (cpu.py), O(N) memory, unrolled backward; auto on CPU from Nq * Nk >= 2^21
   on, and for every causal call. benchmarks/fused_sinkhorn.py --steady (warm, 1 thread, B*H = 4):
   about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
-  faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096).
+  faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096). It takes
+  ``window_size`` itself: a causal window (no mask or key padding) solves each row's window problem in
+  batches (causal_window.py); a non-causal window is folded into the mask inside the backend.
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
   It computes ``softcap`` in its kernels, and takes ``window_size`` itself: every pass skips the tiles
   outside the band, and a causal window solves each row's window problem in batches (causal_window.py).
-  The other backends get a window folded into the mask.
+- "reference" (the definition) and the implicit backends get a window folded into the mask: the implicit
+  gradient needs every row and column of a problem to keep an entry, which the batched windows' padding
+  does not.
 - packed calls (ops/varlen.py) with backend "triton" (or auto on CUDA): every sequence in one launch per
   pass (varlen.py); causal: prefix i of every sequence in one launch set; a window runs per length.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
@@ -101,7 +105,7 @@ def _backend(fn, grad_mode):
 
 
 register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled"), _cpu_supports, priority=10,
-                 auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers,
+                 auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers, extras=("window_size",),
                  description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
 register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"),
                  all_of(_cpu_supports, _implicit_reason),
@@ -128,7 +132,7 @@ RECORD = declare(Variant(
                                 "marginal of its own, which the papers do not define"},
     couples_queries=True,
     complexity="O(n_iters N^2 D); causal = Sinkhorn on every prefix, O(n_iters N^3); "
-               "a window of w on triton: O(n_iters N w D), causal O(n_iters N w^2 D)",
+               "a window of w on triton: O(n_iters N w D); causal on triton or cpu: O(n_iters N w^2 D)",
     parameters="n_iters, eps, cost", paper="paper 002 sec 2.4 and A.2; Sander et al. 2022",
     flops=sinkhorn_flops, flop_formula=FORMULA, reference_bytes=sinkhorn_reference_bytes,
 ))

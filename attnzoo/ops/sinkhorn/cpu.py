@@ -12,7 +12,9 @@ import math
 import torch
 
 from ..common import upcast
+from ..logit_extras import NO_WINDOW, mask_with_window, window_band
 from ..masking import split_mask
+from .causal_window import causal_by_window, takes
 from .streaming import GRAD_MODES, Problem, causal_by_prefix, streaming_sinkhorn
 
 TILE_ELEMENTS = 1 << 20
@@ -180,11 +182,18 @@ def check_options(dropout_p: float, grad_mode: str) -> None:
 
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
-                       cost="l2", dropout_p=0.0, grad_mode="unrolled", block_q=None, block_k=None):
+                       cost="l2", dropout_p=0.0, grad_mode="unrolled", block_q=None, block_k=None,
+                       window_size=None):
     """Same semantics as ``reference.sinkhorn_attention`` with O(N) memory per head.
 
     grad_mode="unrolled" (default) differentiates exactly the n_iters iterations computed, as the
     reference does; "implicit" differentiates the fixed point instead (see streaming.py).
+
+    ``window_size`` (left, right), logit_extras' meaning (checked by the call path): causal, with a left
+    reach that removes keys, no attn_mask or a per-key one and the unrolled backward, row i's problem
+    lies in its window and the rows are solved in batches (causal_window.py, O(n_iters N w^2) instead of
+    the prefix loop's O(n_iters N^3)); otherwise the band is folded into the mask (what the call path
+    does for a backend that does not take the window: the same numbers).
     """
     check_options(dropout_p, grad_mode)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -195,5 +204,10 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     def run(q, k, v, mask):
         keep, bias = split_mask(mask, False, q.shape[-2], k.shape[-2], q.device)
         return streaming_sinkhorn(engine, q, k, v, keep, bias, **kw)
+    window = NO_WINDOW if window_size is None else (int(window_size[0]), int(window_size[1]))
+    if window != NO_WINDOW and grad_mode == "unrolled" and takes(is_causal, attn_mask, window[0], k.shape[-2]):
+        return causal_by_window(run, q, k, v, window[0], attn_mask).to(out_dtype)
+    if window != NO_WINDOW:
+        attn_mask = mask_with_window(attn_mask, window_band(window, q.shape[-2], k.shape[-2], q.device))
     out = causal_by_prefix(run, q, k, v, attn_mask) if is_causal else run(q, k, v, attn_mask)
     return out.to(out_dtype)

@@ -25,7 +25,8 @@ The forward and the two backwards are torch custom ops (``attnzoo::sinkhorn_fwd`
 (``triton_op`` on a GPU); the implicit backward stops when its series converges, a data-dependent
 loop, so it is an opaque op. Causal attention runs the prefix loop of
 ``streaming.causal_by_prefix`` (exact, O(N) memory, O(n_iters N^3) work); under a sliding window with no
-other mask, each row's window problem instead, batched (``causal_window.py``, O(n_iters N w^2)). A
+other mask or a per-key one, each row's window problem instead, batched (``causal_window.py``,
+O(n_iters N w^2)). A
 non-causal window reaches every pass as its band's two offsets: the tiles outside it are skipped.
 
 Tiles: on a GPU each kernel has a short list of (BLOCK_X, BLOCK_Y, warps, stages) candidates
@@ -51,7 +52,7 @@ from ..logit_extras import mask_with_window, window_band
 from ..triton_logit_extras import band_bounds
 from ..triton_utils import INTERPRETED, dot_precision, kernel_op, launcher, quick_bench, stand_in, tracing_only
 from . import triton_kernels as K
-from .causal_window import causal_by_window, window_restricts
+from .causal_window import causal_by_window, takes
 from .cpu import check_options
 from .streaming import Problem, causal_by_prefix, streaming_backward
 
@@ -553,9 +554,10 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
 
     ``window_size`` (left, right), logit_extras' meaning (checked by the call path): non-causal, every
     pass skips the tiles outside the band (the unrolled backward; the implicit one gets it folded into
-    the mask). Causal with a left reach that removes keys and no attn_mask: row i's problem is its
-    window alone, solved in batches (causal_window.py); with an attn_mask the band is folded into it
-    and the prefix loop runs (exact, ``masking.coupled_causal_rows``).
+    the mask). Causal with a left reach that removes keys and no attn_mask or a per-key one (key
+    padding), the unrolled backward: row i's problem lies in its window, solved in batches
+    (causal_window.py); with any other attn_mask the band is folded into it and the prefix loop runs
+    (exact, ``masking.coupled_causal_rows``).
 
     The mask goes to the kernels as given (bool: False = masked; float: added, -inf = masked),
     broadcast by strides. k and v are taken in q's dtype (a no-op unless they differ, e.g. mixed
@@ -573,7 +575,8 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (k, v))
     window = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
-    by_window = is_causal and attn_mask is None and window_restricts(window[0], k.shape[-2])
+    # the implicit backward needs every row and column of a problem to keep an entry: not the padded windows
+    by_window = grad_mode == "unrolled" and takes(is_causal, attn_mask, window[0], k.shape[-2])
     if window != (-1, -1) and (grad_mode == "implicit" or (is_causal and not by_window)):
         attn_mask = mask_with_window(attn_mask, window_band(window, q.shape[-2], k.shape[-2], q.device))
     # the causal prefix loop never autotunes: every prefix is a new shape (the window batches have one)
@@ -585,7 +588,7 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
         return sinkhorn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask, *flags, *banded)[0]
 
     if by_window:
-        return causal_by_window(run, q, k, v, window[0])
+        return causal_by_window(run, q, k, v, window[0], attn_mask)
     if is_causal:
         return causal_by_prefix(run, q, k, v, attn_mask)
     return run(q, k, v, attn_mask)
