@@ -19,16 +19,10 @@ import torch
 
 import attnzoo.functional as AF
 from attnzoo.ops import plan
+from tests.sinkhorn_math import lse
 from tests.common import needs_interpreter
 
 D = 4
-
-
-def lse(x, dim):
-    m = x.amax(dim, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp(x - m).sum(dim, keepdim=True)
-    return torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m, torch.zeros_like(s))
 
 
 def sinkhorn_last_row64(q, k, v, bias, n_iters):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
+from tests.sinkhorn_math import lse
 from tests.common import needs_interpreter
 from tests.flash_rule import assert_flash_rule
 
@@ -31,14 +32,6 @@ SCALE = D ** -0.5
 
 
 # --- float64 formulas ------------------------------------------------------------------------------------
-
-def lse(x, dim):
-    """logsumexp over dim (keepdim) with 0 for a row of -inf only, and finite gradients there."""
-    m = x.amax(dim, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp(x - m).sum(dim, keepdim=True)
-    return torch.where(s > 0, torch.log(torch.where(s > 0, s, torch.ones_like(s))) + m, torch.zeros_like(s))
-
 
 def logits(q, k, cost, eps, softcap):
     if cost == "l2":

@@ -142,17 +142,22 @@ MASK_SPLITS = {  # name -> (mask, expected kernel mask, expected is_causal)
 }
 
 
-@pytest.mark.parametrize("name", list(MASK_SPLITS))
-def test_causal_and_rest(name):
-    mask, want, causal = MASK_SPLITS[name]
-    got, is_causal = causal_and_rest(mask, *mask.shape)
-    assert is_causal == causal
+def _assert_kernel_mask(got, want, mask):
+    """``want``: None (no mask left), "same" (the mask itself, untouched) or the expected tensor."""
     if want is None:
         assert got is None
     elif isinstance(want, str):
         assert got is mask
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", list(MASK_SPLITS))
+def test_causal_and_rest(name):
+    mask, want, causal = MASK_SPLITS[name]
+    got, is_causal = causal_and_rest(mask, *mask.shape)
+    assert is_causal == causal
+    _assert_kernel_mask(got, want, mask)
     as_float = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     got_f, is_causal_f = causal_and_rest(as_float, *mask.shape)
     assert is_causal_f == causal and (got_f is None) == (got is None)
@@ -183,12 +188,7 @@ def test_causal_and_rest_with_the_kernels_window(name):
     mask, window, want = WINDOW_SPLITS[name]
     got, is_causal = causal_and_rest(mask, 6, 6, window)
     assert is_causal == (name != "bidirectional")
-    if want is None:
-        assert got is None
-    elif isinstance(want, str):
-        assert got is mask
-    else:
-        assert torch.equal(got, want)
+    _assert_kernel_mask(got, want, mask)
     as_float = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     got_f, _ = causal_and_rest(as_float, 6, 6, window)
     if isinstance(want, torch.Tensor):
