@@ -22,7 +22,10 @@ gradient, first order only, as the dense ones). Causal packed Sinkhorn is each s
 (row i = the last row of Sinkhorn on its prefix): ``causal`` runs prefix i of every sequence as one
 packed problem, max_q launch sets in all instead of one per (distinct length, prefix); it reads the
 offsets on the host for the prefixes' sizes (a graph break under torch.compile, as the per-length route).
-The route (``route``) takes calls without a window, dropout or sinks, of the dtypes and head dims the
+A non-causal ``window_size`` is each sequence's band (bottom-right on its own lengths), and every pass skips
+the tiles outside it as the dense passes do (triton.py); a causal window is each row's own window problem,
+which the per-length route batches (causal_window.py). The route (``route``) takes calls without a causal
+window, dropout or sinks, of the dtypes and head dims the
 dense kernels take, and returns None for the others, which ops/varlen.py then runs per sequence length
 through the variant's own function (its checks and errors), as it does the implicit backward
 ("triton_implicit" is not this route's backend name).
@@ -38,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import logit_extras
 from .. import validate as V
+from ..triton_logit_extras import band_bounds
 from ..triton_packed import blocked_rows
 from ..triton_utils import HAVE_TRITON, kernel_op, tracing_only
 from .functional import check
@@ -108,7 +112,7 @@ class PackedEngine(TritonEngine):
         s = super()._setup(p)
         packed = dict(CU_Q=p.cu_q, CU_K=p.cu_k, VARLEN=True)
         s.update(B=p.n_seq, nq=p.max_q, nk=p.max_k, BH=p.n_seq * s["H"],
-                 fold=p.n_seq * s["H"] * p.max_q * p.max_k < FOLD_BELOW,
+                 fold=p.n_seq * s["H"] * p.max_q * p.max_k < FOLD_BELOW and p.band is None,
                  factors_packed=dict(HEADS=s["H"], **packed))
         s["meta"].update(packed)
         return s
@@ -133,8 +137,12 @@ class PackedEngine(TritonEngine):
 ENGINE = PackedEngine()
 
 
-def _problem(q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, tune, softcap) -> PackedProblem:
-    return PackedProblem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", None, tune, softcap,
+def _problem(q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, tune, softcap, window) -> PackedProblem:
+    """``window``: (left, right) of a non-causal sliding window, (-1, -1) none. Its band is each
+    sequence's own (the kernels align it bottom-right on their sequence's lengths); an unbounded side
+    reaches past the longest sequence."""
+    band = None if tuple(window) == (-1, -1) else band_bounds(tuple(window), False, max_q, max_k)
+    return PackedProblem(q, k, v, None, None, scale, eps, "l2" if l2 else "dot", None, tune, softcap, band,
                          cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
 
 
@@ -146,7 +154,8 @@ if HAVE_TRITON:
     @kernel_op("attnzoo::sinkhorn_varlen_fwd", mutates_args=())
     def sinkhorn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                             scale: float, eps: float, l2: bool, n_iters: int, tune: bool,
-                            softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            softcap: float, window_left: int = -1,
+                            window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(out (T_q, H, Dv) in q's dtype; then, for the backward: the row lse, the potential stacks F, G
         (float32, per-sequence blocks in (N, H, max) room) and the output it takes delta = dout.out from,
         in blocks (float32 and unrounded for half inputs)). k, v have q's heads; ``tune``: large launches
@@ -159,41 +168,42 @@ if HAVE_TRITON:
             return q.new_empty(T_q, H, DV), vec(max_q), vec(max_q, n_iters), vec(max_k, n_iters + 1), resid
         rows_q, rows_k = _rows(q, k, cu_q, cu_k)
         p = _problem(to_blocks(q, rows_q), to_blocks(k, rows_k), to_blocks(v, rows_k), cu_q, cu_k, max_q, max_k,
-                     scale, eps, l2, tune, softcap)
+                     scale, eps, l2, tune, softcap, (window_left, window_right))
         out, lse, F, G, exact = ENGINE.forward(p, n_iters)
         return from_blocks(out, rows_q), lse, F, G, (exact if q.dtype in HALF else out)
 
     @kernel_op("attnzoo::sinkhorn_varlen_bwd", mutates_args=())
     def sinkhorn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, resid: Tensor, lse: Tensor, F: Tensor,
                             G: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float, eps: float,
-                            l2: bool, tune: bool, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                            l2: bool, tune: bool, softcap: float, window_left: int = -1,
+                            window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) packed like q, k, v: the unrolled iterations' exact gradient."""
         if tracing_only(q):
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_q, rows_k = _rows(q, k, cu_q, cu_k)
         p = _problem(to_blocks(q, rows_q), to_blocks(k, rows_k), to_blocks(v, rows_k), cu_q, cu_k, max_q, max_k,
-                     scale, eps, l2, tune, softcap)
+                     scale, eps, l2, tune, softcap, (window_left, window_right))
         dq, dk, dv = ENGINE.backward_unrolled(p, to_blocks(dout, rows_q), resid, lse, F, G)
         return from_blocks(dq, rows_q).to(q.dtype), from_blocks(dk, rows_k), from_blocks(dv, rows_k)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, n_iters, tune, softcap = inputs
+        q, k, v, cu_q, cu_k, max_q, max_k, scale, eps, l2, n_iters, tune, softcap, left, right = inputs
         _, lse, F, G, resid = output
         ctx.save_for_backward(q, k, v, resid, lse, F, G, cu_q, cu_k)
-        ctx.config = (max_q, max_k, scale, eps, l2, tune, softcap)
+        ctx.config = (max_q, max_k, scale, eps, l2, tune, softcap, left, right)
 
     def _grad(ctx, dout, _dlse, _dF, _dG, _dresid):
         q, k, v, resid, lse, F, G, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = sinkhorn_varlen_bwd(dout.contiguous(), q, k, v, resid, lse, F, G, cu_q, cu_k, *ctx.config)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
     sinkhorn_varlen_fwd.register_autograd(_grad, setup_context=_setup_context)
 
 
-def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, tune) -> Tensor:
+def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, tune, window=(-1, -1)) -> Tensor:
     scale, eps, cost, n_iters, softcap = config
     out, *_ = sinkhorn_varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k), float(scale), float(eps),
-                                  cost == "l2", int(n_iters), bool(tune), float(softcap or 0.0))
+                                  cost == "l2", int(n_iters), bool(tune), float(softcap or 0.0), *window)
     return out
 
 
@@ -250,21 +260,23 @@ def causal(q, k, v, cu_q, cu_k, config) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, scale: float,
-              n_iters: int, eps: float, cost: str, softcap: Optional[float] = None, is_causal: bool = False) -> Tensor:
+              n_iters: int, eps: float, cost: str, softcap: Optional[float] = None, is_causal: bool = False,
+              window: tuple[int, int] = (-1, -1)) -> Tensor:
     """Packed q (T_q, H, D), k (T_k, H_kv, D), v (T_k, H_kv, Dv) -> (T_q, H, Dv): Sinkhorn attention of
-    every sequence on its own, causal (``causal``) or not (the arguments checked by ``route``)."""
+    every sequence on its own, causal (``causal``) or not (the arguments checked by ``route``); a
+    non-causal ``window`` is each sequence's band of its transport problem (tiles outside skipped)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:  # grouped-query heads: expanded (module doc)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     config = (scale, eps, cost, n_iters, softcap)
     if is_causal:
         return causal(q, k, v, cu_q, cu_k, config)
-    return _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, True)
+    return _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, config, True, window)
 
 
 def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) -> Optional[Tensor]:
     """ops/varlen_triton.py's route for Sinkhorn: the packed kernels (causal: ``causal``), or None for what
-    they do not take (a window, dropout, sinks, an option this route does not know, dtypes and head dims
+    they do not take (a causal window, dropout, sinks, an option this route does not know, dtypes and head dims
     the kernels refuse), which the per-length route then runs or refuses with the variant's own errors."""
     options = dict(kwargs)
     options.pop("backend", None)
@@ -273,7 +285,8 @@ def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) 
         return None
     if options.pop("sinks", None) is not None:
         return None
-    if logit_extras.check_window_size(options.pop("window_size", None)) is not None:
+    window = logit_extras.check_window_size(options.pop("window_size", None))
+    if window is not None and is_causal:  # each row's own window problem: the per-length route batches them
         return None
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))                 # (1, H, T, D) views
     V.check_qkv(q4, k4, v4, V.check_flag("enable_gqa", options.pop("enable_gqa", False)))
@@ -285,7 +298,8 @@ def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) 
     if options:  # something this route does not know: the variant's function names it
         return None
     checked = check(q4, k4, v4, scale=scale, **known)
-    return attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, softcap=softcap, is_causal=is_causal, **checked)
+    return attention(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, softcap=softcap, is_causal=is_causal,
+                     window=window or (-1, -1), **checked)
 
 
 __all__ = ["attention", "route"]
