@@ -71,8 +71,6 @@ def _backends(fn_name):
             continue
         if name.endswith("_implicit"):  # the forward of its unrolled sibling; only the backward differs
             continue
-        if name == "band":  # linear's windowed calls only (window_size): tests/test_linear_band.py
-            continue
         if _is_triton(name) and not (INTERPRET or ON_GPU):
             continue
         out.append(name)

@@ -111,16 +111,18 @@ def test_nan_outside_the_band_stays_outside():
     torch.testing.assert_close(dirty[..., 6:, :], clean[..., 6:, :])
 
 
-def test_unbounded_or_query_masked_windows_take_another_backend():
+def test_query_masks_and_dropout_take_another_backend_unbounded_windows_the_band():
     q, k, v = _inputs(30, 30)
-    for kw in (dict(window_size=(3, -1)), dict(window_size=(3, 2), attn_mask=torch.rand(30, 30) > 0.5),
-               dict(window_size=(3, 0), dropout_p=0.5)):
-        chosen = attnzoo.explain("linear", q, k, v, **kw).backend.name
-        assert chosen != "band", kw
+    for kw in (dict(window_size=(3, 2), attn_mask=torch.rand(30, 30) > 0.5), dict(window_size=(3, 0), dropout_p=0.5)):
+        assert attnzoo.explain("linear", q, k, v, **kw).backend.name != "band", kw
+    with pytest.raises(ValueError, match="query-dependent attn_mask"):
+        AF.linear(q, k, v, window_size=(3, 2), attn_mask=torch.rand(30, 30) > 0.5, backend="band")
+    assert attnzoo.explain("linear", q, k, v, window_size=(3, -1)).backend.name == "band"
     out = AF.linear(q, k, v, window_size=(3, -1))
     torch.testing.assert_close(out, formula(q, k, v, (3, -1), False, "elu"), rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="bounded on both sides"):
-        AF.linear(q, k, v, window_size=(3, -1), backend="band")
+    assert attnzoo.explain("linear", q, k, v).backend.name != "band"   # no window: cpu's O(N) forms
+    torch.testing.assert_close(AF.linear(q, k, v, is_causal=True, backend="band"),
+                               formula(q, k, v, (-1, -1), True, "elu"), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dims", [(0, 2), (2, 0)])

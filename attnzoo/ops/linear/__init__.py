@@ -42,8 +42,8 @@ register_triton("linear", linear_attention_triton,
 register_backend("linear", "band", linear_attention_band, supports=supports_band, priority=5,
                  extras=("window_size",),
                  description="a sliding window in O(N w): each block of queries against its run of keys (unfold "
-                             "views), plain autograd, any device; windowed calls only (window_size bounded on both "
-                             "sides, or left with is_causal) with at most a key mask")
+                             "views), plain autograd, any device, at most a key mask; the backend windowed calls "
+                             "take (an unbounded side or no window: O(N^2), below cpu's priority)")
 # packed (varlen) calls on "triton" (auto: CUDA) run the kernels above on all sequences at once
 varlen_triton.register_route("linear", packed_route)
 

@@ -16,13 +16,14 @@ features and zero values, so they add nothing. Work and memory O(N (BLOCK + w) D
 plain autograd (unfold's backward sums the overlapping runs). Any device: on CUDA the matmuls are
 cuBLAS's.
 
-Taken for a window with both sides bounded (after is_causal) and a mask that is the same for every
-query (key padding, (..., 1, Nk)); no dropout. Otherwise ``supports_band`` says why and dispatch runs
-the folded mask on the other backends.
+It runs any call with a mask that is the same for every query (key padding, (..., 1, Nk)) and no
+dropout (otherwise ``supports_band`` says why and dispatch runs the folded mask on the reference): an
+unbounded side of the window (or no window) reaches every key, so the runs are then about as long as
+the keys and the cost O(N^2), as the folded mask's. Dispatch takes it for windowed calls (the only
+linear backend that takes ``window_size``); for calls without a window its priority is below "cpu"'s
+O(N) factorised forms, so auto never picks it there.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,25 +36,19 @@ from .reference import EPS, feature_map_fn
 BLOCK = 64   # query rows per block: the run of keys a block reads is BLOCK + left + right long
 
 
-def band_reach(window_size, is_causal: bool) -> Optional[tuple[int, int]]:
-    """(left, right) of the band with causality applied (right <= 0), or None when a side is unbounded
-    (or there is no window): then the band does not bound the work."""
-    window = check_window_size(window_size)
-    if window is None:
-        return None
-    left, right = window
+def band_reach(window_size, is_causal: bool, nq: int, nk: int) -> tuple[int, int]:
+    """(left, right) of the band with causality applied (right <= 0); an unbounded side (or no window)
+    becomes nq + nk, past every key."""
+    window = check_window_size(window_size) or (-1, -1)
+    reach = nq + nk
+    left, right = (reach if side < 0 else min(side, reach) for side in window)
     if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    if left < 0 or right < 0:
-        return None
+        right = min(right, 0)
     return left, right
 
 
-def supports_band(q, k, v, *, window_size=None, is_causal=False, attn_mask=None, dropout_p=0.0, **_):
+def supports_band(q, k, v, *, attn_mask=None, dropout_p=0.0, **_):
     """None, or why the band backend does not run the call."""
-    if band_reach(window_size, is_causal) is None:
-        return ("the band backend runs windows bounded on both sides (window_size=(left, right) with left, "
-                "right >= 0, or right bounded by is_causal)")
     if dropout_p > 0:
         return "dropout on the weights needs the N x N weight matrix (use backend='reference')"
     if not key_only_mask(attn_mask):
@@ -78,11 +73,10 @@ def linear_attention_band(q, k, v, *, attn_mask=None, is_causal=False, scale=1.0
                           dropout_p=0.0, window_size=None):
     """Linear attention on the band of ``window_size`` (see the module); same semantics as
     ``reference.linear_attention`` with the band folded into the mask."""
-    why = supports_band(q, k, v, window_size=window_size, is_causal=is_causal, attn_mask=attn_mask,
-                        dropout_p=dropout_p)
+    why = supports_band(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
     if why is not None:
         raise ValueError(why)
-    left, right = band_reach(window_size, is_causal)
+    left, right = band_reach(window_size, is_causal, q.shape[-2], k.shape[-2])
     (q, k, v), out_dtype = upcast(q, k, v)
     phi = feature_map_fn(feature_map)
     fq, fk = phi(q * scale), phi(k)
