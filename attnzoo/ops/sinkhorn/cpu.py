@@ -4,6 +4,8 @@ Every pass of ``streaming.py`` is a sweep over (query block, key block) tiles wh
 recomputed from q and k; each tile is reduced into O(N) accumulators (running logsumexp, weighted
 sums, gradient rows), so peak memory is a few tiles plus O(n_iters N) potentials, never N x N.
 Tiles hold B*H*block_q*block_k elements: the default block size keeps that near 2^20 (4 MB fp32).
+A softcap caps each tile's logits as it is formed (the backward multiplies dL by the cap's slope); a
+non-causal window's passes visit only the tiles that meet the band, sized to it (``band_tiles``).
 """
 from __future__ import annotations
 
