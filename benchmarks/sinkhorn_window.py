@@ -1,20 +1,21 @@
-"""Sinkhorn's sliding window (issue 29): on the Triton backend the band in the kernels against the same
-band folded into the mask (every tile visited); on the Triton and CPU backends a causal window solved as
+"""Sinkhorn's sliding window (issue 29): on the Triton and CPU backends a non-causal band in the passes
+against the same band folded into the mask (every tile visited), and a causal window solved as
 batched window problems against the prefix loop (the band folded into the mask, is_causal=True: N
 growing prefixes), with --key-padding also under a per-key mask (a quarter of the keys padded: what a
 Hugging Face sliding layer hands the kernel).
 
-Forward, or forward + backward with --backward. Triton: fp32 on the CPU under TRITON_INTERPRET=1 (there the time is about proportional to
-the tiles the programs visit: a proxy, not a GPU speed), bf16 on a GPU. CPU backend ("cpu", the streaming
-PyTorch passes): fp32, real CPU time. B = 1, H = 1, D = 16, n_iters = 3; the best of --repeats after one
-warm-up call; the largest difference of the two outputs is printed too.
+Forward, or forward + backward with --backward. Triton: fp32 on the CPU under TRITON_INTERPRET=1 (there
+the time is about proportional to the tiles the programs visit: a proxy, not a GPU speed), bf16 on a GPU.
+CPU backend ("cpu", the streaming PyTorch passes): fp32, real CPU time, --threads torch threads (1). B = 1,
+H = 1, D = 16, n_iters = 3; the best of --repeats after one warm-up call; the largest difference of the two
+outputs is printed too.
 
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/sinkhorn_window.py --n 512 --window 16 --causal-n 64 \
         --causal-window 4
     PYTHONPATH=$PWD python benchmarks/sinkhorn_window.py --backends cpu --causal-n 512 --causal-window 16 \
         --key-padding
     PYTHONPATH=$PWD python benchmarks/sinkhorn_window.py --backends cpu --n 2048 --window 128 --causal-n 0 \
-        --backward --repeats 2
+        --backward --repeats 3
 
 On "cpu" the non-causal case compares the passes that walk only the band's tiles with the band folded
 into the mask (every tile visited); --causal-n 0 leaves the causal cases out.
