@@ -272,3 +272,14 @@ def test_window_work_is_linear_in_n(monkeypatch):
     per_pass = sum(sizes) / passes
     assert per_pass <= n * 2 * 17, per_pass
     assert per_pass < n * n / 3
+
+
+def test_implicit_backward_walks_the_band_as_the_folded_mask(small_tiles):
+    """A direct call with grad_mode="implicit" and a window walks the band too (the Neumann series' passes
+    included): the folded mask's output and gradients to float64 roundoff."""
+    q, k, v, dout = inputs(1, 40, 40, seed=5)
+    kw = dict(scale=SCALE, eps=4.0, n_iters=40, grad_mode="implicit")   # near the fixed point: the series converges
+    native = run(lambda *t: cpu.sinkhorn_attention(*t, window_size=(12, 12), **kw), (q, k, v), dout)
+    folded = run(lambda *t: cpu.sinkhorn_attention(*t, attn_mask=in_window((12, 12), 40, 40), **kw), (q, k, v),
+                 dout)
+    assert_all_close(native, folded, tol=1e-9)
