@@ -150,7 +150,7 @@ def test_any_other_mask_keeps_the_prefix_loop(monkeypatch):
 
 def test_cpu_takes_the_window_itself_and_a_non_causal_window_is_unchanged():
     """Auto on CPU runs a causal window on "cpu" with window_size (not folded by the call path); a
-    non-causal window there is the band folded into the mask, bit for bit the folded call's numbers."""
+    non-causal window there walks the band's tiles (here one), bit for bit the folded call's numbers."""
     from attnzoo.ops import variant as catalog
     from attnzoo.ops.logit_extras import window_band
     q, k, v, keep, _, _ = inputs(1, 2, 9, 9, seed=7)

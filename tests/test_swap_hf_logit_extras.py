@@ -139,8 +139,8 @@ def cases():
     return out
 
 
-@pytest.mark.parametrize("family,backend", [("gemma2", "reference"), ("mistral", "reference"), ("mistral", "cpu"),
-                                            ("qwen2", "cpu")])
+@pytest.mark.parametrize("family,backend", [("gemma2", "reference"), ("gemma2", "cpu"), ("mistral", "reference"),
+                                            ("mistral", "cpu"), ("qwen2", "cpu")])
 @pytest.mark.parametrize("cache", ["sliding", "full"])
 def test_sinkhorn_decodes_under_a_window_with_left_padding(family, backend, cache):
     """A variant that couples queries, under a sliding window, with left padding, generating past the
@@ -194,6 +194,27 @@ def test_sinkhorn_window_layers_run_batched(family, monkeypatch):
     real = LEFT_PAD.bool()
     assert max_diff(got[real], want["logits"][real]) <= 1e-10
     assert max(max_diff(a, b) for a, b in zip(grads, want["grads"])) <= 1e-10
+
+
+def test_sinkhorn_gemma2_softcap_on_cpu_is_the_reference(monkeypatch):
+    """Gemma 2 (a cap of 0.5, sliding and full layers) with Sinkhorn on the streaming "cpu" backend: every
+    layer's call computes the cap itself (the sliding layers as batched window problems, the full ones by
+    the prefix loop), and the logits and gradients equal the reference backend's to float64 roundoff."""
+    from attnzoo.ops.sinkhorn import cpu
+    caps = []
+    real = cpu.streaming_sinkhorn
+    monkeypatch.setattr(cpu, "streaming_sinkhorn", lambda *a, **kw: caps.append(kw["softcap"]) or real(*a, **kw))
+    model = swapped("gemma2", "sinkhorn")
+    out = {}
+    for backend in ("reference", "cpu"):
+        with attnzoo.use_backend(backend):
+            logits = model(IDS, attention_mask=LEFT_PAD).logits
+            grads = torch.autograd.grad(logits[LEFT_PAD.bool()].square().sum(), list(model.parameters()))
+        out[backend] = (logits, grads)
+    assert caps and set(caps) == {0.5}
+    real_rows = LEFT_PAD.bool()
+    assert max_diff(out["cpu"][0][real_rows], out["reference"][0][real_rows]) <= 1e-10
+    assert max(max_diff(a, b) for a, b in zip(out["cpu"][1], out["reference"][1])) <= 1e-10
 
 
 def test_sinkhorn_beam_search_under_a_window():

@@ -6,15 +6,18 @@ Backends:
 - "cpu": blockwise PyTorch (cpu.py), O(N) memory, unrolled backward; auto on CPU from Nq * Nk >= 2^21
   on, and for every causal call. benchmarks/fused_sinkhorn.py --steady (warm, 1 thread, B*H = 4):
   about the reference's time up to N = 1024 (the reference reuses its N x N buffers there), clearly
-  faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096). It takes
-  ``window_size`` itself: a causal window (no mask or key padding) solves each row's window problem in
-  batches (causal_window.py); a non-causal window is folded into the mask inside the backend.
+  faster from N = 2048; its memory is always lower (1/12 at N = 2048, 1/60 at N = 4096). It computes
+  ``softcap`` in every pass (forward and the unrolled backward, causal calls included), and takes
+  ``window_size`` itself: a non-causal window's passes visit only the tiles that meet the band
+  (O(n_iters N w)); a causal window (no mask or key padding) solves each row's window problem in
+  batches (causal_window.py).
 - "triton": the same passes as Triton kernels (triton.py, docs/kernels_sinkhorn.md); auto on CUDA only.
   It computes ``softcap`` in its kernels, and takes ``window_size`` itself: every pass skips the tiles
   outside the band, and a causal window solves each row's window problem in batches (causal_window.py).
-- "reference" (the definition) and the implicit backends get a window folded into the mask: the implicit
-  gradient needs every row and column of a problem to keep an entry, which the batched windows' padding
-  does not.
+- "reference" (the definition, softcap included) and the implicit backends get a window folded into the
+  mask: the implicit gradient needs every row and column of a problem to keep an entry, which the batched
+  windows' padding does not. The implicit backends decline softcap (their gradient is the fixed point's,
+  computed on uncapped logits).
 - packed calls (ops/varlen.py) with backend "triton" (or auto on CUDA): every sequence in one launch per
   pass (varlen.py); causal: prefix i of every sequence in one launch set; a window runs per length.
 - "cpu_implicit", "triton_implicit": the same forward with the implicit-differentiation backward
@@ -98,14 +101,15 @@ def _cpu_auto_prefers(q, k, v, is_causal=False, **_):
 def _backend(fn, grad_mode):
     @functools.wraps(fn)
     def run(q, k, v, *, attn_mask, is_causal, scale, dropout_p, n_iters=3, eps=1.0, cost="l2", **extras):
-        # extras: the softcap, passed only to a backend registered with it (dispatch declines the others)
+        # extras: the softcap (and window_size), passed only to a backend registered with it (dispatch declines
+    # the others)
         return fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                   n_iters=n_iters, eps=eps, cost=cost, grad_mode=grad_mode, **extras)
     return run
 
 
 register_backend("sinkhorn", "cpu", _backend(cpu.sinkhorn_attention, "unrolled"), _cpu_supports, priority=10,
-                 auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers, extras=("window_size",),
+                 auto_devices=("cpu",), auto_prefers=_cpu_auto_prefers, extras=("softcap", "window_size"),
                  description="blockwise PyTorch, O(N) memory, backward unrolled through the streaming passes")
 register_backend("sinkhorn", "cpu_implicit", _backend(cpu.sinkhorn_attention, "implicit"),
                  all_of(_cpu_supports, _implicit_reason),

@@ -4,6 +4,8 @@ Every pass of ``streaming.py`` is a sweep over (query block, key block) tiles wh
 recomputed from q and k; each tile is reduced into O(N) accumulators (running logsumexp, weighted
 sums, gradient rows), so peak memory is a few tiles plus O(n_iters N) potentials, never N x N.
 Tiles hold B*H*block_q*block_k elements: the default block size keeps that near 2^20 (4 MB fp32).
+A softcap caps each tile's logits as it is formed (the backward multiplies dL by the cap's slope); a
+non-causal window's passes visit only the tiles that meet the band, sized to it (``band_tiles``).
 """
 from __future__ import annotations
 
@@ -12,12 +14,25 @@ import math
 import torch
 
 from ..common import upcast
+from ..kernels.blockwise import _Masks as BandBlocks
 from ..logit_extras import NO_WINDOW, mask_with_window, window_band
 from ..masking import split_mask
+from ..triton_logit_extras import band_bounds
 from .causal_window import causal_by_window, takes
 from .streaming import GRAD_MODES, Problem, causal_by_prefix, streaming_sinkhorn
 
 TILE_ELEMENTS = 1 << 20
+MIN_BAND_BLOCK = 16   # the fewest query rows per tile a band asks for (Python overhead per tile below it)
+
+
+def band_tiles(left: int, right: int, side: int) -> tuple[int, int]:
+    """(query rows, keys) per tile under a band of offsets (left, right) (band_bounds': finite) narrower
+    than ``side``: about w = left + right rows, and the keys of their whole band (rows + w), so a query
+    block's band is one tile and a pass computes ~2 N w logits. Measured at N 2048, w (128, 0), fwd+bwd,
+    one thread (benchmarks/sinkhorn_window.py's call): 128 x 256 ~0.057 s, 128 x 128 ~0.075 s,
+    256 x 256 ~0.080 s, 64 x 64 ~0.13 s."""
+    rows = min(side, max(MIN_BAND_BLOCK, 1 << max(0, (left + right).bit_length() - 1)))
+    return rows, rows + left + right
 
 
 def _empty_to_zero(lse: torch.Tensor) -> torch.Tensor:
@@ -38,44 +53,70 @@ class TorchEngine:
     def _block_sizes(self, p: Problem):
         bh = p.q.shape[0] * p.q.shape[1]
         side = 1 << max(4, int(math.log2(max(1.0, math.sqrt(TILE_ELEMENTS / bh)))))
+        if p.band is not None and sum(p.band) < side:
+            rows, keys = band_tiles(*p.band, side)
+            return self.block_q or rows, self.block_k or keys
         return self.block_q or side, self.block_k or side
 
-    def _tiles(self, p: Problem):
-        """Yield (query slice, key slice, logits tile (B, H, bq, bk) with -inf where masked)."""
-        bq, bk = self._block_sizes(p)
-        nq, nk = p.q.shape[-2], p.k.shape[-2]
-        if nq <= bq and nk <= bk:
+    def _spans(self, p: Problem):
+        """(query slice, key slice, bool block True outside the band or None) of every tile a pass
+        visits: all of them, or under a band only the key blocks that meet each query block's band
+        (blockwise.py's band arithmetic; the same tiles serve the column passes)."""
+        spans = getattr(p, "_spans", None)
+        if spans is None:
+            bq, bk = self._block_sizes(p)
+            nq, nk = p.q.shape[-2], p.k.shape[-2]
+            if p.band is None:
+                spans = [(slice(i0, min(i0 + bq, nq)), slice(j0, min(j0 + bk, nk)), None)
+                         for i0 in range(0, nq, bq) for j0 in range(0, nk, bk)]
+            else:
+                band = BandBlocks(None, None, None, False, nq, nk, p.band)
+                spans = [(slice(i0, i1), slice(j0, j1), band.band_block(i0, i1, j0, j1, p.q.device))
+                         for i0 in range(0, nq, bq) for i1 in [min(i0 + bq, nq)]
+                         for j0, j1 in band.key_blocks(i0, i1, bk)]
+            p._spans = spans
+        return spans
+
+    def _tiles(self, p: Problem, slope: bool = False):
+        """Yield (query slice, key slice, logits tile (B, H, bq, bk) with -inf where masked), and with
+        ``slope`` the cap's slope 1 - tanh^2 of the tile (None without a cap) as a fourth item."""
+        spans = self._spans(p)
+        if len(spans) == 1:
             # one tile covers the problem: keep it for the passes of this forward (or backward)
             # instead of recomputing it 2 n_iters + 1 times; it is no larger than any tile
             cached = getattr(p, "_single_tile", None)
-            if cached is None:
-                cached = next(self._compute_tiles(p, bq, bk))
+            if cached is None or (slope and cached[3] is None and p.softcap):
+                cached = self._tile(p, *spans[0], slope=slope)
                 p._single_tile = cached
-            yield cached
+            yield cached if slope else cached[:3]
             return
-        yield from self._compute_tiles(p, bq, bk)
+        for span in spans:
+            tile = self._tile(p, *span, slope=slope)
+            yield tile if slope else tile[:3]
 
-    def _compute_tiles(self, p: Problem, bq: int, bk: int):
-        nq, nk = p.q.shape[-2], p.k.shape[-2]
+    def _tile(self, p: Problem, qs, ks, drop, slope=False):
         a = p.logit_scale
-        for i0 in range(0, nq, bq):
-            qs = slice(i0, min(i0 + bq, nq))
-            qb = p.q[..., qs, :]
-            qq = (qb * qb).sum(-1, keepdim=True) if p.cost == "l2" else None
-            for j0 in range(0, nk, bk):
-                ks = slice(j0, min(j0 + bk, nk))
-                kb = p.k[..., ks, :]
-                s = qb @ kb.transpose(-1, -2)
-                if p.cost == "l2":  # in place: every pass recomputes this tile
-                    kk = (kb * kb).sum(-1).unsqueeze(-2)
-                    L = s.mul_(-2.0).add_(qq).add_(kk).clamp_min_(0.0).mul_(-a)
-                else:
-                    L = s.mul_(a)
-                if p.bias is not None:
-                    L = L.add_(p.bias[..., qs, ks].to(L.dtype))
-                if p.keep is not None:
-                    L = L.masked_fill(~p.keep[..., qs, ks], -math.inf)
-                yield qs, ks, L
+        qb, kb = p.q[..., qs, :], p.k[..., ks, :]
+        L = qb @ kb.transpose(-1, -2)
+        if p.cost == "l2":  # in place: every pass recomputes this tile
+            qq = (qb * qb).sum(-1, keepdim=True)
+            kk = (kb * kb).sum(-1).unsqueeze(-2)
+            L = L.mul_(-2.0).add_(qq).add_(kk).clamp_min_(0.0).mul_(-a)
+        else:
+            L = L.mul_(a)
+        dcap = None
+        if p.softcap:  # the whole logit is capped, before the mask's bias (reference.py)
+            t = L.div_(p.softcap).tanh_()
+            if slope:
+                dcap = 1.0 - t * t
+            L = t.mul_(p.softcap)
+        if p.bias is not None:
+            L = L.add_(p.bias[..., qs, ks].to(L.dtype))
+        if p.keep is not None:
+            L = L.masked_fill(~p.keep[..., qs, ks], -math.inf)
+        if drop is not None:  # a tile on the band's edge: the keys outside it
+            L = L.masked_fill(drop, -math.inf)
+        return qs, ks, L, dcap
 
     def _vec(self, p, n):
         return torch.zeros(p.q.shape[0], p.q.shape[1], n, dtype=self.acc_dtype(p), device=p.q.device)
@@ -154,7 +195,7 @@ class TorchEngine:
         dq = torch.zeros(p.q.shape, dtype=acc, device=p.q.device)
         dk = torch.zeros(p.k.shape, dtype=acc, device=p.k.device)
         a = p.logit_scale
-        for qs, ks, L in self._tiles(p):
+        for qs, ks, L, dcap in self._tiles(p, slope=True):
             _, dL = self._plan_and_dS(p, qs, ks, L, g, lse, dout, delta)
             if terms is not None:
                 F, G, DG, DF = terms   # C^t from F[t], G[t + 1] - c; R^t from F[t], G[t] (streaming.py)
@@ -163,6 +204,8 @@ class TorchEngine:
                     Lf = L + F[t][..., qs, None]
                     dL.sub_(torch.add(Lf, G[t + 1][..., None, ks] - c).exp_().mul_(DG[t][..., None, ks]))
                     dL.sub_(Lf.add_(G[t][..., None, ks]).exp_().mul_(DF[t][..., qs, None]))
+            if dcap is not None:  # dL above is the capped logit's; the raw logit's is dL (1 - tanh^2)
+                dL.mul_(dcap)
             qb, kb = p.q[..., qs, :].to(acc), p.k[..., ks, :].to(acc)
             if p.cost == "l2":  # L = -a ||q - k||^2: dL/dq_i = 2a (k_j - q_i)
                 dq[..., qs, :] += 2 * a * (dL @ kb - qb * dL.sum(-1, keepdim=True))
@@ -183,28 +226,40 @@ def check_options(dropout_p: float, grad_mode: str) -> None:
 
 def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, n_iters=3, eps=1.0,
                        cost="l2", dropout_p=0.0, grad_mode="unrolled", block_q=None, block_k=None,
-                       window_size=None):
+                       window_size=None, softcap=None):
     """Same semantics as ``reference.sinkhorn_attention`` with O(N) memory per head.
 
     grad_mode="unrolled" (default) differentiates exactly the n_iters iterations computed, as the
     reference does; "implicit" differentiates the fixed point instead (see streaming.py).
 
-    ``window_size`` (left, right), logit_extras' meaning (checked by the call path): causal, with a left
-    reach that removes keys, no attn_mask or a per-key one and the unrolled backward, row i's problem
-    lies in its window and the rows are solved in batches (causal_window.py, O(n_iters N w^2) instead of
-    the prefix loop's O(n_iters N^3)); otherwise the band is folded into the mask (what the call path
-    does for a backend that does not take the window: the same numbers).
+    ``softcap`` caps every tile's whole logit, softcap tanh(L / softcap), before the mask's bias, in every
+    pass (the prefix loop's and the window batches' calls too); the unrolled backward multiplies dL by
+    1 - tanh^2. The implicit backward refuses it (as the Triton backend's: the cap is computed with the
+    unrolled gradient only).
+
+    ``window_size`` (left, right), logit_extras' meaning (checked by the call path): non-causal, every
+    pass visits only the tiles that meet the band (edge tiles masked elementwise): O(n_iters N w) work.
+    Causal, with a left reach that removes keys, no attn_mask or a per-key one and the unrolled backward,
+    row i's problem lies in its window and the rows are solved in batches (causal_window.py,
+    O(n_iters N w^2) instead of the prefix loop's O(n_iters N^3)); any other causal call gets the band
+    folded into the mask and runs the prefix loop (exact by ``masking.coupled_causal_rows``).
     """
     check_options(dropout_p, grad_mode)
+    if softcap is not None and grad_mode == "implicit":
+        raise ValueError("softcap is computed with grad_mode='unrolled' only (the implicit backward is the fixed "
+                         "point of uncapped logits): use backend='cpu'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     (q, k, v), out_dtype = upcast(q, k, v)
-    kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode)
+    kw = dict(scale=scale, eps=eps, cost=cost, n_iters=n_iters, grad_mode=grad_mode, softcap=float(softcap or 0.0))
     engine = TorchEngine(block_q, block_k)
 
-    def run(q, k, v, mask):
+    def run(q, k, v, mask, band=None):
         keep, bias = split_mask(mask, False, q.shape[-2], k.shape[-2], q.device)
-        return streaming_sinkhorn(engine, q, k, v, keep, bias, **kw)
+        return streaming_sinkhorn(engine, q, k, v, keep, bias, band=band, **kw)
     window = NO_WINDOW if window_size is None else (int(window_size[0]), int(window_size[1]))
+    if window != NO_WINDOW and not is_causal:
+        band = band_bounds(window, False, q.shape[-2], k.shape[-2])
+        return run(q, k, v, attn_mask, band).to(out_dtype)
     if window != NO_WINDOW and grad_mode == "unrolled" and takes(is_causal, attn_mask, window[0], k.shape[-2]):
         return causal_by_window(run, q, k, v, window[0], attn_mask).to(out_dtype)
     if window != NO_WINDOW:

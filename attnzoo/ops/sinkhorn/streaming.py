@@ -77,8 +77,9 @@ class Problem:
     cost: str
     mask: Optional[torch.Tensor] = None   # the raw attn_mask (engines that read it as is; keep/bias None)
     tune: bool = True                      # engines may autotune tiles for this shape
-    softcap: float = 0.0                   # the logit cap (0: none); only the Triton engine takes one
-    band: Optional[tuple] = None           # (left, right) of a window (triton_logit_extras.band_bounds); Triton only
+    softcap: float = 0.0                   # the logit cap (0: none), on the whole logit before the mask's bias
+    band: Optional[tuple] = None           # (left, right) of a window (triton_logit_extras.band_bounds): the
+                                           # passes visit only the tiles that meet it
 
     @property
     def col_target(self) -> float:
@@ -156,22 +157,22 @@ def _adjoint_implicit(engine, p, g, lse, dg):
 
 class _StreamingSinkhorn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, scale, eps, cost, n_iters, grad_mode, engine):
-        p = Problem(q, k, v, keep, bias, scale, eps, cost)
+    def forward(ctx, q, k, v, keep, bias, scale, eps, cost, n_iters, grad_mode, engine, softcap, band):
+        p = Problem(q, k, v, keep, bias, scale, eps, cost, softcap=softcap, band=band)
         fs, gs = sinkhorn_potentials(engine, p, n_iters)
         out, lse = engine.attend(p, gs[-1])
-        ctx.meta = (keep, bias, scale, eps, cost, grad_mode, engine, len(fs))
+        ctx.meta = (keep, bias, scale, eps, cost, grad_mode, engine, len(fs), softcap, band)
         ctx.save_for_backward(q, k, v, out, lse, *fs, *gs)
         return out
 
     @staticmethod
     @functools.partial(first_order_only, name="the streaming Sinkhorn backward (backends 'cpu', 'cpu_implicit')")
     def backward(ctx, dout):
-        keep, bias, scale, eps, cost, grad_mode, engine, T = ctx.meta
+        keep, bias, scale, eps, cost, grad_mode, engine, T, softcap, band = ctx.meta
         q, k, v, out, lse, *pots = ctx.saved_tensors
-        p = Problem(q, k, v, keep, bias, scale, eps, cost)
+        p = Problem(q, k, v, keep, bias, scale, eps, cost, softcap=softcap, band=band)
         dq, dk, dv = streaming_backward(engine, p, dout, out, lse, pots[:T], pots[T:], grad_mode)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
 
 
 def streaming_backward(engine, p: Problem, dout, out, lse, fs, gs, grad_mode):
@@ -188,15 +189,17 @@ def streaming_backward(engine, p: Problem, dout, out, lse, fs, gs, grad_mode):
     return dq, dk, dv
 
 
-def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode):
-    """Non-causal streaming Sinkhorn attention; keep/bias as from ``masking.split_mask``."""
+def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode, softcap=0.0,
+                       band=None):
+    """Non-causal streaming Sinkhorn attention; keep/bias as from ``masking.split_mask``; ``softcap``
+    (0: none) and ``band`` as ``Problem``'s."""
     B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if keep is not None:
         keep = keep.expand(B, H, nq, nk)
     if bias is not None:
         bias = bias.expand(B, H, nq, nk)
     return _StreamingSinkhorn.apply(q.contiguous(), k.contiguous(), v.contiguous(), keep, bias,
-                                    scale, eps, cost, n_iters, grad_mode, engine)
+                                    scale, eps, cost, n_iters, grad_mode, engine, float(softcap), band)
 
 
 def causal_by_prefix(run, q, k, v, attn_mask=None):
