@@ -24,66 +24,14 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.sinkhorn import cpu
-from tests.sinkhorn_math import lse
+from tests.sinkhorn_math import causal64, in_window, windowed64
 
 D = 8
 SCALE = D ** -0.5
 NAMES = ["out", "dq", "dk", "dv"]
 
 
-# --- float64 formulas ------------------------------------------------------------------------------------
-
-def logits(q, k, cost, eps, softcap):
-    if cost == "l2":
-        L = -SCALE * ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1) / (2 * eps)
-    else:
-        L = SCALE * (q @ k.transpose(-1, -2)) / eps
-    return L if softcap is None else softcap * torch.tanh(L / softcap)
-
-
-def in_window(window, nq, nk):
-    d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - (nk - nq)
-    left, right = window
-    return ((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))
-
-
-def sinkhorn64(q, k, v, allow, add, cost, eps, softcap, n_iters):
-    nq, nk = q.shape[-2], k.shape[-2]
-    L = (logits(q, k, cost, eps, softcap) + add).masked_fill(~allow, -math.inf)
-    g = torch.zeros(L.shape[:-2] + (1, nk), dtype=L.dtype)
-    for _ in range(n_iters):
-        f = -lse(L + g, -1)
-        g = math.log(nq / nk) - lse(L + f, -2)
-    z = L + g
-    return torch.exp(z - lse(z, -1)).masked_fill(~allow, 0.0) @ v
-
-
-def windowed64(q, k, v, window=(-1, -1), mask=None, cost="l2", eps=1.0, softcap=None, n_iters=2):
-    allow = in_window(window, q.shape[-2], k.shape[-2])
-    add = torch.zeros(())
-    if mask is not None:
-        allow = allow & (mask if mask.dtype == torch.bool else mask > -math.inf)
-        if mask.is_floating_point():
-            add = torch.where(mask > -math.inf, mask, torch.zeros_like(mask))
-    return sinkhorn64(q, k, v, allow, add, cost, eps, softcap, n_iters)
-
-
-def causal64(q, k, v, left=-1, cost="l2", eps=1.0, softcap=None, n_iters=2):
-    nq, nk = q.shape[-2], k.shape[-2]
-    off = nk - nq
-    rows = []
-    for i in range(nq):
-        if i + off < 0:
-            rows.append(torch.zeros_like(v[..., :1, :]))
-            continue
-        ka, qa = (0, 0) if left < 0 else (max(0, i + off - left), max(0, i - left, -off))
-        qs, ks, vs = q[..., qa:i + 1, :], k[..., ka:i + off + 1, :], v[..., ka:i + off + 1, :]
-        allow = torch.ones(qs.shape[-2], ks.shape[-2], dtype=torch.bool)
-        rows.append(sinkhorn64(qs, ks, vs, allow, torch.zeros(()), cost, eps, softcap, n_iters)[..., -1:, :])
-    return torch.cat(rows, -2)
-
-
-# --- helpers ---------------------------------------------------------------------------------------------
+# --- helpers (the float64 formulas: tests/sinkhorn_math.py) ---------------------------------------------
 
 @pytest.fixture
 def small_tiles(monkeypatch):

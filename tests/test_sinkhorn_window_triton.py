@@ -21,71 +21,16 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from tests.sinkhorn_math import lse
+from tests.sinkhorn_math import causal64, in_window, logits, windowed64
 from tests.common import needs_interpreter
 from tests.flash_rule import assert_flash_rule
 
 pytestmark = needs_interpreter
 
 D = 8
-SCALE = D ** -0.5
 
 
-# --- float64 formulas ------------------------------------------------------------------------------------
-
-def logits(q, k, cost, eps, softcap):
-    if cost == "l2":
-        L = -SCALE * ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1) / (2 * eps)
-    else:
-        L = SCALE * (q @ k.transpose(-1, -2)) / eps
-    return L if softcap is None else softcap * torch.tanh(L / softcap)
-
-
-def in_window(window, nq, nk):
-    i = torch.arange(nq)[:, None]
-    j = torch.arange(nk)[None, :]
-    d = j - i - (nk - nq)
-    left, right = window
-    return ((d >= -left) | (left < 0)) & ((d <= right) | (right < 0))
-
-
-def sinkhorn64(q, k, v, allow, add, cost, eps, softcap, n_iters):
-    nq, nk = q.shape[-2], k.shape[-2]
-    L = (logits(q, k, cost, eps, softcap) + add).masked_fill(~allow, -math.inf)
-    g = torch.zeros(L.shape[:-2] + (1, nk), dtype=L.dtype)
-    for _ in range(n_iters):
-        f = -lse(L + g, -1)
-        g = math.log(nq / nk) - lse(L + f, -2)
-    z = L + g
-    return torch.exp(z - lse(z, -1)).masked_fill(~allow, 0.0) @ v
-
-
-def windowed64(q, k, v, window, mask=None, cost="l2", eps=1.0, softcap=None, n_iters=2):
-    allow = in_window(window, q.shape[-2], k.shape[-2])
-    add = torch.zeros(())
-    if mask is not None:
-        allow = allow & (mask if mask.dtype == torch.bool else mask > -math.inf)
-        if mask.is_floating_point():
-            add = torch.where(mask > -math.inf, mask, torch.zeros_like(mask))
-    return sinkhorn64(q, k, v, allow, add, cost, eps, softcap, n_iters)
-
-
-def causal_windowed64(q, k, v, left, cost="l2", eps=1.0, softcap=None, n_iters=2):
-    nq, nk = q.shape[-2], k.shape[-2]
-    off = nk - nq
-    rows = []
-    for i in range(nq):
-        if i + off < 0:
-            rows.append(torch.zeros_like(v[..., :1, :]))
-            continue
-        ka, qa = max(0, i + off - left), max(0, i - left, -off)
-        qs, ks, vs = q[..., qa:i + 1, :], k[..., ka:i + off + 1, :], v[..., ka:i + off + 1, :]
-        allow = torch.ones(qs.shape[-2], ks.shape[-2], dtype=torch.bool)
-        rows.append(sinkhorn64(qs, ks, vs, allow, torch.zeros(()), cost, eps, softcap, n_iters)[..., -1:, :])
-    return torch.cat(rows, -2)
-
-
-# --- helpers ---------------------------------------------------------------------------------------------
+# --- helpers (the float64 formulas: tests/sinkhorn_math.py) ---------------------------------------------
 
 def inputs(H, nq, nk, seed, spread=1.0):
     g = torch.Generator().manual_seed(seed)
@@ -284,7 +229,7 @@ def test_causal_window_rows_are_their_window_problems(case, monkeypatch):
     monkeypatch.setattr(st, "sinkhorn_fwd", lambda *a: calls.append(a[0].shape) or fwd(*a))
     monkeypatch.setattr(st, "causal_by_prefix", lambda *a, **k: pytest.fail("ran the prefix loop"))
     kw = dict(is_causal=True, window_size=(left, right), cost=cost, softcap=softcap, n_iters=2)
-    want_fn = lambda *t: causal_windowed64(*t, left, cost=cost, softcap=softcap)
+    want_fn = lambda *t: causal64(*t, left, cost=cost, softcap=softcap)
     got, want = check(label, torch.float32, q, k, v, dout, want_fn, kw)
     # O(1) calls (short rows, full rows: each forward once, and once more recomputed by the backward)
     assert len(calls) <= 4, calls
