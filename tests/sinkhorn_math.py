@@ -70,3 +70,28 @@ def causal64(q, k, v, left=-1, cost="l2", eps=1.0, softcap=None, n_iters=2):
         allow = torch.ones(qs.shape[-2], ks.shape[-2], dtype=torch.bool)
         rows.append(sinkhorn64(qs, ks, vs, allow, torch.zeros(()), cost, eps, softcap, n_iters)[..., -1:, :])
     return torch.cat(rows, -2)
+
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def tiles_outside_every_band(side):
+    """(nq, nk, window, planted rows, which of q, k, v get them, their own gradients) for a skip test:
+    whole 16-row tiles no band reaches. "keys": query i sees keys i + 40..i + 48, so keys 0..31 are in
+    no band; "queries": key j is seen by queries j + 40..j + 48, so queries 0..31 see no key."""
+    if side == "keys":
+        return 16, 64, (8, 0), slice(0, 32), (1, 2), ("dk", "dv")
+    return 64, 16, (0, 8), slice(0, 32), (0,), ("dq",)
+
+
+def assert_planted_nan_skipped(clean, got, folded, rows, own, n=64):
+    """A banded call that never visits the planted tiles: outputs and every gradient outside the planted
+    rows' own equal the clean run's and are finite; the folded-mask call, which visits them (0 * NaN in
+    the plan @ v and dL^T products), shows NaN somewhere, so the test can fail."""
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[rows] = False
+    outside = lambda name, a: a[..., keep, :] if name in own else a
+    for name, a, b in zip(NAMES, clean, got):
+        assert torch.isfinite(outside(name, b)).all(), name
+        assert torch.equal(outside(name, a), outside(name, b)), name
+    assert any(torch.isnan(outside(name, a)).any() for name, a in zip(NAMES, folded))

@@ -24,7 +24,8 @@ import torch
 import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.sinkhorn import cpu
-from tests.sinkhorn_math import causal64, in_window, windowed64
+from tests.sinkhorn_math import (assert_planted_nan_skipped, causal64, in_window, tiles_outside_every_band,
+                                  windowed64)
 
 D = 8
 SCALE = D ** -0.5
@@ -181,29 +182,17 @@ def test_window_equals_the_folded_mask_with_empty_rows_and_columns(small_tiles):
 
 @pytest.mark.parametrize("side", ["keys", "queries"])
 def test_window_skips_the_tiles_outside_every_band(side, small_tiles):
-    """NaN planted in whole 16-row tiles no band reaches. A pass that visited them, even masked, would
-    multiply a zero plan entry by the NaN (plan @ v, dL^T @ q): the folded-mask call shows it. The banded
-    call never computes them: its outputs and every gradient outside the planted rows equal the clean run's."""
-    if side == "keys":   # query i sees keys i + 40..i + 48: keys 0..31 are in no band
-        nq, nk, window, rows = 16, 64, (8, 0), slice(0, 32)
-    else:                # key j is seen by queries j + 40..j + 48: queries 0..31 see no key
-        nq, nk, window, rows = 64, 16, (0, 8), slice(0, 32)
+    """NaN planted in whole 16-row tiles no band reaches: the banded "cpu" passes never compute them
+    (tests/sinkhorn_math.assert_planted_nan_skipped), the folded mask does."""
+    nq, nk, window, rows, planted, own = tiles_outside_every_band(side)
     q, k, v, dout = inputs(1, nq, nk, seed=9)
     dirty = [t.clone() for t in (q, k, v)]
-    for i in ([1, 2] if side == "keys" else [0]):
+    for i in planted:
         dirty[i][..., rows, :] = math.nan
     call = lambda *t: AF.sinkhorn(*t, window_size=window, softcap=1.5, backend="cpu", n_iters=2)
-    clean, got = run(call, (q, k, v), dout), run(call, dirty, dout)
-    own = ["dk", "dv"] if side == "keys" else ["dq"]   # the planted rows' own gradients, left out
-    keep = torch.ones(64, dtype=torch.bool)
-    keep[rows] = False
-    outside = lambda name, a: a[..., keep, :] if name in own else a
-    for name, a, b in zip(NAMES, clean, got):
-        assert torch.isfinite(outside(name, b)).all(), name
-        assert torch.equal(outside(name, a), outside(name, b)), name
-    dense = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), softcap=1.5, backend="cpu",
-                                       n_iters=2), dirty, dout)
-    assert any(torch.isnan(outside(name, a)).any() for name, a in zip(NAMES, dense))
+    folded = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), softcap=1.5, backend="cpu",
+                                        n_iters=2), dirty, dout)
+    assert_planted_nan_skipped(run(call, (q, k, v), dout), run(call, dirty, dout), folded, rows, own)
 
 
 def test_window_work_is_linear_in_n(monkeypatch):

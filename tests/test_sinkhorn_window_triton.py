@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from tests.sinkhorn_math import causal64, in_window, logits, windowed64
+from tests.sinkhorn_math import (assert_planted_nan_skipped, causal64, in_window, logits, tiles_outside_every_band,
+                                  windowed64)
 from tests.common import needs_interpreter
 from tests.flash_rule import assert_flash_rule
 
@@ -179,32 +180,18 @@ def test_window_on_a_kept_plan_equals_the_general_route(cost, dtype, monkeypatch
 
 @pytest.mark.parametrize("side", ["keys", "queries"])
 def test_window_skips_the_tiles_outside_every_band(side):
-    """NaN planted in whole 16-row tiles that no band reaches. A pass that visited those tiles, even masked,
-    would multiply a zero plan entry by the NaN (0 * NaN = NaN in the plan @ v and dL^T @ k products): the
-    folded-mask call shows it. The banded call never loads them: its outputs and every gradient outside
-    the planted rows equal the clean run's."""
-    if side == "keys":   # query i sees keys i + 40..i + 48: keys 0..31 are in no band
-        nq, nk, window, rows = 16, 64, (8, 0), slice(0, 32)
-    else:                # key j is seen by queries j + 40..j + 48: queries 0..31 see no key
-        nq, nk, window, rows = 64, 16, (0, 8), slice(0, 32)
+    """NaN planted in whole 16-row tiles no band reaches: the banded Triton passes never load them
+    (tests/sinkhorn_math.assert_planted_nan_skipped), the folded mask does."""
+    nq, nk, window, rows, planted, own = tiles_outside_every_band(side)
     q, k, v, dout = inputs(1, nq, nk, seed=9)
     dirty = [t.clone() for t in (q, k, v)]
-    planted = [1, 2] if side == "keys" else [0]
     for i in planted:
         dirty[i][..., rows, :] = math.nan
     call = lambda *t: AF.sinkhorn(*t, window_size=window, backend="triton", n_iters=2)
-    clean = run(call, [q, k, v], torch.float32, dout)
-    got = run(call, dirty, torch.float32, dout)
-    own = ["dk", "dv"] if side == "keys" else ["dq"]   # the planted rows' own gradients: NaN, left out
-    keep = torch.ones(64, dtype=torch.bool)
-    keep[rows] = False
-    outside = lambda name, a: a[..., keep, :] if name in own else a
-    for name, a, b in zip(["out", "dq", "dk", "dv"], clean, got):
-        assert torch.isfinite(outside(name, b)).all(), name
-        assert torch.equal(outside(name, a), outside(name, b)), name
-    dense = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), backend="triton", n_iters=2),
-                dirty, torch.float32, dout)
-    assert any(torch.isnan(outside(name, a)).any() for name, a in zip(["out", "dq", "dk", "dv"], dense))
+    folded = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), backend="triton", n_iters=2),
+                 dirty, torch.float32, dout)
+    assert_planted_nan_skipped(run(call, [q, k, v], torch.float32, dout), run(call, dirty, torch.float32, dout),
+                               folded, rows, own)
 
 
 # --- causal + window: each row's window problem, batched ---------------------------------------------------
