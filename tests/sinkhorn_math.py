@@ -57,7 +57,9 @@ def windowed64(q, k, v, window=(-1, -1), mask=None, cost="l2", eps=1.0, softcap=
 
 def causal64(q, k, v, left=-1, cost="l2", eps=1.0, softcap=None, n_iters=2):
     """Causal Sinkhorn by the rule (docs/usage.md): row i is the last row of ``sinkhorn64`` on the tokens it
-    sees, its prefix, or with a window of ``left`` the last left + 1 of them; a row with no key is 0."""
+    sees, its prefix, or with a window of ``left`` the last left + 1 of them, and the queries of those
+    tokens (with more queries than keys the first n_q - n_k have no token among the keys: in no row's
+    problem); a row with no key is 0."""
     nq, nk = q.shape[-2], k.shape[-2]
     off = nk - nq
     rows = []
@@ -65,7 +67,7 @@ def causal64(q, k, v, left=-1, cost="l2", eps=1.0, softcap=None, n_iters=2):
         if i + off < 0:
             rows.append(torch.zeros_like(v[..., :1, :]))
             continue
-        ka, qa = (0, 0) if left < 0 else (max(0, i + off - left), max(0, i - left, -off))
+        ka, qa = (0, max(0, -off)) if left < 0 else (max(0, i + off - left), max(0, i - left, -off))
         qs, ks, vs = q[..., qa:i + 1, :], k[..., ka:i + off + 1, :], v[..., ka:i + off + 1, :]
         allow = torch.ones(qs.shape[-2], ks.shape[-2], dtype=torch.bool)
         rows.append(sinkhorn64(qs, ks, vs, allow, torch.zeros(()), cost, eps, softcap, n_iters)[..., -1:, :])

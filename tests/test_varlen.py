@@ -90,12 +90,31 @@ def test_packed_equals_each_sequence_alone(case, causal):
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c != "sinkhorn"))
 def test_padded_route_equals_each_sequence_alone(case, causal):
     """The route torch.compile traces (one padded batch, per-sequence key mask) for every variant whose
-    queries are independent; Sinkhorn never takes it (its column target would count padded queries)."""
+    queries are independent; Sinkhorn takes ``padded_coupled`` instead (the next test)."""
     variant, options, _ = CASES[case]
     call = AF.VARIANT_FUNCTIONS[variant]
     assert_matches(case, lambda q, k, v: varlen.padded(call, q, k, v, offsets(LEN_Q), offsets(LEN_K), max(LEN_Q),
                                                        max(LEN_K), causal, dict(enable_gqa=True, **options)),
                    causal, torch.float64, 1e-9)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths", ["cross", "self"])
+def test_coupled_padded_route_equals_each_sequence_alone(lengths, causal):
+    """Sinkhorn's traced route: one padded batch with the padded queries and keys masked out of the problem,
+    placed so that the causal prefix rule and its bottom-right diagonal are each sequence's; "cross": other
+    key lengths (Nq < Nk and Nq > Nk per sequence, a key block of max_q + max_k - 1), "self": the same
+    offsets tensor (a block of max_q)."""
+    variant, options, _ = CASES["sinkhorn"]
+    len_k = LEN_K if lengths == "cross" else LEN_Q
+    cu_q = offsets(LEN_Q)
+    cu_k = offsets(len_k) if lengths == "cross" else cu_q
+
+    def call(q, k, v):
+        return varlen.padded_coupled(AF.VARIANT_FUNCTIONS[variant], q, k, v, cu_q, cu_k, max(LEN_Q), max(len_k),
+                                     causal, dict(enable_gqa=True, **options))
+
+    assert_matches("sinkhorn", call, causal, torch.float64, 1e-9, LEN_Q, len_k)
 
 
 def _backend_cases():
@@ -185,15 +204,15 @@ def test_equal_lengths_share_one_call_and_keep_their_order():
 
 @pytest.mark.parametrize("variant", ["softmax", "sinkhorn"])
 def test_compile_takes_offsets_as_tensors(variant):
-    """softmax: the padded route inside one graph (fullgraph=True); Sinkhorn, whose padded queries would
-    count in its marginals: the offsets read outside the graph (a graph break, so without fullgraph)."""
+    """The padded route inside one graph (fullgraph=True): softmax's with a per-sequence key mask,
+    Sinkhorn's with its padded queries masked out of the problem too (varlen.padded_coupled)."""
     q, k, v = (t.detach() for t in packed_inputs(torch.float32, LEN_Q, LEN_Q))
     cu = offsets(LEN_Q)
 
     def step(q, k, v, cu):
         return AF.varlen(variant, q, k, v, cu, cu, max(LEN_Q), max(LEN_Q), is_causal=True, enable_gqa=True)
 
-    compiled = torch.compile(step, fullgraph=variant != "sinkhorn", backend="eager")
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, cu), step(q, k, v, cu), atol=1e-6, rtol=1e-6)
     other = offsets([4, 4, 1])                          # new offsets, same graph: read as a tensor
     torch.testing.assert_close(compiled(q, k, v, other), step(q, k, v, other), atol=1e-6, rtol=1e-6)

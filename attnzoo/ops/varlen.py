@@ -25,10 +25,12 @@ two exact routes, chosen once per call by how the call runs:
   n_q n_k, never T_q T_k;
 * while torch.compile traces: offsets cannot be read, so variants whose queries are independent of
   each other (every built-in one except Sinkhorn) run as one padded batch of N rows of max_q / max_k
-  with a per-sequence key mask: masking a key is removing it in every attnzoo variant and padded
-  queries are dropped, so it is exact. A variant that couples queries (``couples_queries``) counts
-  the padded queries in its marginals, so it keeps the eager route, which reads the offsets: a
-  graph break (refused under fullgraph=True).
+  with a per-sequence key mask (``padded``): masking a key is removing it in every attnzoo variant and
+  padded queries are dropped, so it is exact. A variant that couples queries (``couples_queries``:
+  Sinkhorn) runs as one padded batch too (``padded_coupled``): each sequence placed so that the variant's
+  own bottom-right causal diagonal and window band are the sequence's, its padded queries and keys
+  masked out entirely, which drops them from the problem (masking.coupled_causal_rows); so
+  torch.compile(fullgraph=True) holds for every variant.
 """
 from __future__ import annotations
 
@@ -165,6 +167,46 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
     return out.transpose(1, 2)[seq_q, pos_q]
 
 
+def padded_coupled(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Tensor:
+    """For a variant that couples queries (Sinkhorn): one padded (N, H, ., D) batch in which every sequence
+    is its own problem, ``is_causal`` and a ``window_size`` band handed to ``fn`` as they are (a coupled
+    variant's causal call is its prefix rule, not a causal mask).
+
+    Layout: sequence s's queries at rows 0 .. n_q - 1 of a block of max_q, its keys at columns
+    P .. P + n_k - 1 of a block of W, P = W - max_q - (n_k - n_q). Then ``fn``'s bottom-right alignment on
+    the max_q x W block is each sequence's own (j' - i' - (W - max_q) = j - i - (n_k - n_q)), and no key
+    of the sequence without a query of its own (the first n_k - n_q, when n_k > n_q) gets a padded query
+    in its place, which the causal rule would pair with later tokens (masking.causal_completion): P >= 0
+    for every sequence needs W >= max_q + n_k - n_q, so W = max_q + max_k - 1 in general and W = max_q
+    for self-attention (the same offsets tensor for queries and keys, P = 0). The padded queries and keys
+    are masked out entirely, so they drop out of every problem (a fully masked row or column takes no
+    part in a Sinkhorn problem; the one thing the padded size still changes, the column target
+    log(max_q / W), shifts every key potential of a problem alike, which the final row normalisation
+    removes). Padded queries' rows are dropped."""
+    n_seq = cu_q.numel() - 1
+    seq_q, pos_q = _token_index(cu_q, q.shape[0])
+    seq_k, pos_k = _token_index(cu_k, k.shape[0])
+    len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+    same = cu_k is cu_q and max_k == max_q
+    width = max_q if same else max_q + max_k - 1
+    first_key = width - max_q - (len_k - len_q)                                          # P, per sequence
+    slot_k = pos_k + first_key[seq_k]
+
+    def pad(t, seq, slot, length):
+        return t.new_zeros((n_seq, length) + t.shape[1:]).index_put((seq, slot), t)
+
+    real_q = torch.arange(max_q, device=q.device)[None, :] < len_q[:, None]                # (N, max_q)
+    column = torch.arange(width, device=q.device)[None, :]
+    real_k = (column >= first_key[:, None]) & (column < (first_key + len_k)[:, None])      # (N, W)
+    keep = real_q[:, None, :, None] & real_k[:, None, None, :]                            # (N, 1, max_q, W)
+    kwargs = dict(kwargs)
+    kwargs.update({name: value.padded(seq_k, slot_k, n_seq, width) for name, value in per_key_options(kwargs).items()})
+    out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, slot_k, width)),
+             _as_batch(pad(v, seq_k, slot_k, width)), attn_mask=keep, is_causal=is_causal, **kwargs)
+    return out.transpose(1, 2)[seq_q, pos_q]
+
+
 def check(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k):
     """The packed layout's checks -> (cu_seq_k, max_k, offsets_q, offsets_k): ``cu_seq_k=None`` means
     q's offsets; the offsets are read as ints in eager mode (None while torch.compile traces)."""
@@ -196,8 +238,8 @@ def attend_varlen(name: str, q, k, v, cu_seq_q, cu_seq_k=None, max_q=None, max_k
         return padded(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
                       V.check_flag("is_causal", is_causal), kwargs)
     if offsets_q is None:                                               # compiling a coupling variant
-        return per_sequence_reading_offsets(record.functional, q, k, v, cu_seq_q, cu_seq_k,
-                                            dict(is_causal=is_causal, **kwargs))
+        return padded_coupled(record.functional, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k,
+                              V.check_flag("is_causal", is_causal), kwargs)
     out = varlen_blockwise.run(name, q, k, v, offsets_q, offsets_k, is_causal, kwargs)   # CPU: one blockwise call
     if out is not None:
         return out

@@ -21,7 +21,8 @@ Forward and backward are the custom ops ``attnzoo::sinkhorn_varlen_fwd`` / ``_bw
 gradient, first order only, as the dense ones). Causal packed Sinkhorn is each sequence's prefix loop
 (row i = the last row of Sinkhorn on its prefix): ``causal`` runs prefix i of every sequence as one
 packed problem, max_q launch sets in all instead of one per (distinct length, prefix); it reads the
-offsets on the host for the prefixes' sizes (a graph break under torch.compile, as the per-length route).
+offsets on the host for the prefixes' sizes, so while torch.compile traces the route declines causal calls
+and ops/varlen.py runs them as one padded batch (``padded_coupled``: one graph, fullgraph=True holds).
 A non-causal ``window_size`` is each sequence's band (bottom-right on its own lengths), and every pass skips
 the tiles outside it as the dense passes do (triton.py); a causal window is each row's own window problem,
 which the per-length route batches (causal_window.py). The route (``route``) takes calls without a causal
@@ -223,8 +224,8 @@ def causal(q, k, v, cu_q, cu_k, config) -> Tensor:
     keys 0..i + n_k - n_q: paper 002 eq 2.6, streaming.causal_by_prefix), and prefix i of every sequence
     long enough is one packed problem, one launch set: max_q of them instead of one per (distinct length,
     prefix). Each runs under activation checkpointing (autograd keeps q, k, v and the rows, as the
-    per-length prefix loop). The offsets are read on the host here (the prefix problems' sizes), so under
-    torch.compile this is a graph break, as the per-length route is."""
+    per-length prefix loop). The offsets are read on the host here (the prefix problems' sizes), so ``route``
+    does not take causal calls while torch.compile traces (ops/varlen.py's padded batch runs them)."""
     offsets_q, offsets_k = cu_q.tolist(), cu_k.tolist()
     starts_q, starts_k = offsets_q[:-1], offsets_k[:-1]
     n_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
@@ -288,6 +289,8 @@ def route(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal, kwargs: dict) 
     window = logit_extras.check_window_size(options.pop("window_size", None))
     if window is not None and is_causal:  # each row's own window problem: the per-length route batches them
         return None
+    if is_causal and torch.compiler.is_compiling():  # ``causal`` reads the offsets: ops/varlen.py's padded
+        return None                                  # batch for coupled variants keeps one graph
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))                 # (1, H, T, D) views
     V.check_qkv(q4, k4, v4, V.check_flag("enable_gqa", options.pop("enable_gqa", False)))
     if unsupported_reason(q4, v=v4) is not None:
