@@ -29,3 +29,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_per_length(monkeypatch):
+    """Packed calls: the per-length routes (ops/varlen.py's, which read the offsets on the host) fail if taken."""
+    from attnzoo.ops import varlen
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the per-length route ran")
+
+    monkeypatch.setattr(varlen, "per_sequence", fail)
+    monkeypatch.setattr(varlen, "per_sequence_reading_offsets", fail)

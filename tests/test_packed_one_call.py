@@ -42,15 +42,6 @@ def varlen_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def no_per_length(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("the per-length route ran")
-
-    monkeypatch.setattr(varlen, "per_sequence", fail)
-    monkeypatch.setattr(varlen, "per_sequence_reading_offsets", fail)
-
-
 def assert_same_as_alone(layer, xs, packed_forward, causal):
     alone = torch.cat([layer(x[None], is_causal=causal)[0] for x in xs])
     packed = packed_forward()

@@ -65,16 +65,6 @@ def compiled_packed(backend, causal, window, cost, softcap, n_iters, graphs, max
     return torch.compile(step, fullgraph=True, backend=capture)
 
 
-@pytest.fixture
-def no_offsets_read(monkeypatch):
-    """The routes that read the offsets on the host fail if taken."""
-    def fail(*args, **kwargs):
-        raise AssertionError("a route reading the offsets ran")
-
-    monkeypatch.setattr(varlen, "per_sequence", fail)
-    monkeypatch.setattr(varlen, "per_sequence_reading_offsets", fail)
-
-
 def assert_packed_equals_alone(backend, causal, window, cost, softcap, n_iters, dtype, tol, lengths=LENGTHS):
     torch._dynamo.reset()
     graphs = []
@@ -105,13 +95,13 @@ CASES = [  # (causal, window, cost, softcap, n_iters)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'causal' if c[0] else 'full'}-w{c[1][0]}.{c[1][1]}-{c[2]}"
                                                       f"{'-cap' if c[3] else ''}-it{c[4]}")
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_compiled_packed_sinkhorn_is_each_sequence_alone(backend, case, no_offsets_read):
+def test_compiled_packed_sinkhorn_is_each_sequence_alone(backend, case, no_per_length):
     assert_packed_equals_alone(backend, *case, dtype=torch.float64, tol=1e-10)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["full-window", "causal"])
-def test_compiled_packed_sinkhorn_on_the_triton_backend(case, no_offsets_read):
+def test_compiled_packed_sinkhorn_on_the_triton_backend(case, no_per_length):
     """Non-causal: the packed kernels' op in the graph; causal: the padded batch on the dense kernels
     (the packed route's causal prefixes read the offsets, so it declines while torch.compile traces)."""
     assert_packed_equals_alone("triton", *case, dtype=torch.float32, tol=2e-5, lengths=SHORT)
