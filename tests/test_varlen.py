@@ -246,3 +246,25 @@ def test_unpacked_layout_is_refused():
     q = torch.randn(1, H, 9, D)
     with pytest.raises(ValueError, match=r"packed q must have shape \(T, H, D\)"):
         AF.varlen("softmax", q, q, q, offsets(LEN_Q), None, 5, None)
+
+
+@pytest.mark.parametrize("variant", ["softmax", "sinkhorn"])
+def test_compiled_call_asserts_malformed_offsets(variant):
+    """Under torch.compile the offsets are not read on the host: the eager checks are asserts in the graph,
+    so a length-0 sequence, unsorted or out-of-range offsets and a too-small max_q raise, naming the
+    argument, instead of giving a silent answer."""
+    q, k, v = (t.detach() for t in packed_inputs(torch.float32, LEN_Q, LEN_Q))
+    total = sum(LEN_Q)
+
+    def step(q, k, v, cu):
+        return AF.varlen(variant, q, k, v, cu, cu, max(LEN_Q), max(LEN_Q), enable_gqa=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    compiled(q, k, v, offsets(LEN_Q))
+    bad = {"length 0": ([0, 3, 3, total], "cu_seq_q must be sorted, every sequence at least one token"),
+           "unsorted": ([0, total - 1, 2, total], "cu_seq_q must be sorted"),
+           "short": ([0, 3, 4, total - 1], f"cu_seq_q must run from 0 to the packed length {total}"),
+           "too long": ([0, 1, 2, total], f"max_q={max(LEN_Q)} is shorter than the longest sequence")}
+    for case, (cu, message) in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            compiled(q, k, v, torch.tensor(cu, dtype=torch.int32))

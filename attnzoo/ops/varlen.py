@@ -66,6 +66,7 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
     if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 1:
         raise ValueError(f"{max_name} must be a Python int >= 1 (the longest sequence), got {max_len!r}")
     if not read_values:
+        _assert_on_device(name, cu, total, max_len, max_name)
         return None
     last = _LAST_READ.get(name)
     if last is not None and last[0]() is cu and last[1:4] == (cu._version, total, max_len):
@@ -83,6 +84,19 @@ def _check_offsets(name: str, cu, total: int, max_len, max_name: str, device, re
         raise ValueError(f"{max_name}={max_len} is shorter than the longest sequence in {name} ({max(lengths)})")
     _LAST_READ[name] = (weakref.ref(cu), cu._version, total, max_len, offsets)
     return offsets
+
+
+def _assert_on_device(name: str, cu, total: int, max_len: int, max_name: str) -> None:
+    """While torch.compile traces, the offsets' values cannot be read on the host: the checks
+    ``_check_offsets`` makes eagerly become asserts in the graph (torch._assert_async: raised on CPU at
+    the call, a device-side assert on CUDA), so malformed offsets never give a silent answer."""
+    lengths = cu[1:] - cu[:-1]
+    torch._assert_async((cu[0] == 0) & (cu[-1] == total),
+                        f"{name} must run from 0 to the packed length {total}")
+    torch._assert_async((lengths >= 1).all(),
+                        f"{name} must be sorted, every sequence at least one token long")
+    torch._assert_async((lengths <= max_len).all(),
+                        f"{max_name}={max_len} is shorter than the longest sequence in {name}")
 
 
 def _check_packed(q, k, v) -> None:
