@@ -117,6 +117,31 @@ def test_coupled_padded_route_equals_each_sequence_alone(lengths, causal):
     assert_matches("sinkhorn", call, causal, torch.float64, 1e-9, LEN_Q, len_k)
 
 
+@pytest.mark.parametrize("causal, window, lengths, width", [
+    (False, None, "cross", max(LEN_K)), (False, (1, 1), "cross", max(LEN_Q) + max(LEN_K) - 1),
+    (True, None, "cross", max(LEN_Q) + max(LEN_K) - 1), (True, None, "self", max(LEN_Q))])
+def test_coupled_padded_route_key_block(causal, window, lengths, width):
+    """The key block is only as wide as the alignment needs: max_k when nothing is aligned, max_q for
+    self-attention, max_q + max_k - 1 otherwise; the answer is each sequence's either way."""
+    variant, options, _ = CASES["sinkhorn"]
+    len_k = LEN_K if lengths == "cross" else LEN_Q
+    cu_q = offsets(LEN_Q)
+    cu_k = offsets(len_k) if lengths == "cross" else cu_q
+    widths = []
+
+    def recording(q, k, v, **kwargs):
+        widths.append(k.shape[2])
+        return AF.sinkhorn(q, k, v, **kwargs)
+
+    q, k, v = packed_inputs(torch.float64, LEN_Q, len_k)
+    got = varlen.padded_coupled(recording, q, k, v, cu_q, cu_k, max(LEN_Q), max(len_k), causal,
+                                dict(enable_gqa=True, window_size=window, **options))
+    want = AF.varlen("sinkhorn", q, k, v, cu_q, cu_k, max(LEN_Q), max(len_k), is_causal=causal, enable_gqa=True,
+                     window_size=window, **options)
+    assert widths == [width]
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
 def _backend_cases():
     """Every backend that runs CPU tensors: FlexAttention runs on CUDA only (this file's tensors are CPU
     ones) and the Triton kernels under the interpreter. Left out: "triton_implicit" (its implicit

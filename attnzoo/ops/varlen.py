@@ -192,7 +192,8 @@ def padded_coupled(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> 
     of the sequence without a query of its own (the first n_k - n_q, when n_k > n_q) gets a padded query
     in its place, which the causal rule would pair with later tokens (masking.causal_completion): P >= 0
     for every sequence needs W >= max_q + n_k - n_q, so W = max_q + max_k - 1 in general and W = max_q
-    for self-attention (the same offsets tensor for queries and keys, P = 0). The padded queries and keys
+    for self-attention (the same offsets tensor for queries and keys, P = 0); a non-causal call without a
+    window aligns nothing (W = max_k, P = 0). The padded queries and keys
     are masked out entirely, so they drop out of every problem (a fully masked row or column takes no
     part in a Sinkhorn problem; the one thing the padded size still changes, the column target
     log(max_q / W), shifts every key potential of a problem alike, which the final row normalisation
@@ -202,9 +203,12 @@ def padded_coupled(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> 
     seq_k, pos_k = _token_index(cu_k, k.shape[0])
     len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)
     len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
-    same = cu_k is cu_q and max_k == max_q
-    width = max_q if same else max_q + max_k - 1
-    first_key = width - max_q - (len_k - len_q)                                          # P, per sequence
+    window = logit_extras.check_window_size(kwargs.get("window_size"))
+    if not is_causal and window is None:        # nothing aligned: every sequence's keys from column 0
+        width, first_key = max_k, torch.zeros_like(len_k)
+    else:
+        width = max_q if cu_k is cu_q and max_k == max_q else max_q + max_k - 1
+        first_key = width - max_q - (len_k - len_q)                                      # P, per sequence
     slot_k = pos_k + first_key[seq_k]
 
     def pad(t, seq, slot, length):
