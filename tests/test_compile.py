@@ -125,24 +125,32 @@ def test_autocast_bf16_meets_the_flash_rule(name, kw):
     assert_flash_rule(_layer_id(name, kw), torch.bfloat16, 1.0, triples)
 
 
-def test_sinkhorn_implicit_backward_under_compile_matches_eager():
-    """cpu_implicit's backward stops its Neumann series on a tensor value (streaming.neumann_sums), so
-    torch.compile breaks the graph there rather than tracing it (fullgraph=True is refused; a custom op
-    hiding the loop gave a wrong dq on torch 2.11 and was taken back). Compiled, it must equal eager."""
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend,n_iters,masked", [("cpu", 0, False), ("cpu", 3, True), ("cpu_implicit", 20, False)])
+def test_sinkhorn_streaming_backward_under_compile_matches_eager(backend, n_iters, masked, compiler):
+    """The streaming Sinkhorn call is a torch op (ops/sinkhorn/cpu.py: attnzoo::sinkhorn_streaming and its
+    backward), opaque to torch.compile, so fullgraph=True holds and the compiled gradients are eager's. Traced
+    as the autograd.Function it was, torch 2.11's dynamo returned wrong gradients (zeros at n_iters = 0), and
+    cpu_implicit's data-dependent stop broke the graph; this file also runs on that torch (.ci/run)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (6, 5, 5))
+    mask = (torch.rand(1, 1, 6, 5, generator=g) > 0.3) | (torch.arange(5) == 0) if masked else None
 
     def step(fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         return (out,) + torch.autograd.grad(out.square().sum(), leaves)
 
-    sinkhorn = lambda q, k, v: attnzoo.functional.sinkhorn(q, k, v, n_iters=20, backend="cpu_implicit")
+    sinkhorn = lambda q, k, v: attnzoo.functional.sinkhorn(q, k, v, attn_mask=mask, n_iters=n_iters, backend=backend)
     want = step(sinkhorn)
-    got = step(torch.compile(sinkhorn, backend="aot_eager", dynamic=False))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    reference = step(lambda q, k, v: attnzoo.functional.sinkhorn(q, k, v, attn_mask=mask, n_iters=n_iters,
+                                                                 backend="reference"))
+    got = step(torch.compile(sinkhorn, backend=compiler, fullgraph=True, dynamic=False))
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, want, reference):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+        if backend == "cpu":  # the unrolled gradient is the reference's (the implicit one only near the fixed point)
+            torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n} vs reference: {m}")
 
 
 # The Triton backends under the interpreter: an interpreted launch cannot be traced, so their ops are

@@ -6,6 +6,11 @@ sums, gradient rows), so peak memory is a few tiles plus O(n_iters N) potentials
 Tiles hold B*H*block_q*block_k elements: the default block size keeps that near 2^20 (4 MB fp32).
 A softcap caps each tile's logits as it is formed (the backward multiplies dL by the cap's slope); a
 non-causal window's passes visit only the tiles that meet the band, sized to it (``band_tiles``).
+
+A non-causal call is the torch op ``attnzoo::sinkhorn_streaming`` (and ``_backward``), with fake shapes
+and its autograd formula registered: opaque to torch.compile, which then neither traces the tile loops
+nor the hand-written backward (torch 2.11's dynamo traced the autograd.Function this used to be and
+returned wrong gradients: zeros at n_iters = 0).
 """
 from __future__ import annotations
 
@@ -19,7 +24,13 @@ from ..logit_extras import NO_WINDOW, mask_with_window, window_band
 from ..masking import split_mask
 from ..triton_logit_extras import band_bounds
 from .causal_window import causal_by_window, takes
-from .streaming import GRAD_MODES, Problem, causal_by_prefix, streaming_sinkhorn
+from typing import Optional
+
+from torch import Tensor
+
+from ..first_order import first_order_only
+from ..triton_utils import _autograd_function, eager_call
+from .streaming import GRAD_MODES, Problem, causal_by_prefix, sinkhorn_potentials, streaming_backward
 
 TILE_ELEMENTS = 1 << 20
 MIN_BAND_BLOCK = 16   # the fewest query rows per tile a band asks for (Python overhead per tile below it)
@@ -266,3 +277,91 @@ def sinkhorn_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, 
         attn_mask = mask_with_window(attn_mask, window_band(window, q.shape[-2], k.shape[-2], q.device))
     out = causal_by_prefix(run, q, k, v, attn_mask) if is_causal else run(q, k, v, attn_mask)
     return out.to(out_dtype)
+
+
+# --- the non-causal call as a torch op: opaque to torch.compile, fake shapes, its autograd formula -------
+
+def _problem(q, k, v, keep, bias, scale, eps, cost, softcap, banded, band_left, band_right) -> Problem:
+    return Problem(q, k, v, keep, bias, scale, eps, cost, softcap=softcap,
+                   band=(band_left, band_right) if banded else None)
+
+
+def _streaming_host(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor], bias: Optional[Tensor], scale: float,
+                  eps: float, cost: str, n_iters: int, softcap: float, banded: bool, band_left: int, band_right: int,
+                  block_q: int, block_k: int, grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, the final row lse, F = f^1..f^T stacked, G = g^0..g^T stacked); q, k, v float32 / float64;
+    ``grad_mode`` is the backward's ("unrolled" or "implicit"); block sizes 0: chosen per problem."""
+    engine = TorchEngine(block_q or None, block_k or None)
+    p = _problem(q, k, v, keep, bias, scale, eps, cost, softcap, banded, band_left, band_right)
+    fs, gs = sinkhorn_potentials(engine, p, n_iters)
+    out, lse = engine.attend(p, gs[-1])
+    F = torch.stack(fs) if fs else lse.new_empty((0,) + lse.shape)
+    return out, lse, F, torch.stack(gs)
+
+
+_streaming_op = torch.library.custom_op("attnzoo::sinkhorn_streaming", mutates_args=())(_streaming_host)
+
+
+@_streaming_op.register_fake
+def _(q, k, v, keep, bias, scale, eps, cost, n_iters, softcap, banded, band_left, band_right, block_q, block_k,
+      grad_mode):
+    B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return (q.new_empty(B, H, nq, v.shape[3]), q.new_empty(B, H, nq), q.new_empty(n_iters, B, H, nq),
+            q.new_empty(n_iters + 1, B, H, nk))
+
+
+@torch.library.custom_op("attnzoo::sinkhorn_streaming_backward", mutates_args=())
+def _streaming_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, F: Tensor,
+                           G: Tensor, keep: Optional[Tensor], bias: Optional[Tensor], scale: float, eps: float,
+                           cost: str, softcap: float, banded: bool, band_left: int, band_right: int, block_q: int,
+                           block_k: int, grad_mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    engine = TorchEngine(block_q or None, block_k or None)
+    p = _problem(q, k, v, keep, bias, scale, eps, cost, softcap, banded, band_left, band_right)
+    dq, dk, dv = streaming_backward(engine, p, dout, out, lse, list(F.unbind(0)), list(G.unbind(0)), grad_mode)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_streaming_backward_op.register_fake
+def _(dout, q, k, v, out, lse, F, G, keep, bias, scale, eps, cost, softcap, banded, band_left, band_right, block_q,
+      block_k, grad_mode):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, bias, scale, eps, cost, n_iters, softcap, banded, left, right, block_q, block_k, grad_mode = inputs
+    out, lse, F, G = output
+    ctx.save_for_backward(q, k, v, out, lse, F, G, keep, bias)
+    ctx.config = (scale, eps, cost, softcap, banded, left, right, block_q, block_k, grad_mode)
+
+
+def _backward(ctx, dout, _dlse, _dF, _dG):
+    q, k, v, out, lse, F, G, keep, bias = ctx.saved_tensors
+    dq, dk, dv = _streaming_backward_op(dout.contiguous(), q, k, v, out, lse, F, G, keep, bias, *ctx.config)
+    return (dq, dk, dv) + (None,) * 13
+
+
+_streaming_op.register_autograd(first_order_only(_backward, "the streaming Sinkhorn backward (backends 'cpu', "
+                                                            "'cpu_implicit')"), setup_context=_setup_context)
+# eager calls skip the op's dispatch (about 15% of a small call's fwd + bwd host time): the same host function,
+# backward and setup_context in an autograd.Function, as triton_utils.KernelOp does for the kernels
+_EAGER = _autograd_function("attnzoo::sinkhorn_streaming", _streaming_host, _backward, _setup_context)
+
+
+def streaming_sinkhorn(engine: TorchEngine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode, softcap=0.0,
+                       band=None) -> Tensor:
+    """One non-causal streaming Sinkhorn call through the op: keep / bias as from ``masking.split_mask`` (views
+    broadcast to (B, H, Nq, Nk), never materialised), ``softcap`` (0: none) and ``band`` as ``Problem``'s."""
+    B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if keep is not None:
+        keep = keep.expand(B, H, nq, nk)
+    if bias is not None:
+        bias = bias.expand(B, H, nq, nk)
+    left, right = band if band is not None else (0, 0)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), keep, bias, float(scale), float(eps), cost, int(n_iters),
+            float(softcap), band is not None, int(left), int(right), engine.block_q or 0, engine.block_k or 0,
+            grad_mode)
+    if not eager_call(q):
+        return _streaming_op(*args)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EAGER.apply(*args)[0]
+    return _streaming_host(*args)[0]

@@ -42,7 +42,6 @@ because every prefix has its own potentials.
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -51,7 +50,6 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..first_order import first_order_only
 from ..masking import coupled_causal_rows
 
 GRAD_MODES = ("unrolled", "implicit")
@@ -155,26 +153,6 @@ def _adjoint_implicit(engine, p, g, lse, dg):
     return f[None], torch.stack([g, g]), w_g[None], w_f[None]
 
 
-class _StreamingSinkhorn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, keep, bias, scale, eps, cost, n_iters, grad_mode, engine, softcap, band):
-        p = Problem(q, k, v, keep, bias, scale, eps, cost, softcap=softcap, band=band)
-        fs, gs = sinkhorn_potentials(engine, p, n_iters)
-        out, lse = engine.attend(p, gs[-1])
-        ctx.meta = (keep, bias, scale, eps, cost, grad_mode, engine, len(fs), softcap, band)
-        ctx.save_for_backward(q, k, v, out, lse, *fs, *gs)
-        return out
-
-    @staticmethod
-    @functools.partial(first_order_only, name="the streaming Sinkhorn backward (backends 'cpu', 'cpu_implicit')")
-    def backward(ctx, dout):
-        keep, bias, scale, eps, cost, grad_mode, engine, T, softcap, band = ctx.meta
-        q, k, v, out, lse, *pots = ctx.saved_tensors
-        p = Problem(q, k, v, keep, bias, scale, eps, cost, softcap=softcap, band=band)
-        dq, dk, dv = streaming_backward(engine, p, dout, out, lse, pots[:T], pots[T:], grad_mode)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
-
-
 def streaming_backward(engine, p: Problem, dout, out, lse, fs, gs, grad_mode):
     """(dq, dk, dv) of one non-causal call from what its forward kept (output, final row lse,
     potentials f^1..f^T, g^0..g^T), in the engine's accumulation dtype or the input dtype."""
@@ -187,19 +165,6 @@ def streaming_backward(engine, p: Problem, dout, out, lse, fs, gs, grad_mode):
         terms = _adjoint_unrolled(engine, p, list(fs), list(gs), dg)
     dq, dk = engine.grad_qk(p, gs[-1], lse, dout, delta, terms)
     return dq, dk, dv
-
-
-def streaming_sinkhorn(engine, q, k, v, keep, bias, *, scale, eps, cost, n_iters, grad_mode, softcap=0.0,
-                       band=None):
-    """Non-causal streaming Sinkhorn attention; keep/bias as from ``masking.split_mask``; ``softcap``
-    (0: none) and ``band`` as ``Problem``'s."""
-    B, H, nq, nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    if keep is not None:
-        keep = keep.expand(B, H, nq, nk)
-    if bias is not None:
-        bias = bias.expand(B, H, nq, nk)
-    return _StreamingSinkhorn.apply(q.contiguous(), k.contiguous(), v.contiguous(), keep, bias,
-                                    scale, eps, cost, n_iters, grad_mode, engine, float(softcap), band)
 
 
 def causal_by_prefix(run, q, k, v, attn_mask=None):
