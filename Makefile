@@ -24,7 +24,7 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# The compile tests again on the oldest torch pyproject allows (the GPU image's torch 2.11, with its
+# The compile tests (the packed Sinkhorn ones too) again on the oldest torch pyproject allows (the GPU image's torch 2.11, with its
 # Triton 3.6), in a second virtual environment; .ci/run calls it after `make test`. Left out there:
 # the Triton kernels under Triton 3.6's interpreter, which cannot run their staged loops (a helper's
 # loop bounds reach it as 1-element arrays); those kernels compile with Triton 3.6 for sm_90
@@ -41,7 +41,7 @@ $(OLD_STAMP): pyproject.toml
 
 test-oldest-torch: $(OLD_STAMP)
 	TRITON_INTERPRET=1 $(OLD)/bin/python -m pytest -q -p no:cacheprovider -k "not under_the_interpreter" \
-		tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py
+		tests/test_compile.py tests/test_measured_dispatch.py tests/test_sdpa_routing.py tests/test_sinkhorn_varlen_compile.py
 
 # transformers' own model tests (test_modeling_common, for Gemma 2, gpt-oss, Mistral, Qwen 2) as transformers
 # runs them, then with attnzoo's softmax as the attention (benchmarks/hf_common_tests.py; docs/swapping.md).

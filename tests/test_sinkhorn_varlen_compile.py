@@ -101,7 +101,7 @@ def test_compiled_packed_sinkhorn_is_each_sequence_alone(backend, case, no_per_l
 
 @needs_interpreter
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["full-window", "causal"])
-def test_compiled_packed_sinkhorn_on_the_triton_backend(case, no_per_length):
+def test_compiled_packed_sinkhorn_on_triton_under_the_interpreter(case, no_per_length):
     """Non-causal: the packed kernels' op in the graph; causal: the padded batch on the dense kernels
     (the packed route's causal prefixes read the offsets, so it declines while torch.compile traces)."""
     assert_packed_equals_alone("triton", *case, dtype=torch.float32, tol=2e-5, lengths=SHORT)
