@@ -24,8 +24,9 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# The compile tests (the packed Sinkhorn ones too) again on the oldest torch pyproject allows (the GPU image's torch 2.11, with its
-# Triton 3.6), in a second virtual environment; .ci/run calls it after `make test`. Left out there:
+# The compile tests (the packed Sinkhorn ones too) again on the oldest torch pyproject allows (the GPU
+# image's torch 2.11, with its Triton 3.6), in a second virtual environment; .ci/run calls it after
+# `make test`. Left out there:
 # the Triton kernels under Triton 3.6's interpreter, which cannot run their staged loops (a helper's
 # loop bounds reach it as 1-element arrays); those kernels compile with Triton 3.6 for sm_90
 # (benchmarks/compile_triton_kernels.py) and ran with it on an H200 (benchmarks/results/gpu/).
