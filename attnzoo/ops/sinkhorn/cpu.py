@@ -335,6 +335,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse, _dF, _dG):
+    """The gradient reaches q, k, v through the output only (lse and the potentials are kept for this
+    backward, not differentiated); none for the output (the eager route does not materialise zeros): none."""
+    if dout is None:
+        return (None,) * 16
     q, k, v, out, lse, F, G, keep, bias = ctx.saved_tensors
     dq, dk, dv = _streaming_backward_op(dout.contiguous(), q, k, v, out, lse, F, G, keep, bias, *ctx.config)
     return (dq, dk, dv) + (None,) * 13
