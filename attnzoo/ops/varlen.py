@@ -150,6 +150,11 @@ def _token_index(cu: torch.Tensor, total: int):
     return seq, token - cu.to(torch.int64)[seq]
 
 
+def _pad(t: torch.Tensor, seq, slot, n_seq: int, length: int) -> torch.Tensor:
+    """Packed (T, ...) -> (N, length, ...): token t at (seq[t], slot[t]), zeros elsewhere."""
+    return t.new_zeros((n_seq, length) + t.shape[1:]).index_put((seq, slot), t)
+
+
 def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Tensor:
     """One (N, H, max, D) batch with each sequence's keys kept by a mask; padded queries dropped. The
     causal diagonal and a ``window_size`` band are aligned bottom-right inside each sequence here, in the
@@ -159,9 +164,6 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
     n_seq = cu_q.numel() - 1
     seq_q, pos_q = _token_index(cu_q, q.shape[0])
     seq_k, pos_k = _token_index(cu_k, k.shape[0])
-
-    def pad(t, seq, pos, length):
-        return t.new_zeros((n_seq, length) + t.shape[1:]).index_put((seq, pos), t)
 
     len_q = (cu_q[1:] - cu_q[:-1]).to(torch.int64)[:, None, None]
     len_k = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[:, None, None]
@@ -176,8 +178,8 @@ def padded(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> torch.Te
     if window is not None and window[1] >= 0:
         keep = keep & (diagonal <= window[1])
     kwargs.update({name: value.padded(seq_k, pos_k, n_seq, max_k) for name, value in per_key_options(kwargs).items()})
-    out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, pos_k, max_k)),
-             _as_batch(pad(v, seq_k, pos_k, max_k)), attn_mask=keep[:, None], **kwargs)
+    out = fn(_as_batch(_pad(q, seq_q, pos_q, n_seq, max_q)), _as_batch(_pad(k, seq_k, pos_k, n_seq, max_k)),
+             _as_batch(_pad(v, seq_k, pos_k, n_seq, max_k)), attn_mask=keep[:, None], **kwargs)
     return out.transpose(1, 2)[seq_q, pos_q]
 
 
@@ -193,11 +195,10 @@ def padded_coupled(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> 
     in its place, which the causal rule would pair with later tokens (masking.causal_completion): P >= 0
     for every sequence needs W >= max_q + n_k - n_q, so W = max_q + max_k - 1 in general and W = max_q
     for self-attention (the same offsets tensor for queries and keys, P = 0); a non-causal call without a
-    window aligns nothing (W = max_k, P = 0). The padded queries and keys
-    are masked out entirely, so they drop out of every problem (a fully masked row or column takes no
-    part in a Sinkhorn problem; the one thing the padded size still changes, the column target
-    log(max_q / W), shifts every key potential of a problem alike, which the final row normalisation
-    removes). Padded queries' rows are dropped."""
+    window aligns nothing (W = max_k, P = 0). The padded queries and keys are masked out entirely, so
+    they drop out of every problem (a fully masked row or column takes no part in a Sinkhorn problem; the
+    one thing the padded size still changes, the column target log(max_q / W), shifts every key potential
+    of a problem alike, which the final row normalisation removes). Padded queries' rows are dropped."""
     n_seq = cu_q.numel() - 1
     seq_q, pos_q = _token_index(cu_q, q.shape[0])
     seq_k, pos_k = _token_index(cu_k, k.shape[0])
@@ -211,17 +212,14 @@ def padded_coupled(fn, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, kwargs) -> 
         first_key = width - max_q - (len_k - len_q)                                      # P, per sequence
     slot_k = pos_k + first_key[seq_k]
 
-    def pad(t, seq, slot, length):
-        return t.new_zeros((n_seq, length) + t.shape[1:]).index_put((seq, slot), t)
-
     real_q = torch.arange(max_q, device=q.device)[None, :] < len_q[:, None]                # (N, max_q)
     column = torch.arange(width, device=q.device)[None, :]
     real_k = (column >= first_key[:, None]) & (column < (first_key + len_k)[:, None])      # (N, W)
     keep = real_q[:, None, :, None] & real_k[:, None, None, :]                            # (N, 1, max_q, W)
     kwargs = dict(kwargs)
     kwargs.update({name: value.padded(seq_k, slot_k, n_seq, width) for name, value in per_key_options(kwargs).items()})
-    out = fn(_as_batch(pad(q, seq_q, pos_q, max_q)), _as_batch(pad(k, seq_k, slot_k, width)),
-             _as_batch(pad(v, seq_k, slot_k, width)), attn_mask=keep, is_causal=is_causal, **kwargs)
+    out = fn(_as_batch(_pad(q, seq_q, pos_q, n_seq, max_q)), _as_batch(_pad(k, seq_k, slot_k, n_seq, width)),
+             _as_batch(_pad(v, seq_k, slot_k, n_seq, width)), attn_mask=keep, is_causal=is_causal, **kwargs)
     return out.transpose(1, 2)[seq_q, pos_q]
 
 
