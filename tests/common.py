@@ -128,3 +128,17 @@ def band_allowed(nq: int, nk: int, window, causal: bool) -> torch.Tensor:
             d = j - i - (nk - nq)
             allow[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right) and (not causal or d <= 0)
     return allow
+
+
+# --- packed calls ---------------------------------------------------------------------------------------
+
+def refuse_other_packed_routes(patch) -> None:
+    """Every packed route but the varlen Triton kernels fails the test if reached (``patch``: a pytest
+    MonkeyPatch): ops/varlen.py's per-length and padded routes (the coupled one too) and the CPU blockwise one."""
+    from attnzoo.ops import varlen, varlen_blockwise
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the packed call left the varlen Triton route")
+    for module, name in ((varlen, "per_sequence"), (varlen, "padded"), (varlen, "padded_coupled"),
+                         (varlen, "per_sequence_reading_offsets"), (varlen_blockwise, "run")):
+        patch.setattr(module, name, refuse)

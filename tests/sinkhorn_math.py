@@ -86,6 +86,14 @@ def tiles_outside_every_band(side):
     return 64, 16, (0, 8), slice(0, 32), (0,), ("dq",)
 
 
+def with_planted_nan(tensors, planted, rows):
+    """Copies of ``tensors`` (q, k, v) with NaN in ``rows`` of those at the ``planted`` positions."""
+    dirty = [t.clone() for t in tensors]
+    for i in planted:
+        dirty[i][..., rows, :] = math.nan
+    return dirty
+
+
 def assert_planted_nan_skipped(clean, got, folded, rows, own, n=64):
     """A banded call that never visits the planted tiles: outputs and every gradient outside the planted
     rows' own equal the clean run's and are finite; the folded-mask call, which visits them (0 * NaN in

@@ -25,7 +25,7 @@ import attnzoo
 import attnzoo.functional as AF
 from attnzoo.ops.sinkhorn import cpu
 from tests.sinkhorn_math import (assert_planted_nan_skipped, causal64, in_window, tiles_outside_every_band,
-                                  windowed64)
+                                  windowed64, with_planted_nan)
 
 D = 8
 SCALE = D ** -0.5
@@ -186,9 +186,7 @@ def test_window_skips_the_tiles_outside_every_band(side, small_tiles):
     (tests/sinkhorn_math.assert_planted_nan_skipped), the folded mask does."""
     nq, nk, window, rows, planted, own = tiles_outside_every_band(side)
     q, k, v, dout = inputs(1, nq, nk, seed=9)
-    dirty = [t.clone() for t in (q, k, v)]
-    for i in planted:
-        dirty[i][..., rows, :] = math.nan
+    dirty = with_planted_nan((q, k, v), planted, rows)
     call = lambda *t: AF.sinkhorn(*t, window_size=window, softcap=1.5, backend="cpu", n_iters=2)
     folded = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), softcap=1.5, backend="cpu",
                                         n_iters=2), dirty, dout)

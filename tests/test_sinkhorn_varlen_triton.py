@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from attnzoo.ops import varlen, varlen_blockwise, varlen_triton
-from tests.common import needs_gpu, needs_interpreter
+from attnzoo.ops import varlen_triton
+from tests.common import needs_gpu, needs_interpreter, refuse_other_packed_routes
 from tests.flash_rule import assert_flash_rule
 from tests.sinkhorn_math import lse
 
@@ -104,11 +104,7 @@ def out_and_grads(fn, inputs, cot):
 @pytest.fixture
 def only_the_packed_kernels(monkeypatch):
     """The per-length, padded and blockwise routes fail if reached: what passes ran the varlen kernels."""
-    def other_route(*args, **kwargs):
-        raise AssertionError("the packed Sinkhorn call left the varlen Triton route")
-    for module, name in ((varlen, "per_sequence"), (varlen, "padded"), (varlen, "per_sequence_reading_offsets"),
-                         (varlen_blockwise, "run")):
-        monkeypatch.setattr(module, name, other_route)
+    refuse_other_packed_routes(monkeypatch)
 
 
 @needs_interpreter

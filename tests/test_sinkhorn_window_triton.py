@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from tests.sinkhorn_math import (assert_planted_nan_skipped, causal64, in_window, logits, tiles_outside_every_band,
-                                  windowed64)
+from tests.sinkhorn_math import (assert_planted_nan_skipped, causal64, in_window, logits,
+                                  tiles_outside_every_band, windowed64, with_planted_nan)
 from tests.common import needs_interpreter
 from tests.flash_rule import assert_flash_rule
 
@@ -184,9 +184,7 @@ def test_window_skips_the_tiles_outside_every_band(side):
     (tests/sinkhorn_math.assert_planted_nan_skipped), the folded mask does."""
     nq, nk, window, rows, planted, own = tiles_outside_every_band(side)
     q, k, v, dout = inputs(1, nq, nk, seed=9)
-    dirty = [t.clone() for t in (q, k, v)]
-    for i in planted:
-        dirty[i][..., rows, :] = math.nan
+    dirty = with_planted_nan((q, k, v), planted, rows)
     call = lambda *t: AF.sinkhorn(*t, window_size=window, backend="triton", n_iters=2)
     folded = run(lambda *t: AF.sinkhorn(*t, attn_mask=in_window(window, nq, nk), backend="triton", n_iters=2),
                  dirty, torch.float32, dout)

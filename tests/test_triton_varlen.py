@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import attnzoo.functional as AF
-from attnzoo.ops import varlen, varlen_blockwise, varlen_triton
+from attnzoo.ops import varlen_triton
 from tests import formulas as R
-from tests.common import needs_gpu, needs_interpreter
+from tests.common import needs_gpu, needs_interpreter, refuse_other_packed_routes
 from tests.flash_rule import assert_flash_rule
 
 H, H_KV, D, DV = 2, 1, 8, 6
@@ -75,27 +75,18 @@ def cotangent(seed=3):
     return torch.randn(sum(LEN_Q), H, DV, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def refuse_other_routes(patch):
-    """Every other packed route fails the test if it is reached."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the packed call left the varlen Triton route")
-    for module, name in ((varlen, "per_sequence"), (varlen, "padded"), (varlen, "per_sequence_reading_offsets"),
-                         (varlen_blockwise, "run")):
-        patch.setattr(module, name, refuse)
-
-
 def on_the_triton_route(fn):
     """``fn`` with every other packed route refused while it runs (its backward included)."""
     def run(*args):
         with pytest.MonkeyPatch.context() as patch:
-            refuse_other_routes(patch)
+            refuse_other_packed_routes(patch)
             return fn(*args)
     return run
 
 
 @pytest.fixture
 def only_the_triton_route(monkeypatch):
-    refuse_other_routes(monkeypatch)
+    refuse_other_packed_routes(monkeypatch)
 
 
 @needs_interpreter
